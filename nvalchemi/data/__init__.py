@@ -1,0 +1,23 @@
+"""Atomic structures, batches, neighbour lists, readers and data pipelines."""
+
+from nvalchemi._lazy import lazy_exports
+
+_EXPORTS = {
+    "AtomicData": ".atomic_data",
+    "AtomicNumberTable": ".atomic_data",
+    "Batch": ".batch",
+    "FieldSpec": ".fields",
+    "FIELDS": ".fields",
+    "Reader": ".datapipes.reader",
+    "AtomicDataZarrReader": ".io.zarr",
+    "AtomicDataZarrWriter": ".io.zarr",
+    "ASEReader": ".io.ase",
+    "BatchDatasetProtocol": ".datapipes.dataset",
+    "Dataset": ".datapipes.dataset",
+    "InMemoryDataset": ".datapipes.dataset",
+    "MultiDataset": ".datapipes.multidataset",
+    "DataLoader": ".datapipes.dataloader",
+    "Compose": ".transforms",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

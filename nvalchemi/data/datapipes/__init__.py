@@ -1,0 +1,23 @@
+"""Readers, datasets, samplers and the batch DataLoader."""
+
+from nvalchemi._lazy import lazy_exports
+
+_EXPORTS = {
+    "Reader": ".reader",
+    "ReaderProtocol": ".reader",
+    "AtomicDataZarrReader": "nvalchemi.data.io.zarr",
+    "AtomicDataZarrWriter": "nvalchemi.data.io.zarr",
+    "ZarrArrayConfig": "nvalchemi.data.io.zarr",
+    "ZarrWriteConfig": "nvalchemi.data.io.zarr",
+    "ASEReader": "nvalchemi.data.io.ase",
+    "BatchDatasetProtocol": ".dataset",
+    "Dataset": ".dataset",
+    "InMemoryDataset": ".dataset",
+    "MultiDataset": ".multidataset",
+    "DistributedSamplerProtocol": ".samplers",
+    "MultiDatasetSampler": ".samplers",
+    "MultiDatasetBatchSampler": ".samplers",
+    "DataLoader": ".dataloader",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,21 @@
+"""Hooks bundled with the training API."""
+
+from nvalchemi._lazy import lazy_exports
+
+_EXPORTS = {
+    "CheckpointHook": ".checkpoint",
+    "DDPHook": ".ddp",
+    "EMAHook": ".ema",
+    "MixedPrecisionHook": ".mixed_precision",
+    "TrainingUpdateHook": ".update",
+    "TrainingUpdateOrchestrator": ".update",
+    "GradientAccumulationHook": ".gradients",
+    "GradientClipHook": ".gradients",
+    "LossSpikeSkipHook": ".gradients",
+    "ModulePatchHook": ".finetune",
+    "TrainableParameterHook": ".finetune",
+    "EarlyStoppingHook": ".early_stopping",
+    "TorchProfilerHook": "nvalchemi.hooks.profiler",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
