@@ -1,3 +1,3 @@
 """Documented import path for :class:`TrainingStage` (defined in ``stages.py``)."""
 
-from nvalchemi.training.stages import TrainingStage as TrainingStage  # noqa: F401
+from nvalchemi.training.stages import TrainingStage as TrainingStage
