@@ -544,8 +544,8 @@ class AtomicData:
             z_table: when given, also store one-hot ``node_attrs``.
             use_calculator: read labels from ``atoms.calc.results`` when absent
                 from info/arrays.
-            info_keys: numeric ``atoms.info`` entries to keep in ``info``
-                (default: every int/float/array entry).
+            info_keys: ``atoms.info`` entries to keep in ``info`` (default: all but
+                the consumed labels). ``info`` is metadata and is never batched.
         """
         label_dtype = label_dtype or dtype
         results = {}
@@ -593,15 +593,11 @@ class AtomicData:
             idx = torch.as_tensor(atomic_numbers_to_indices(atoms.numbers, z_table))
             fields["node_attrs"] = to_one_hot(idx.unsqueeze(-1), len(z_table)).to(dtype)
         consumed = {energy_key, stress_key, virials_key, dipole_key, "charge"}
-        info = {}
-        for key, value in atoms.info.items():
-            if key in consumed or (info_keys is not None and key not in info_keys):
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.ndarray, list)):
-                if info_keys is not None or isinstance(value, str):
-                    info[key] = value
-                continue
-            info[key] = value
+        info = {
+            key: value
+            for key, value in atoms.info.items()
+            if key not in consumed and (info_keys is None or key in info_keys)
+        }
         data = cls(**fields, info=info)
         return data.to(device) if torch.device(device) != data.device else data
 
