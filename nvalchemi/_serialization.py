@@ -1,0 +1,420 @@
+"""Dotted import paths <-> objects behind an allow-list, and JSON codecs for torch values.
+
+Specs and configs name classes and functions by dotted path (``"torch.optim.adam.Adam"``).
+Importing a path taken from a file is code execution, so :func:`import_path` only resolves
+trusted paths:
+
+* ``nvalchemi.*`` (minus the trust machinery itself), ``torch.nn.*``, ``torch.optim.*``,
+  torch dtypes, ``torch.Tensor``/``torch.device``/``torch.dtype``/``torch.Size`` and plain
+  builtin value types (``builtins.float``, ...);
+* prefixes allowed with :func:`allow_import_path` and objects given to
+  :func:`register_trusted` or :func:`register_type_serializer`;
+* anything at all inside ``with trusted_imports():`` or with ``trust=True``.
+
+Both the path as written and the place the object is really defined must be trusted, so an
+alias such as ``"torch.nn.functional.torch.load"`` is refused too. Anything else raises
+:class:`UnsafeImportError` *before* its module is imported.
+
+>>> import_path("torch.optim.adam.Adam").__name__
+'Adam'
+>>> import_path("os.system")
+Traceback (most recent call last):
+...
+nvalchemi._serialization.UnsafeImportError: Refusing to import 'os.system': ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import inspect
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated, Any
+
+import torch
+from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
+
+__all__ = [
+    "UnsafeImportError",
+    "import_path",
+    "check_import_path",
+    "is_import_allowed",
+    "object_to_path",
+    "allow_import_path",
+    "register_trusted",
+    "trusted_imports",
+    "register_type_serializer",
+    "encode_value",
+    "decode_tagged",
+    "dtype_to_str",
+    "dtype_from_str",
+    "device_from_str",
+    "tensor_to_dict",
+    "tensor_from_dict",
+    "init_kwargs_from_attrs",
+    "SerializableClass",
+    "SerializableOptionalClass",
+    "SerializableTaggedClass",
+]
+
+
+class UnsafeImportError(ValueError):
+    """A dotted path outside the import allow-list was named by untrusted input."""
+
+
+_ALLOWED: set[str] = {"nvalchemi", "torch.nn", "torch.optim"}
+_ALLOWED_EXACT: set[str] = {
+    "torch.Tensor",
+    "torch.device",
+    "torch.dtype",
+    "torch.Size",
+    *(f"builtins.{t}" for t in ("bool", "int", "float", "complex", "str", "bytes")),
+    *(f"builtins.{t}" for t in ("list", "tuple", "dict", "set", "frozenset")),
+}
+# Never importable without explicit trust, even under an allowed prefix: the trust
+# machinery (a spec must not be able to widen the allow-list) and torch's loaders.
+_DENIED: set[str] = {
+    "nvalchemi._serialization",
+    "nvalchemi._lazy",
+    "nvalchemi._optional",
+    "nvalchemi.training.spec",
+    "torch.hub",
+    "torch.load",
+    "torch.save",
+    "torch.serialization",
+    "torch.package",
+    "torch.utils.cpp_extension",
+    "torch.ops",
+    "torch.library",
+}
+_TRUST_ALL = contextvars.ContextVar("nvalchemi_trust_all_imports", default=False)
+
+
+def _under(path: str, prefixes: set[str]) -> bool:
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts) + 1))
+
+
+def _is_dtype_path(path: str) -> bool:
+    head, _, name = path.partition(".")
+    return (
+        head == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+    )
+
+
+def is_import_allowed(path: str) -> bool:
+    """Whether ``path`` passes the allow-list (ignoring any trust context)."""
+    if _under(path, _DENIED):
+        return False
+    return path in _ALLOWED_EXACT or _under(path, _ALLOWED) or _is_dtype_path(path)
+
+
+def check_import_path(path: str, *, trust: bool = False) -> None:
+    """Raise :class:`UnsafeImportError` unless ``path`` may be imported."""
+    if trust or _TRUST_ALL.get() or is_import_allowed(path):
+        return
+    prefix = path.rsplit(".", 1)[0] if "." in path else path
+    raise UnsafeImportError(
+        f"Refusing to import {path!r}: it is outside the import allow-list (nvalchemi.*, "
+        "torch.nn.*, torch.optim.*, torch dtypes, registered types). Specs, configs and "
+        "checkpoints from untrusted sources could run arbitrary code this way. If you trust "
+        "this input, pass trust=True (or wrap the call in "
+        "`with nvalchemi._serialization.trusted_imports():`), or allow it explicitly with "
+        f"allow_import_path({prefix!r}) or register_trusted(<object>)."
+    )
+
+
+def allow_import_path(prefix: str) -> None:
+    """Trust every dotted path equal to ``prefix`` or below it (``"mypkg"``, ``"mypkg.MyModel"``)."""
+    if not isinstance(prefix, str) or not prefix.strip("."):
+        raise ValueError(
+            f"allow_import_path expects a dotted prefix such as 'mypkg'; got {prefix!r}"
+        )
+    _ALLOWED.add(prefix.strip("."))
+
+
+def register_trusted(obj: Any) -> Any:
+    """Trust one importable class or function by its defining path; returns ``obj`` (decorator-friendly)."""
+    _ALLOWED_EXACT.add(object_to_path(obj))
+    return obj
+
+
+@contextlib.contextmanager
+def trusted_imports() -> Iterator[None]:
+    """Inside this block every importable path is accepted (use only for trusted input)."""
+    token = _TRUST_ALL.set(True)
+    try:
+        yield
+    finally:
+        _TRUST_ALL.reset(token)
+
+
+def object_to_path(obj: Any) -> str:
+    """Dotted path ``"module.QualName"`` of an importable class or function.
+
+    Raises ``TypeError`` for lambdas and objects defined inside functions.
+    """
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+        raise TypeError(
+            f"{obj!r} is not an importable callable (lambdas, local functions and instances have "
+            "no dotted path); define it at module level."
+        )
+    return f"{module}.{qualname}"
+
+
+@functools.lru_cache(maxsize=512)
+def _resolve(path: str) -> tuple[Any, str | None]:
+    """Import ``path``; return the object and why it is suspicious (or None)."""
+    parts = path.split(".")
+    if not all(parts):
+        raise ValueError(f"{path!r} is not a dotted path such as 'package.module.Name'.")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue
+            raise ValueError(f"Importing {module_name!r} for {path!r} failed: {exc}") from exc
+        break
+    else:
+        raise ValueError(f"Cannot import {path!r}: module {parts[0]!r} not found.")
+    current, problem = module_name, None
+    for attr in parts[i:]:
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise ValueError(
+                f"Cannot import {path!r}: {current!r} has no attribute {attr!r}."
+            ) from None
+        current = f"{current}.{attr}"
+        if attr.startswith("__"):
+            problem = problem or f"it walks through the dunder attribute {attr!r}"
+        if isinstance(obj, types.ModuleType) and obj.__name__ != current:
+            problem = problem or f"{current!r} is an alias of module {obj.__name__!r}"
+    return obj, problem
+
+
+def _defined_at_problem(path: str, obj: Any) -> str | None:
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    defined = f"{module}.{qualname}"
+    torch_internal = module.split(".")[0] == "torch" and not _under(defined, _DENIED)
+    if defined == path or torch_internal or is_import_allowed(defined):
+        return None
+    return f"it is really {defined!r}, which is outside the allow-list"
+
+
+def import_path(path: str, *, trust: bool = False) -> Any:
+    """Import the object named by dotted ``path`` through the allow-list.
+
+    Raises :class:`UnsafeImportError` (a ``ValueError``) for untrusted paths, before importing
+    anything, and ``ValueError`` when the path does not resolve.
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"import path must be a str, got {type(path).__name__}")
+    check_import_path(path, trust=trust)
+    obj, problem = _resolve(path)
+    if not (trust or _TRUST_ALL.get()):
+        problem = problem or _defined_at_problem(path, obj)
+        if problem:
+            raise UnsafeImportError(
+                f"Refusing to import {path!r}: {problem}. Name objects by the trusted module that "
+                "defines them, or pass trust=True if you trust this input."
+            )
+    return obj
+
+
+# ---------------------------------------------------------------------------- value codecs
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"torch.float32"``."""
+    return str(dtype)
+
+
+def dtype_from_str(value: Any) -> torch.dtype:
+    """``"torch.float32"`` or ``"float32"`` -> ``torch.float32`` (nothing but dtypes resolves)."""
+    if not isinstance(value, str):
+        raise TypeError(f"dtype deserialization expected str, got {type(value).__name__}")
+    dtype = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{value!r} does not resolve to a torch.dtype (e.g. 'torch.float32').")
+    return dtype
+
+
+def device_from_str(value: Any) -> torch.device:
+    """``"cuda:0"`` -> ``torch.device("cuda:0")``."""
+    if not isinstance(value, str):
+        raise TypeError(f"device deserialization expected str, got {type(value).__name__}")
+    return torch.device(value)
+
+
+def tensor_to_dict(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"data": nested list, "dtype": "torch.float32", "shape": [...]}``."""
+    t = tensor.detach().cpu()
+    return {"data": t.tolist(), "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
+
+
+def tensor_from_dict(value: Mapping[str, Any]) -> torch.Tensor:
+    """Inverse of :func:`tensor_to_dict`."""
+    dtype = dtype_from_str(value["dtype"])
+    return torch.tensor(value["data"], dtype=dtype).reshape([int(n) for n in value["shape"]])
+
+
+# type -> (serialize, deserialize, tagged). Untagged types have a fixed JSON form that spec
+# rehydration recognises by annotation or structure; tagged ones are written as
+# {"__type__": path, "value": ...} so they decode without any annotation.
+_TYPE_SERIALIZERS: dict[type, tuple[Callable[[Any], Any], Callable[[Any], Any], bool]] = {
+    torch.dtype: (dtype_to_str, dtype_from_str, False),
+    torch.device: (str, device_from_str, False),
+    torch.Tensor: (tensor_to_dict, tensor_from_dict, False),
+}
+_UNTAGGED = (torch.dtype, torch.device, torch.Tensor)
+
+
+def register_type_serializer(
+    type_: type, serialize: Callable[[Any], Any], deserialize: Callable[[Any], Any]
+) -> None:
+    """Register JSON (de)serializers for ``type_`` (replacing an existing entry) and trust it.
+
+    Values of a registered type inside specs are written as ``{"__type__": "<path>",
+    "value": serialize(v)}`` and read back with ``deserialize``.
+
+    >>> class Unit:
+    ...     def __init__(self, name): self.name = name
+    >>> register_type_serializer(Unit, lambda u: u.name, Unit)  # doctest: +SKIP
+    """
+    if not isinstance(type_, type):
+        raise TypeError(f"register_type_serializer expects a type, got {type_!r}")
+    if type_ not in _UNTAGGED:
+        register_trusted(type_)
+    _TYPE_SERIALIZERS[type_] = (serialize, deserialize, type_ not in _UNTAGGED)
+
+
+def _serializer_for(tp: type) -> tuple[type, tuple] | None:
+    for base in tp.__mro__:
+        if base in _TYPE_SERIALIZERS:
+            return base, _TYPE_SERIALIZERS[base]
+    return None
+
+
+def encode_value(value: Any) -> Any:
+    """JSON-ready form of ``value``: containers recursively, torch values and classes by codec.
+
+    Objects with a ``model_dump()`` (pydantic models such as specs) are dumped.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v) for v in value]
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"Only str keys can be serialized to JSON; got keys {bad!r}")
+        return {k: encode_value(v) for k, v in value.items()}
+    found = _serializer_for(type(value))
+    if found is not None:
+        tp, (serialize, _, tagged) = found
+        return (
+            {"__type__": object_to_path(tp), "value": serialize(value)}
+            if tagged
+            else serialize(value)
+        )
+    if callable(getattr(value, "model_dump", None)):
+        return encode_value(value.model_dump())
+    if isinstance(value, type) or inspect.isroutine(value):
+        return {"__type__": object_to_path(value)}
+    raise TypeError(
+        f"Cannot serialize a value of type {type(value).__name__!r} to JSON; register it with "
+        "register_type_serializer(type_, serialize, deserialize)."
+    )
+
+
+_NOT_TAGGED = object()
+
+
+def decode_tagged(value: Mapping[str, Any], *, trust: bool = False) -> Any:
+    """Decode a self-describing JSON dict (tensor dict, ``{"__type__": ...}``); else ``_NOT_TAGGED``."""
+    keys = set(value)
+    if keys == {"data", "dtype", "shape"}:
+        return tensor_from_dict(value)
+    if "__type__" in keys and keys <= {"__type__", "value"} and isinstance(value["__type__"], str):
+        if "value" not in keys:
+            return import_path(value["__type__"], trust=trust)
+        for tp, (_, deserialize, tagged) in _TYPE_SERIALIZERS.items():
+            if tagged and object_to_path(tp) == value["__type__"]:
+                return deserialize(value["value"])
+        raise ValueError(
+            f"No serializer registered for {value['__type__']!r}; call register_type_serializer "
+            "for that type before loading."
+        )
+    return _NOT_TAGGED
+
+
+def init_kwargs_from_attrs(obj: Any) -> dict[str, Any]:
+    """Constructor keyword arguments of ``obj`` recovered from same-named attributes.
+
+    Parameters without a same-named attribute are skipped (their defaults apply on rebuild).
+    """
+    out = {}
+    for name, param in inspect.signature(type(obj)).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if hasattr(obj, name):
+            out[name] = getattr(obj, name)
+    return out
+
+
+# ------------------------------------------------------------------ pydantic field types
+
+
+def _to_class(value: Any, *, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if isinstance(value, Mapping) and "__type__" in value:
+        value = value["__type__"]
+    if isinstance(value, str):
+        try:
+            value = import_path(value)
+        except UnsafeImportError:
+            raise
+        except (ValueError, ImportError) as exc:
+            raise ValueError(f"{value!r} must resolve to an importable class: {exc}") from exc
+    if not isinstance(value, type):
+        raise ValueError(f"{value!r} must be a class or the dotted path of an importable class.")
+    return value
+
+
+def _class_path_or_none(value: Any) -> str | None:
+    return None if value is None else object_to_path(value)
+
+
+SerializableClass = Annotated[
+    Any,
+    BeforeValidator(_to_class),
+    PlainSerializer(object_to_path, return_type=str),
+    WithJsonSchema({"type": "string", "description": "dotted path of a class"}),
+]
+"""A class, given as the class or a dotted path (allow-listed); dumped as ``"module.QualName"``."""
+
+SerializableOptionalClass = Annotated[
+    Any,
+    BeforeValidator(functools.partial(_to_class, optional=True)),
+    PlainSerializer(_class_path_or_none),
+    WithJsonSchema({"type": ["string", "null"], "description": "dotted path of a class"}),
+]
+"""Like :data:`SerializableClass` but ``None`` is allowed."""
+
+SerializableTaggedClass = Annotated[
+    Any,
+    BeforeValidator(_to_class),
+    PlainSerializer(lambda cls: {"__type__": object_to_path(cls)}),
+    WithJsonSchema({"type": "object", "properties": {"__type__": {"type": "string"}}}),
+]
+"""A class dumped as ``{"__type__": "module.QualName"}``."""
