@@ -350,8 +350,13 @@ class DistributedManager:
     @classmethod
     def _adopt_process_group(cls) -> None:
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        launch = detect_launch_env()
-        local_rank = launch.local_rank if launch.local_rank is not None else rank
+        try:
+            local_rank = detect_launch_env().local_rank
+        except ValueError:  # the group exists already; a stray variable must not break us
+            local_rank = None
+        if local_rank is None:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            local_rank = rank % count if count else rank
         backend = dist.get_backend()
         device = _default_device(local_rank) if "nccl" in backend else torch.device("cpu")
         DistributedManager._state = _State(

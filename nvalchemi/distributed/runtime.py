@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nvalchemi.distributed.launch import LaunchEnv, detect_launch_env
-from nvalchemi.distributed.manager import DistributedManager
+from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager
 
 __all__ = [
     "all_agree",
@@ -198,25 +198,35 @@ def barrier(manager: Any = None) -> None:
     if callable(method):
         method()
     elif _process_group_ready():
-        dist.barrier(group=_manager_group(manager))
+        try:
+            dist.barrier(group=_manager_group(manager))
+        except RuntimeError as exc:
+            _explain_collective_failure(exc, "barrier")
+            raise
 
 
-def all_reduce(
-    tensor: torch.Tensor, manager: Any = None, *, op: Any = dist.ReduceOp.SUM
-) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, manager: Any = None, *, op: Any = None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place and return it (unchanged in a single process).
+
+    ``op`` is a ``torch.distributed.ReduceOp`` (default ``SUM``).
 
     Example:
         >>> t = torch.tensor([1.0, 2.0])
         >>> all_reduce(t).tolist()
         [1.0, 2.0]
     """
+    if op is None:
+        op = dist.ReduceOp.SUM
     method = getattr(manager, "all_reduce", None) if manager is not None else None
     if callable(method):
         result = method(tensor, op=op)
         return tensor if result is None or not isinstance(result, torch.Tensor) else result
     if _process_group_ready():
-        dist.all_reduce(tensor, op=op, group=_manager_group(manager))
+        try:
+            dist.all_reduce(tensor, op=op, group=_manager_group(manager))
+        except RuntimeError as exc:
+            _explain_collective_failure(exc, "all_reduce")
+            raise
     return tensor
 
 
@@ -230,9 +240,13 @@ def broadcast_object(obj: T, src: int = 0, manager: Any = None) -> T:
     if not _collectives_active():
         return obj
     payload = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(
-        payload, src=src, group=_manager_group(manager), device=_object_device()
-    )
+    try:
+        dist.broadcast_object_list(
+            payload, src=src, group=_manager_group(manager), device=_object_device()
+        )
+    except RuntimeError as exc:
+        _explain_collective_failure(exc, "broadcast_object")
+        raise
     return payload[0]  # type: ignore[return-value]
 
 
@@ -261,7 +275,11 @@ def all_agree(
     else:
         vote = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     op = dist.ReduceOp.MAX if require == "any" else dist.ReduceOp.MIN
-    dist.all_reduce(vote, op=op, group=_manager_group(manager))
+    try:
+        dist.all_reduce(vote, op=op, group=_manager_group(manager))
+    except RuntimeError as exc:
+        _explain_collective_failure(exc, "all_agree")
+        raise
     return bool(vote.item())
 
 
@@ -318,6 +336,18 @@ def _object_device() -> torch.device | None:
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return None
+
+
+def _explain_collective_failure(exc: BaseException, operation: str) -> None:
+    # Keep the exception type (callers may catch RuntimeError); add what it usually means.
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(
+            f"nvalchemi: {operation} failed on rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}. Another rank most likely exited, crashed or stalled; "
+            "check its log. The wait is bounded by the process-group timeout "
+            f"(DistributedManager.initialize(timeout_s=...) or {TIMEOUT_ENV})."
+        )
 
 
 def _launch_env() -> LaunchEnv:
