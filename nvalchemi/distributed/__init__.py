@@ -16,6 +16,8 @@ _EXPORTS = {
     "destroy_distributed": ".runtime",
     "barrier": ".runtime",
     "all_reduce": ".runtime",
+    "all_agree": ".runtime",
+    "broadcast_object": ".runtime",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
