@@ -64,7 +64,9 @@ class _Manager:
 
 # ------------------------------------------------------------------ basics
 def test_torch_distributed_sampler_satisfies_protocol_but_shuffle_sampler_does_not():
-    assert isinstance(DistributedSampler(range(4), num_replicas=2, rank=0), DistributedSamplerProtocol)
+    assert isinstance(
+        DistributedSampler(range(4), num_replicas=2, rank=0), DistributedSamplerProtocol
+    )
     # a DDP hook must not mistake the loader's default sampler for a distributed one
     assert not isinstance(ShuffleSampler(4), DistributedSamplerProtocol)
 
@@ -213,9 +215,13 @@ def test_rank_validation():
 def test_batch_sampler_shards_whole_batches_round_robin():
     dataset = _multi(6, 6)
     kwargs = dict(
-        batch_size=4, samples_per_dataset=[2, 2], num_batches=3, num_replicas=2,
-        replacement=False, shuffle=False,
-    )  # fmt: skip
+        batch_size=4,
+        samples_per_dataset=[2, 2],
+        num_batches=3,
+        num_replicas=2,
+        replacement=False,
+        shuffle=False,
+    )
     rank0 = MultiDatasetBatchSampler(dataset, rank=0, **kwargs)
     rank1 = MultiDatasetBatchSampler(dataset, rank=1, **kwargs)
     assert isinstance(rank0, DistributedSamplerProtocol)
@@ -229,9 +235,15 @@ def test_batch_sampler_pads_every_rank_when_batches_are_fewer_than_ranks():
     batches = [
         list(
             MultiDatasetBatchSampler(
-                dataset, batch_size=2, samples_per_dataset=[1, 1], num_batches=1,
-                num_replicas=4, rank=rank, replacement=False, shuffle=False,
-            )  # fmt: skip
+                dataset,
+                batch_size=2,
+                samples_per_dataset=[1, 1],
+                num_batches=1,
+                num_replicas=4,
+                rank=rank,
+                replacement=False,
+                shuffle=False,
+            )
         )
         for rank in range(4)
     ]
@@ -240,9 +252,16 @@ def test_batch_sampler_pads_every_rank_when_batches_are_fewer_than_ranks():
 
 def test_batch_sampler_drop_last_truncates_the_ragged_round():
     sampler = MultiDatasetBatchSampler(
-        _multi(6, 6), batch_size=4, samples_per_dataset=[2, 2], num_batches=3,
-        num_replicas=2, rank=1, replacement=False, shuffle=False, drop_last=True,
-    )  # fmt: skip
+        _multi(6, 6),
+        batch_size=4,
+        samples_per_dataset=[2, 2],
+        num_batches=3,
+        num_replicas=2,
+        rank=1,
+        replacement=False,
+        shuffle=False,
+        drop_last=True,
+    )
     assert len(sampler) == 1
     assert list(sampler) == [[2, 3, 8, 9]]
 
@@ -256,18 +275,26 @@ def test_balanced_batches():
 
 def test_weights_allocate_batch_slots():
     sampler = MultiDatasetBatchSampler(
-        _multi(8, 8), batch_size=5, weights=[4.0, 1.0], num_batches=2,
-        replacement=False, shuffle=False,
-    )  # fmt: skip
+        _multi(8, 8),
+        batch_size=5,
+        weights=[4.0, 1.0],
+        num_batches=2,
+        replacement=False,
+        shuffle=False,
+    )
     assert sampler.samples_per_dataset == [4, 1]
     assert list(sampler) == [[0, 1, 2, 3, 8], [4, 5, 6, 7, 9]]
 
 
 def test_float_samples_per_dataset_are_relative_rates():
     sampler = MultiDatasetBatchSampler(
-        _multi(8, 8), batch_size=8, samples_per_dataset=[1.0, 3.0], num_batches=1,
-        replacement=False, shuffle=False,
-    )  # fmt: skip
+        _multi(8, 8),
+        batch_size=8,
+        samples_per_dataset=[1.0, 3.0],
+        num_batches=1,
+        replacement=False,
+        shuffle=False,
+    )
     assert sampler.samples_per_dataset == [2, 6]
     assert list(sampler) == [[0, 1, 8, 9, 10, 11, 12, 13]]
 
