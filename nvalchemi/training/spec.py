@@ -151,8 +151,17 @@ class BaseSpec(BaseModel):
 
     @model_serializer(mode="plain")
     def _dump(self) -> dict[str, Any]:
+        try:
+            params = _parameters(self.target())
+        except (ValueError, TypeError):
+            params = {}
         out = {"cls_path": self.cls_path, "timestamp": self.timestamp}
-        out.update({k: encode_value(v) for k, v in self.kwargs.items()})
+        for key, value in self.kwargs.items():
+            annotation = params[key].annotation if key in params else _EMPTY
+            if isinstance(value, type) and _wants_class(annotation):
+                out[key] = object_to_path(value)  # a `type`-annotated parameter: plain dotted path
+            else:
+                out[key] = encode_value(value)
         return out
 
     def __eq__(self, other: object) -> bool:
@@ -233,8 +242,16 @@ def create_model_spec(target: Any, **kwargs: Any) -> BaseSpec:
         if unknown:
             raise TypeError(f"Unknown kwargs for {path}: {unknown}")
     stored = {k: _as_spec_value(v) for k, v in kwargs.items()}
-    spec = BaseSpec.model_construct(cls_path=path, timestamp=_utc_now(), **stored)
-    spec._target = target
+    return _make_spec(path, _utc_now(), stored, target, trusted=False)
+
+
+def _make_spec(path: str, timestamp: str, kwargs: dict, target: Any, trusted: bool) -> BaseSpec:
+    reserved = sorted({"cls_path", "timestamp"} & set(kwargs))
+    if reserved:
+        raise TypeError(f"Spec kwargs may not be named {reserved} (reserved by BaseSpec)")
+    spec = BaseSpec.model_construct(cls_path=path, timestamp=timestamp)
+    spec.__pydantic_extra__ = kwargs
+    spec._target, spec._trusted = target, trusted
     return spec
 
 
@@ -244,9 +261,9 @@ def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = F
     Every dotted path inside (the target, nested specs, ``{"__type__": ...}`` values) must
     pass the import allow-list unless ``trust=True``; refusal raises
     :class:`~nvalchemi._serialization.UnsafeImportError` before anything is imported.
-    Strings are decoded to dtypes/devices where the target's parameter is annotated
-    ``torch.dtype``/``torch.device`` (or, unannotated, named ``dtype``/``device``/``*_dtype``/
-    ``*_device``); lists become tuples where the parameter is annotated as a tuple.
+    Strings are decoded to classes, dtypes or devices where the target's parameter is annotated
+    ``type``/``torch.dtype``/``torch.device`` (or, unannotated, named ``dtype``/``device``/
+    ``*_dtype``/``*_device``); lists become tuples where the parameter is annotated as a tuple.
     """
     if not isinstance(spec_dict, Mapping):
         raise TypeError(f"spec JSON must be a mapping, got {type(spec_dict).__name__}")
@@ -272,9 +289,7 @@ def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = F
         for k, v in spec_dict.items()
         if k not in ("cls_path", "timestamp")
     }
-    spec = BaseSpec.model_construct(cls_path=path, timestamp=str(spec_dict["timestamp"]), **kwargs)
-    spec._target, spec._trusted = target, trust
-    return spec
+    return _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
 
 
 # ------------------------------------------------------------------- annotation helpers
@@ -293,6 +308,10 @@ def _union_members(annotation: Any) -> tuple[Any, ...]:
 
 def _wants(annotation: Any, tp: type) -> bool:
     return any(m is tp for m in _union_members(annotation))
+
+
+def _wants_class(annotation: Any) -> bool:
+    return any(m is type or typing.get_origin(m) is type for m in _union_members(annotation))
 
 
 def _wants_tuple(annotation: Any) -> bool:
@@ -323,6 +342,8 @@ def _decode(value: Any, annotation: Any, name: str, trust: bool) -> Any:
         items = [_decode(v, item, "", trust) for v in value]
         return tuple(items) if _wants_tuple(annotation) else items
     if isinstance(value, str):
+        if _wants_class(annotation):
+            return import_path(value, trust=trust)
         unannotated = not _union_members(annotation)
         if _wants(annotation, torch.dtype) or (
             unannotated and (name == "dtype" or name.endswith("_dtype"))

@@ -1,0 +1,277 @@
+"""Import allow-list, trust controls and value codecs of nvalchemi._serialization."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from pydantic import BaseModel
+
+from nvalchemi import _serialization as ser
+from nvalchemi._serialization import (
+    SerializableClass,
+    SerializableOptionalClass,
+    SerializableTaggedClass,
+    UnsafeImportError,
+    allow_import_path,
+    decode_tagged,
+    device_from_str,
+    dtype_from_str,
+    encode_value,
+    import_path,
+    init_kwargs_from_attrs,
+    is_import_allowed,
+    object_to_path,
+    register_trusted,
+    register_type_serializer,
+    tensor_from_dict,
+    tensor_to_dict,
+    trusted_imports,
+)
+
+
+@pytest.fixture
+def restore_allow_list():
+    allowed, exact = set(ser._ALLOWED), set(ser._ALLOWED_EXACT)
+    serializers = dict(ser._TYPE_SERIALIZERS)
+    yield
+    ser._ALLOWED.clear()
+    ser._ALLOWED.update(allowed)
+    ser._ALLOWED_EXACT.clear()
+    ser._ALLOWED_EXACT.update(exact)
+    ser._TYPE_SERIALIZERS.clear()
+    ser._TYPE_SERIALIZERS.update(serializers)
+
+
+@pytest.fixture
+def evil_module(tmp_path, monkeypatch):
+    """A module whose import leaves a marker file (to prove refusals import nothing)."""
+    marker = tmp_path / "imported.txt"
+    (tmp_path / "nv_evil_mod.py").write_text(
+        textwrap.dedent(
+            f"""
+            open({str(marker)!r}, "w").write("imported")
+            def run(**kwargs):
+                open({str(marker)!r}, "w").write("called")
+            class Thing:
+                pass
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    sys.modules.pop("nv_evil_mod", None)
+    ser._resolve.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "torch.optim.adam.Adam",
+        "torch.optim.Adam",
+        "torch.optim.lr_scheduler.StepLR",
+        "torch.nn.modules.linear.Linear",
+        "torch.nn.functional.gelu",
+        "torch.float64",
+        "torch.Tensor",
+        "builtins.float",
+        "nvalchemi.training.losses.terms.EnergyMSELoss",
+    ],
+)
+def test_allowed_paths_import(path):
+    assert import_path(path) is not None
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "os.system",
+        "builtins.eval",
+        "builtins.exec",
+        "subprocess.Popen",
+        "torch.load",
+        "torch.hub.load",
+        "torch.serialization.load",
+        "torch.utils.cpp_extension.load_inline",
+        "nvalchemi._serialization.allow_import_path",
+        "nvalchemi._serialization.trusted_imports",
+        "nvalchemi.training.spec.create_model_spec_from_json",
+    ],
+)
+def test_unsafe_paths_are_refused_with_a_hint(path):
+    with pytest.raises(UnsafeImportError, match=r"trust=True") as info:
+        import_path(path)
+    assert repr(path) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_aliases_through_other_modules_are_refused():
+    with pytest.raises(UnsafeImportError, match=r"alias of module 'torch'"):
+        import_path("torch.nn.functional.torch.load")
+    with pytest.raises(UnsafeImportError, match=r"dunder"):
+        import_path("torch.nn.Module.__init__")
+
+
+def test_reexport_of_foreign_object_is_refused(restore_allow_list, tmp_path, monkeypatch):
+    (tmp_path / "nv_reexport.py").write_text("from os import system\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    allow_import_path("nv_reexport")
+    with pytest.raises(UnsafeImportError, match=r"really 'posix.system'|really 'nt.system'"):
+        import_path("nv_reexport.system")
+    sys.modules.pop("nv_reexport", None)
+
+
+def test_refusal_imports_and_calls_nothing(evil_module):
+    with pytest.raises(UnsafeImportError):
+        import_path("nv_evil_mod.run")
+    assert "nv_evil_mod" not in sys.modules
+    assert not evil_module.exists()
+
+
+def test_trust_flag_and_context_allow_everything(evil_module):
+    assert import_path("os.path.join", trust=True) is __import__("os").path.join
+    with trusted_imports():
+        run = import_path("nv_evil_mod.run")
+    assert evil_module.read_text() == "imported"
+    with pytest.raises(UnsafeImportError):
+        import_path("nv_evil_mod.Thing")  # trust does not outlive the block
+    assert callable(run)
+
+
+def test_allow_import_path_and_register_trusted(evil_module, restore_allow_list):
+    assert not is_import_allowed("nv_evil_mod.run")
+    allow_import_path("nv_evil_mod")
+    assert import_path("nv_evil_mod.run").__name__ == "run"
+    ser._ALLOWED.discard("nv_evil_mod")
+    thing = import_path("nv_evil_mod.Thing", trust=True)
+    with pytest.raises(UnsafeImportError):
+        import_path("nv_evil_mod.Thing")
+    register_trusted(thing)
+    assert import_path("nv_evil_mod.Thing") is thing
+    with pytest.raises(UnsafeImportError):
+        import_path("nv_evil_mod.run")  # only the registered object is trusted
+
+
+def test_allow_import_path_rejects_empty_prefix():
+    with pytest.raises(ValueError, match=r"dotted prefix"):
+        allow_import_path("")
+
+
+def test_missing_paths_raise_value_error():
+    with pytest.raises(ValueError, match=r"has no attribute 'NotThere'"):
+        import_path("torch.optim.NotThere")
+    with pytest.raises(ValueError, match=r"not a dotted path"):
+        import_path("nvalchemi..x")
+    with pytest.raises(TypeError):
+        import_path(42)
+
+
+def test_object_to_path():
+    assert object_to_path(torch.optim.Adam) == "torch.optim.adam.Adam"
+    with pytest.raises(TypeError, match=r"not an importable callable"):
+        object_to_path(lambda: None)
+
+    def local():
+        pass
+
+    with pytest.raises(TypeError, match=r"module level"):
+        object_to_path(local)
+
+
+def test_dtype_codec_and_guard():
+    assert dtype_from_str("torch.float32") is torch.float32
+    assert dtype_from_str("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match=r"does not resolve to a torch.dtype"):
+        dtype_from_str("torch.load")
+    with pytest.raises(TypeError, match=r"expected str"):
+        dtype_from_str(32)
+
+
+def test_device_and_tensor_codecs():
+    assert device_from_str("cpu") == torch.device("cpu")
+    with pytest.raises(TypeError):
+        device_from_str(0)
+    t = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    d = tensor_to_dict(t)
+    assert d == {
+        "data": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
+        "dtype": "torch.float64",
+        "shape": [2, 3],
+    }
+    assert torch.equal(tensor_from_dict(d), t)
+    empty = torch.zeros(0, 3, dtype=torch.int64)
+    assert tensor_from_dict(tensor_to_dict(empty)).shape == (0, 3)
+
+
+def test_encode_value_handles_nested_torch_values_and_classes():
+    value = {
+        "a": (1, 2.5),
+        "dtype": torch.float16,
+        "dev": torch.device("cpu"),
+        "cls": torch.optim.SGD,
+    }
+    assert encode_value(value) == {
+        "a": [1, 2.5],
+        "dtype": "torch.float16",
+        "dev": "cpu",
+        "cls": {"__type__": "torch.optim.sgd.SGD"},
+    }
+    with pytest.raises(TypeError, match=r"register_type_serializer"):
+        encode_value(object())
+    with pytest.raises(TypeError, match=r"str keys"):
+        encode_value({1: 2})
+
+
+def test_decode_tagged():
+    assert decode_tagged({"__type__": "torch.optim.sgd.SGD"}) is torch.optim.SGD
+    assert decode_tagged({"a": 1}) is ser._NOT_TAGGED
+    with pytest.raises(UnsafeImportError):
+        decode_tagged({"__type__": "os.system"})
+    with pytest.raises(ValueError, match=r"No serializer registered"):
+        decode_tagged({"__type__": "nvalchemi.Unknown", "value": 1})
+
+
+class Celsius:
+    def __init__(self, degrees):
+        self.degrees = degrees
+
+
+def test_register_type_serializer_round_trip(restore_allow_list):
+    register_type_serializer(Celsius, lambda c: c.degrees, Celsius)
+    encoded = encode_value(Celsius(21.5))
+    assert encoded == {"__type__": f"{__name__}.Celsius", "value": 21.5}
+    assert decode_tagged(encoded).degrees == 21.5
+    assert import_path(f"{__name__}.Celsius") is Celsius  # registration trusts the type
+    with pytest.raises(TypeError):
+        register_type_serializer("Celsius", str, str)
+
+
+class _Model(BaseModel):
+    cls: SerializableClass
+    maybe: SerializableOptionalClass = None
+    tagged: SerializableTaggedClass = torch.optim.SGD
+
+
+def test_pydantic_class_fields():
+    m = _Model(cls="torch.optim.adam.Adam", maybe=None, tagged={"__type__": "torch.optim.sgd.SGD"})
+    assert m.cls is torch.optim.Adam and m.tagged is torch.optim.SGD
+    assert m.model_dump() == {
+        "cls": "torch.optim.adam.Adam",
+        "maybe": None,
+        "tagged": {"__type__": "torch.optim.sgd.SGD"},
+    }
+    with pytest.raises(ValueError, match=r"outside the import allow-list"):
+        _Model(cls="os.system")
+    with pytest.raises(ValueError, match=r"must resolve to an importable class"):
+        _Model(cls="torch.optim.Nope")
+    with pytest.raises(ValueError, match=r"must be a class"):
+        _Model(cls=3)
+
+
+class _WithAttrs:
+    def __init__(self, a, b=2, *args, c=3, **kwargs):
+        self.a, self.c = a, c
+
+
+def test_init_kwargs_from_attrs_skips_missing_attributes():
+    assert init_kwargs_from_attrs(_WithAttrs(1, c=5)) == {"a": 1, "c": 5}

@@ -1,0 +1,386 @@
+"""Leaf losses: hand-computed values, masks for missing labels, gradients, errors."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nvalchemi.training.losses import (
+    BaseLossFunction,
+    EnergyHuberLoss,
+    EnergyMAELoss,
+    EnergyMSELoss,
+    ForceHuberLoss,
+    ForceL2NormLoss,
+    ForceMSELoss,
+    StressHuberLoss,
+    StressMSELoss,
+    assert_same_shape,
+    frobenius_mse,
+    per_graph_mean,
+    per_graph_sum,
+)
+
+NAN, INF = float("nan"), float("inf")
+ALL_LEAVES = [
+    EnergyMSELoss,
+    EnergyMAELoss,
+    EnergyHuberLoss,
+    ForceMSELoss,
+    ForceHuberLoss,
+    ForceL2NormLoss,
+    StressMSELoss,
+    StressHuberLoss,
+]
+
+
+def huber(r, delta):
+    r = abs(r)
+    return 0.5 * r * r if r < delta else delta * (r - 0.5 * delta)
+
+
+# Three structures with 3, 5 and 2 atoms.
+E_PRED = torch.tensor([[6.0], [15.0], [8.0]], dtype=torch.float64)
+E_TARGET = torch.tensor([[3.0], [10.0], [4.0]], dtype=torch.float64)
+COUNTS = torch.tensor([3, 5, 2])
+
+# Two structures with 3 and 2 atoms; |f|^2 per atom: 1, 4, 9 | 3, 4.
+F_TARGET = torch.tensor(
+    [[1.0, 0, 0], [2.0, 0, 0], [3.0, 0, 0], [1.0, 1.0, 1.0], [0, 2.0, 0]], dtype=torch.float64
+)
+BATCH_IDX = torch.tensor([0, 0, 0, 1, 1])
+F_META = {"batch_idx": BATCH_IDX, "num_graphs": 2}
+
+S_TARGET = torch.stack([torch.ones(3, 3), 3.0 * torch.eye(3)]).double()  # MSE vs 0: 1 and 3
+
+
+def zeros(t):
+    return torch.zeros_like(t, requires_grad=True)
+
+
+# ------------------------------------------------------------------------------- energy
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        (EnergyMSELoss(), (9 + 25 + 16) / 3),
+        (EnergyMSELoss(per_atom=True), (3 * 1 + 5 * 1 + 2 * 4) / 10),
+        (EnergyMAELoss(), (3 * 1 + 5 * 1 + 2 * 2) / 10),
+        (EnergyMAELoss(per_atom=False), (3 + 5 + 4) / 3),
+        (EnergyHuberLoss(delta=1.5), (huber(1, 1.5) * 2 + huber(2, 1.5)) / 3),
+        (EnergyHuberLoss(), (huber(1, 0.01) * 2 + huber(2, 0.01)) / 3),
+        (
+            EnergyHuberLoss(per_atom=False, delta=4.5),
+            (huber(3, 4.5) + huber(5, 4.5) + huber(4, 4.5)) / 3,
+        ),
+    ],
+)
+def test_energy_values(loss, expected):
+    value = loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS)
+    assert value.item() == pytest.approx(expected)
+    assert value.dtype == torch.float64
+    assert loss.per_sample_loss.shape == (3,)
+
+
+def test_energy_per_sample_values_are_unweighted_residuals():
+    loss = EnergyMSELoss(per_atom=True)
+    loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS)
+    assert loss.per_sample_loss.tolist() == [1.0, 1.0, 4.0]
+
+
+def test_energy_accepts_flat_shapes_and_padded_node_masks():
+    flat = EnergyMSELoss(per_atom=True)(E_PRED[:, 0], E_TARGET[:, 0], num_nodes_per_graph=COUNTS)
+    assert flat.item() == pytest.approx(1.6)
+    mask = torch.arange(5)[None, :] < COUNTS[:, None]  # (B, V_max) padded node mask
+    assert EnergyMSELoss(per_atom=True)(
+        E_PRED, E_TARGET, num_nodes_per_graph=mask
+    ).item() == pytest.approx(1.6)
+
+
+def test_energy_missing_labels_are_masked_and_not_counted():
+    target = E_TARGET.clone()
+    target[1] = NAN
+    pred = E_PRED.clone().requires_grad_()
+    value = EnergyMSELoss()(pred, target)
+    assert value.item() == pytest.approx((9 + 16) / 2)
+    value.backward()
+    assert pred.grad[:, 0].tolist() == [3.0, 0.0, 4.0]  # 2 (p - t) / 2 valid
+    weighted = EnergyMSELoss(per_atom=True)(E_PRED, target, num_nodes_per_graph=COUNTS)
+    assert weighted.item() == pytest.approx((3 * 1 + 2 * 4) / 5)
+
+
+def test_ignore_nonfinite_also_masks_inf():
+    target = E_TARGET.clone()
+    target[0] = INF
+    assert math.isinf(EnergyMSELoss()(E_PRED, target).item())
+    assert EnergyMSELoss(ignore_nonfinite=True)(E_PRED, target).item() == pytest.approx(
+        (25 + 16) / 2
+    )
+
+
+@pytest.mark.parametrize("cls", ALL_LEAVES)
+def test_all_missing_batch_gives_zero_with_zero_gradient(cls):
+    if cls.__name__.startswith("Energy"):
+        pred, target, meta = (
+            zeros(E_PRED),
+            torch.full_like(E_TARGET, NAN),
+            {"num_nodes_per_graph": COUNTS},
+        )
+    elif cls.__name__.startswith("Force"):
+        pred, target, meta = zeros(F_TARGET), torch.full_like(F_TARGET, NAN), F_META
+    else:
+        pred, target, meta = zeros(S_TARGET), torch.full_like(S_TARGET, NAN), {}
+    value = cls()(pred, target, **meta)
+    value.backward()
+    assert value.item() == 0.0
+    assert torch.equal(pred.grad, torch.zeros_like(pred))
+
+
+def test_per_atom_energy_requires_counts_of_matching_shape():
+    with pytest.raises(
+        ValueError, match=r"EnergyMAELoss requires num_nodes_per_graph=\.\.\. metadata"
+    ):
+        EnergyMAELoss()(E_PRED, E_TARGET)
+    with pytest.raises(ValueError, match=r"num_nodes_per_graph must have shape \(B,\)"):
+        EnergyMAELoss()(E_PRED, E_TARGET, num_nodes_per_graph=torch.tensor([1, 2]))
+    batch = SimpleNamespace(num_nodes_per_graph=COUNTS)
+    assert EnergyMAELoss()(E_PRED, E_TARGET, batch=batch).item() == pytest.approx(1.2)
+
+
+# ------------------------------------------------------------------------------- forces
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        (ForceMSELoss(), (14 / 9 + 7 / 6) / 2),
+        (ForceMSELoss(normalize_by_atom_count=False), 21 / 15),
+        (ForceL2NormLoss(), (6 / 3 + (math.sqrt(3) + 2) / 2) / 2),
+        (ForceL2NormLoss(normalize_by_atom_count=False), (6 + math.sqrt(3) + 2) / 5),
+        (
+            ForceHuberLoss(delta=1.5),
+            (huber(1, 1.5) * 4 + huber(2, 1.5) * 2 + huber(3, 1.5)) / 15,
+        ),
+        (
+            ForceHuberLoss(delta=1.5, normalize_by_atom_count=True),
+            (
+                (huber(1, 1.5) + huber(2, 1.5) + huber(3, 1.5)) / 9
+                + (3 * huber(1, 1.5) + huber(2, 1.5)) / 6
+            )
+            / 2,
+        ),
+    ],
+)
+def test_force_values(loss, expected):
+    assert loss(zeros(F_TARGET), F_TARGET, **F_META).item() == pytest.approx(expected)
+
+
+def test_force_per_graph_samples_and_missing_structure():
+    loss = ForceMSELoss()
+    loss(zeros(F_TARGET), F_TARGET, **F_META)
+    assert loss.per_sample_loss.tolist() == pytest.approx([14 / 9, 7 / 6])
+    target = F_TARGET.clone()
+    target[3:] = NAN  # structure 1 has no force labels
+    assert loss(zeros(F_TARGET), target, **F_META).item() == pytest.approx(14 / 9)
+    assert loss.per_sample_loss.tolist() == pytest.approx([14 / 9, 0.0])
+    l2 = ForceL2NormLoss(ignore_nonfinite=False)
+    partial = F_TARGET.clone()
+    partial[0, 1] = NAN  # one bad component removes the whole atom from the L2 loss
+    assert l2(zeros(F_TARGET), partial, **F_META).item() == pytest.approx(
+        (5 / 2 + (math.sqrt(3) + 2) / 2) / 2
+    )
+
+
+def test_force_gradient_matches_the_graph_balanced_formula():
+    pred = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    ForceMSELoss()(pred, F_TARGET, **F_META).backward()
+    comps = torch.tensor([9.0, 9, 9, 6, 6], dtype=torch.float64)[:, None]
+    expected = 2 * (pred.detach() - F_TARGET) / comps / 2
+    assert torch.allclose(pred.grad, expected)
+
+
+def test_force_metadata_errors_and_batch_fallback():
+    with pytest.raises(ValueError, match=r"ForceMSELoss requires batch_idx=\.\.\. metadata"):
+        ForceMSELoss()(zeros(F_TARGET), F_TARGET)
+    with pytest.raises(
+        ValueError, match=r"values leading dim \(5\) must match batch_idx length \(4\)"
+    ):
+        ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX[:4], num_graphs=2)
+    batch = SimpleNamespace(batch_idx=BATCH_IDX, num_graphs=2)
+    assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch=batch).item() == pytest.approx(49 / 36)
+    # explicit keywords win over batch=
+    wrong = SimpleNamespace(batch_idx=torch.zeros(5, dtype=torch.long), num_graphs=1)
+    assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch=wrong, **F_META).item() == pytest.approx(
+        49 / 36
+    )
+    # num_graphs may be omitted (inferred from batch_idx)
+    assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX).item() == pytest.approx(
+        49 / 36
+    )
+
+
+# ------------------------------------------------------------------------------- stress
+
+
+def test_stress_values_and_missing_structure():
+    pred = zeros(S_TARGET)
+    loss = StressMSELoss()
+    assert loss(pred, S_TARGET).item() == pytest.approx(2.0)
+    assert loss.per_sample_loss.tolist() == pytest.approx([1.0, 3.0])
+    assert torch.allclose(loss.per_sample_loss, frobenius_mse(pred.detach(), S_TARGET))
+    target = S_TARGET.clone()
+    target[0] = NAN  # e.g. an open-boundary molecule batched with a crystal
+    value = loss(pred, target)
+    assert value.item() == pytest.approx(3.0)  # mean over the one labelled structure
+    value.backward()
+    assert torch.equal(pred.grad[0], torch.zeros(3, 3, dtype=torch.float64))
+    assert torch.allclose(pred.grad[1], -2 * S_TARGET[1] / 9)
+    expected = (huber(1, 1.5) + 3 * huber(3, 1.5) / 9) / 2
+    assert StressHuberLoss(delta=1.5)(zeros(S_TARGET), S_TARGET).item() == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------------- contract
+
+
+def test_every_leaf_declares_requires_eval_grad():
+    flags = {cls.__name__: cls.requires_eval_grad for cls in ALL_LEAVES}
+    assert flags == {
+        "EnergyMSELoss": False,
+        "EnergyMAELoss": False,
+        "EnergyHuberLoss": False,
+        "ForceMSELoss": True,
+        "ForceHuberLoss": True,
+        "ForceL2NormLoss": True,
+        "StressMSELoss": True,
+        "StressHuberLoss": True,
+    }
+
+
+@pytest.mark.parametrize("cls", ALL_LEAVES)
+def test_leaves_are_stateless_and_weightless(cls):
+    leaf = cls()
+    assert leaf.state_dict() == {} and not hasattr(leaf, "weight")
+    assert leaf.dtype_policy == "strict"
+    assert "dtype_policy=None" in repr(leaf)
+
+
+def test_defaults_follow_the_spec():
+    assert (EnergyMSELoss().per_atom, EnergyMSELoss().ignore_nonfinite) == (False, False)
+    assert (EnergyMAELoss().per_atom, EnergyMAELoss().ignore_nonfinite) == (True, True)
+    assert (EnergyHuberLoss().delta, EnergyHuberLoss().per_atom) == (0.01, True)
+    assert ForceMSELoss().normalize_by_atom_count and not ForceMSELoss().ignore_nonfinite
+    assert not ForceHuberLoss().normalize_by_atom_count and ForceHuberLoss().ignore_nonfinite
+    assert ForceL2NormLoss().normalize_by_atom_count and ForceL2NormLoss().ignore_nonfinite
+    assert not StressMSELoss().ignore_nonfinite and StressHuberLoss().ignore_nonfinite
+    assert (ForceMSELoss().prediction_key, ForceMSELoss().target_key) == (
+        "predicted_forces",
+        "forces",
+    )
+    assert StressHuberLoss().prediction_key == "predicted_stress"
+
+
+@pytest.mark.parametrize("cls", [EnergyHuberLoss, ForceHuberLoss, StressHuberLoss])
+def test_huber_delta_must_be_positive(cls):
+    with pytest.raises(ValueError, match=r"delta must be a positive number"):
+        cls(delta=0.0)
+
+
+def test_base_class_is_abstract():
+    with pytest.raises(TypeError):
+        BaseLossFunction()
+
+
+def test_strict_dtype_error_names_both_dtypes_and_the_other_policies():
+    with pytest.raises(ValueError) as info:
+        EnergyMSELoss()(E_PRED.float(), E_TARGET)
+    message = str(info.value)
+    assert "torch.float32" in message and "torch.float64" in message
+    assert "prediction_key='predicted_energy'" in message and "target_key='energy'" in message
+    assert "'prediction_to_target'" in message and "'target_to_prediction'" in message
+
+
+def test_dtype_policies_cast():
+    value = EnergyMSELoss(dtype_policy="prediction_to_target")(E_PRED.float(), E_TARGET)
+    assert value.dtype == torch.float64
+    value = EnergyMSELoss(dtype_policy="target_to_prediction")(E_PRED.float(), E_TARGET)
+    assert value.dtype == torch.float32 and value.item() == pytest.approx(50 / 3)
+    with pytest.raises(
+        ValueError, match=r"dtype_policy must be one of 'strict', 'prediction_to_target'"
+    ):
+        EnergyMSELoss(dtype_policy="loose")
+    leaf = EnergyMSELoss()
+    leaf.dtype_policy = "target_to_prediction"
+    assert leaf.dtype_policy == "target_to_prediction"
+
+
+def test_shapes_must_match_exactly():
+    with pytest.raises(ValueError, match=r"shape must match exactly"):
+        EnergyMSELoss()(E_PRED, E_TARGET[:, 0])
+    with pytest.raises(ValueError, match=r"shape mismatch; prediction has shape \(2,\)"):
+        assert_same_shape(torch.ones(2), torch.ones(3), name="X")
+    assert_same_shape(torch.ones(2, 1), torch.ones(2), name="X")  # broadcastable is fine
+
+
+# ------------------------------------------------------------------------------- reductions
+
+
+def test_per_graph_reductions():
+    values = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    idx = torch.tensor([0, 0, 2, 2])
+    assert per_graph_sum(values, idx, 4).tolist() == [[3.0], [0.0], [7.0], [0.0]]
+    assert per_graph_mean(values, idx, 4).tolist() == [[1.5], [0.0], [3.5], [0.0]]
+    assert per_graph_sum(values[:, 0], idx).tolist() == [3.0, 0.0, 7.0]
+    with pytest.raises(ValueError, match=r"num_graphs must be positive"):
+        per_graph_sum(values, idx, 0)
+    with pytest.raises(ValueError, match=r"batch_idx must be 1-D"):
+        per_graph_sum(values, idx[None])
+    with pytest.raises(ValueError, match=r"num_graphs must be given when batch_idx is empty"):
+        per_graph_sum(values[:0], idx[:0])
+
+
+def test_frobenius_mse():
+    a, b = torch.zeros(2, 3, 3), S_TARGET.float()
+    assert frobenius_mse(a, b).tolist() == [1.0, 3.0]
+    with pytest.raises(ValueError, match=r"shapes must match"):
+        frobenius_mse(a, b[:1])
+    with pytest.raises(ValueError, match=r"expects"):
+        frobenius_mse(a[0], b[0])
+
+
+def test_real_batch_mixed_molecule_and_crystal():
+    data = pytest.importorskip("nvalchemi.data")
+    from nvalchemi.training.losses import compute_supervised_loss
+
+    g = torch.Generator().manual_seed(0)
+    molecule = data.AtomicData(
+        atomic_numbers=torch.tensor([1, 8, 1]),
+        positions=torch.randn(3, 3, generator=g),
+        energy=torch.tensor([[-1.0]]),
+        forces=torch.randn(3, 3, generator=g),
+    )
+    crystal = data.AtomicData(
+        atomic_numbers=torch.tensor([14, 14]),
+        positions=torch.randn(2, 3, generator=g),
+        cell=5.0 * torch.eye(3)[None],
+        pbc=torch.ones(1, 3, dtype=torch.bool),
+        energy=torch.tensor([[-2.0]]),
+        forces=torch.randn(2, 3, generator=g),
+        stress=torch.randn(1, 3, 3, generator=g),
+    )
+    batch = data.Batch.from_data_list([molecule, crystal])
+    preds = {
+        "predicted_energy": torch.zeros_like(batch.energy),
+        "predicted_forces": torch.zeros_like(batch.forces),
+        "predicted_stress": torch.zeros_like(batch.stress, requires_grad=True),
+    }
+    loss_fn = EnergyMSELoss() + ForceMSELoss() + StressMSELoss()
+    out = compute_supervised_loss(loss_fn, preds, batch, step=0)
+    assert out["per_component_unweighted"]["StressMSELoss"].item() == pytest.approx(
+        (crystal.stress**2).mean().item()
+    )
+    out["total_loss"].backward()
+    assert (
+        torch.isfinite(out["total_loss"]) and torch.isfinite(preds["predicted_stress"].grad).all()
+    )
