@@ -5,7 +5,7 @@ Importing a path taken from a file is code execution, so :func:`import_path` onl
 trusted paths:
 
 * ``nvalchemi.*`` (minus the trust machinery itself), ``torch.nn.*``, ``torch.optim.*``,
-  torch dtypes, ``torch.Tensor``/``torch.device``/``torch.dtype``/``torch.Size`` and plain
+  ``torch.utils.data.*``, torch dtypes, ``torch.Tensor``/``torch.device``/``torch.dtype``/``torch.Size`` and plain
   builtin value types (``builtins.float``, ...);
 * prefixes allowed with :func:`allow_import_path` and objects given to
   :func:`register_trusted` or :func:`register_type_serializer`;
@@ -65,7 +65,7 @@ class UnsafeImportError(ValueError):
     """A dotted path outside the import allow-list was named by untrusted input."""
 
 
-_ALLOWED: set[str] = {"nvalchemi", "torch.nn", "torch.optim"}
+_ALLOWED: set[str] = {"nvalchemi", "torch.nn", "torch.optim", "torch.utils.data"}
 _ALLOWED_EXACT: set[str] = {
     "torch.Tensor",
     "torch.device",
@@ -119,7 +119,7 @@ def check_import_path(path: str, *, trust: bool = False) -> None:
     prefix = path.rsplit(".", 1)[0] if "." in path else path
     raise UnsafeImportError(
         f"Refusing to import {path!r}: it is outside the import allow-list (nvalchemi.*, "
-        "torch.nn.*, torch.optim.*, torch dtypes, registered types). Specs, configs and "
+        "torch.nn.*, torch.optim.*, torch.utils.data.*, torch dtypes, registered types). Specs, configs and "
         "checkpoints from untrusted sources could run arbitrary code this way. If you trust "
         "this input, pass trust=True (or wrap the call in "
         "`with nvalchemi._serialization.trusted_imports():`), or allow it explicitly with "

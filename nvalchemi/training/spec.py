@@ -273,6 +273,13 @@ def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = F
                 f"Spec JSON missing required field {key!r}; present keys: {sorted(spec_dict)}"
             )
     path = spec_dict["cls_path"]
+    if not trust and spec_dict.get("trust"):
+        # A spec must not lift the allow-list for what it loads itself (e.g. a loader called
+        # with trust=True on a directory the spec's author controls).
+        raise UnsafeImportError(
+            f"Spec for {path!r} asks for trust=True; an untrusted spec may not grant trust. "
+            "Pass trust=True to create_model_spec_from_json yourself if you trust its source."
+        )
     if not isinstance(path, str):
         raise ValueError(f"Spec JSON field 'cls_path' must be a str, got {path!r}")
     try:

@@ -234,6 +234,15 @@ def test_spec_naming_os_system_is_refused_and_runs_nothing(tmp_path):
     assert not target.exists()
 
 
+def test_untrusted_spec_cannot_grant_itself_trust():
+    nested = {"cls_path": "torch.nn.Identity", "timestamp": "t", "trust": True}
+    with pytest.raises(UnsafeImportError, match="may not grant trust"):
+        create_model_spec_from_json(
+            {"cls_path": f"{__name__}.Holder", "timestamp": "t", "child": nested}
+        )
+    assert create_model_spec_from_json(nested, trust=True).kwargs == {"trust": True}
+
+
 def test_refused_module_is_never_imported(evil):
     payload = {"cls_path": "nv_spec_evil.run", "timestamp": "t", "path": str(evil)}
     with pytest.raises(UnsafeImportError, match=r"nv_spec_evil.run"):
@@ -265,3 +274,24 @@ def test_strings_resolved_while_building_follow_the_spec_trust():
         create_model_spec_from_json(data).build()
     config = create_model_spec_from_json(data, trust=True).build()
     assert config.optimizer_cls is MySGD
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "nvalchemi._serialization",
+        "nvalchemi.training.spec",
+        "nvalchemi.training.losses.terms",
+        "nvalchemi.training.losses.reductions",
+        "nvalchemi.training.losses.composition",
+        "nvalchemi.training.losses.schedules",
+        "nvalchemi.training.optimizers",
+    ],
+)
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(importlib.import_module(module), optionflags=flags, verbose=False)
+    assert result.attempted > 0 and result.failed == 0

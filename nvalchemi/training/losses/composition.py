@@ -332,22 +332,22 @@ class ComposedLossFunction(nn.Module):
 
     # -- algebra -------------------------------------------------------------------------
 
-    def _with_weights(self, weights: list[Any]) -> ComposedLossFunction:
+    def __mul__(self, other: Any) -> ComposedLossFunction:
+        if not is_weight(other):
+            return NotImplemented
         return ComposedLossFunction(
-            list(self.components),
-            weights=weights,
+            [self],
+            weights=[other],
             normalize_weights=self.normalize_weights,
             dtype_policy=self._dtype_policy,
         )
 
-    def __mul__(self, other: Any) -> ComposedLossFunction:
-        if not is_weight(other):
-            return NotImplemented
-        return self._with_weights([_scale(w, other) for w in self._weights])
-
     __rmul__ = __mul__
 
     def __add__(self, other: Any) -> ComposedLossFunction:
+        if not isinstance(other, (BaseLossFunction, ComposedLossFunction)):
+            return NotImplemented
+        policy = self._dtype_policy
         if isinstance(other, ComposedLossFunction):
             if other.normalize_weights != self.normalize_weights:
                 raise ValueError(
@@ -355,22 +355,10 @@ class ComposedLossFunction(nn.Module):
                     f"({self.normalize_weights} and {other.normalize_weights}); set the same "
                     "value on both first."
                 )
-            weights = [*self._weights, *other._weights]
-            policy = self._dtype_policy if self._dtype_policy is not None else other._dtype_policy
-            return ComposedLossFunction(
-                [*self.components, *other.components],
-                weights=weights,
-                normalize_weights=self.normalize_weights,
-                dtype_policy=policy,
-            )
-        if isinstance(other, BaseLossFunction):
-            return ComposedLossFunction(
-                [*self.components, other],
-                weights=[*self._weights, 1.0],
-                normalize_weights=self.normalize_weights,
-                dtype_policy=self._dtype_policy,
-            )
-        return NotImplemented
+            policy = policy if policy is not None else other._dtype_policy
+        return ComposedLossFunction(
+            [self, other], normalize_weights=self.normalize_weights, dtype_policy=policy
+        )
 
     def __radd__(self, other: Any) -> Any:
         if isinstance(other, numbers.Real) and not isinstance(other, bool) and other == 0:
