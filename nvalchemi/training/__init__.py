@@ -31,6 +31,10 @@ _EXPORTS = {
     "create_model_spec": ".spec",
     "create_model_spec_from_json": ".spec",
     "register_type_serializer": ".spec",
+    "UnsafeImportError": "nvalchemi._serialization",
+    "trusted_imports": "nvalchemi._serialization",
+    "allow_import_path": "nvalchemi._serialization",
+    "register_trusted": "nvalchemi._serialization",
     # checkpoints
     "CheckpointManifest": ".checkpoint",
     "CheckpointValidator": ".checkpoint",
