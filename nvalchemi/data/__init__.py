@@ -18,6 +18,10 @@ _EXPORTS = {
     "MultiDataset": ".datapipes.multidataset",
     "DataLoader": ".datapipes.dataloader",
     "Compose": ".transforms",
+    "BUNDLED_DIR": ".bundled",
+    "bundled_split_path": ".bundled",
+    "load_bundled_atoms": ".bundled",
+    "bundled_summary": ".bundled",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
