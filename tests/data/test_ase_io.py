@@ -198,7 +198,7 @@ def test_empty_file_is_an_error(tmp_path):
 
 
 def test_missing_file_and_unknown_label(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.xyz"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.xyz"):
         ASEReader(tmp_path / "nope.xyz")
     with pytest.raises(ValueError, match="Unknown required labels"):
         ASEReader(write(tmp_path, FRAME.format(e=1, f=0)), required_labels=("enthalpy",))
