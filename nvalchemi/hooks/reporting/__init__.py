@@ -26,6 +26,7 @@ _EXPORTS = {
     "ReporterMessage": ".state",
     "RichReporter": ".rich_reporter",
     "RichLayout": ".rich_layouts",
+    "BaseRichLayout": ".rich_layouts",
     "TrainingRichLayout": ".rich_layouts",
     "DynamicsRichLayout": ".rich_layouts",
     "TensorBoardReporter": ".tensorboard",

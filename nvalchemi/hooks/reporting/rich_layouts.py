@@ -27,6 +27,7 @@ from nvalchemi.hooks.reporting.scalars import ScalarSnapshot
 from nvalchemi.hooks.reporting.state import ReporterMessage
 
 __all__ = [
+    "BaseRichLayout",
     "DynamicsRichLayout",
     "ProgressView",
     "RichLayout",
@@ -369,9 +370,35 @@ def _side_by_side(*renderables: RenderableType | None) -> RenderableType | None:
 
 
 # --------------------------------------------------------------------------- layouts
-class _BaseLayout:
+class BaseRichLayout:
+    """A generic dashboard: header, latest values, validation table, charts, messages.
+
+    Subclass it (or pass the arguments) to change the name, the keys shown
+    first and charted (``fnmatch`` patterns) and the table title.
+
+    Example:
+        >>> layout = BaseRichLayout(name="md", preferred_plot_keys=("energy", "fmax"))
+        >>> layout.name, layout.preferred_keys
+        ('md', ('energy', 'fmax'))
+    """
+
     name = "base"
     preferred_keys: tuple[str, ...] = ()
+    latest_title = "Latest"
+
+    def __init__(
+        self,
+        *,
+        name: str | None = None,
+        preferred_plot_keys: Sequence[str] | None = None,
+        latest_title: str | None = None,
+    ) -> None:
+        if name is not None:
+            self.name = name
+        if preferred_plot_keys is not None:
+            self.preferred_keys = tuple(preferred_plot_keys)
+        if latest_title is not None:
+            self.latest_title = latest_title
 
     def _header(self, view: RichView) -> Text:
         text = Text(view.title, style="bold")
@@ -386,7 +413,8 @@ class _BaseLayout:
     def _body(self, view: RichView) -> list[RenderableType | None]:
         return [
             _side_by_side(
-                _latest_table(view, self.preferred_keys, "Latest"), _validation_table(view)
+                _latest_table(view, self.preferred_keys, self.latest_title),
+                _validation_table(view),
             ),
             _charts(view, self.preferred_keys),
             _messages_panel(view),
@@ -399,8 +427,19 @@ class _BaseLayout:
         parts = [self._header(view), *self._body(view)]
         return Group(*(p for p in parts if p is not None))
 
+    def plain_line(self, view: RichView) -> str:
+        """``step 120 energy -1.23e+01 fmax 3.10e-02 ...`` (preferred keys first)."""
+        snapshot = view.snapshot
+        if snapshot is None:
+            return ""
+        parts = [f"step {snapshot.step}"]
+        keys = [k for k in snapshot.scalars if not k.startswith(_SIDE_PREFIXES)]
+        for key in order_keys(keys, self.preferred_keys)[: view.max_scalars or 8]:
+            parts.append(f"{key} {_sci(snapshot.scalars[key])}")
+        return " ".join(parts)
 
-class TrainingRichLayout(_BaseLayout):
+
+class TrainingRichLayout(BaseRichLayout):
     """Training dashboard: epoch and run progress bars with ETA, rates, latest values,
     validation table, loss/learning-rate charts, messages.
 
@@ -501,7 +540,7 @@ class TrainingRichLayout(_BaseLayout):
         return " ".join(parts)
 
 
-class DynamicsRichLayout(_BaseLayout):
+class DynamicsRichLayout(BaseRichLayout):
     """Simulation dashboard: energy, fmax, convergence, latest values and charts."""
 
     name = "dynamics"
@@ -513,18 +552,6 @@ class DynamicsRichLayout(_BaseLayout):
         "converged_fraction",
         "active_fraction",
     )
-
-    def plain_line(self, view: RichView) -> str:
-        """``step 120 energy -1.23e+01 fmax 3.10e-02 converged_fraction 5.00e-01``."""
-        snapshot = view.snapshot
-        if snapshot is None:
-            return ""
-        parts = [f"step {snapshot.step}"]
-        for key in order_keys(
-            [k for k in snapshot.scalars if not k.startswith(_SIDE_PREFIXES)], self.preferred_keys
-        )[: view.max_scalars or 8]:
-            parts.append(f"{key} {_sci(snapshot.scalars[key])}")
-        return " ".join(parts)
 
 
 def validation_plain_line(view: RichView) -> str:
