@@ -1,0 +1,227 @@
+"""Framework overhead of ``TrainingStrategy`` against a hand-written PyTorch loop.
+
+Both train the same model (same initial weights) with Adam on the same pre-built
+batches and the same loss module; the hand-written loop calls the loss directly, so
+the ratio measures only what the strategy adds (hook machinery, counters,
+target assembly, the device-side non-finite record). Rounds alternate
+strategy/bare/strategy/... and the median steps/s of each side is reported.
+
+Workloads:
+
+* ``mlp``: 4 atoms per structure, batch 8, hidden 32, energy loss;
+* ``forces``: 16 atoms, batch 32, hidden 32, energy + force loss with autograd forces.
+
+Also prints the wall time and peak RSS of ``python -c "import torch"``,
+``python -c "import nvalchemi.training"`` and
+``python -c "from nvalchemi.training import TrainingStrategy"``.
+
+Output: one JSON line per measurement. Usage::
+
+    python benchmarks/overhead.py [--rounds 9] [--steps 300] [--threads 1] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch import nn
+
+from nvalchemi.data import AtomicData, Batch
+from nvalchemi.training import (
+    EnergyMSELoss,
+    ForceMSELoss,
+    OptimizerConfig,
+    TrainingStrategy,
+)
+
+NUM_TYPES = 4
+
+
+class SmallMLP(nn.Module):
+    """Per-atom MLP on (species embedding, positions), energies summed per structure."""
+
+    def __init__(self, hidden: int = 32, forces: bool = False) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.forces = forces
+        self.embedding = nn.Embedding(NUM_TYPES + 1, 8)
+        self.mlp = nn.Sequential(
+            nn.Linear(11, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1)
+        )
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        positions = batch.positions
+        if self.forces:
+            positions = positions.detach().requires_grad_(True)
+        features = torch.cat([self.embedding(batch.atomic_numbers), positions], dim=-1)
+        atom_energy = self.mlp(features).squeeze(-1)
+        energy = atom_energy.new_zeros(batch.num_graphs).index_add(0, batch.batch_idx, atom_energy)
+        out = {"energy": energy.unsqueeze(-1)}
+        if self.forces:
+            (grad,) = torch.autograd.grad(
+                energy.sum(), positions, create_graph=self.training, retain_graph=self.training
+            )
+            out["forces"] = -grad
+        return out
+
+
+def make_batches(n: int, atoms: int, size: int, device: torch.device) -> list[Batch]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(n):
+        structures = [
+            AtomicData(
+                atomic_numbers=torch.randint(1, NUM_TYPES + 1, (atoms,), generator=generator),
+                positions=torch.randn(atoms, 3, generator=generator),
+                energy=torch.randn(1, 1, generator=generator),
+                forces=torch.randn(atoms, 3, generator=generator),
+            )
+            for _ in range(size)
+        ]
+        batches.append(Batch.from_data_list(structures).to(device))
+    return batches
+
+
+def bare_loop(model, optimizer, loss_fn, batches, steps, with_forces) -> None:
+    """The hand-written loop: zero_grad, forward, the same loss module, backward, step."""
+    n = len(batches)
+    for i in range(steps):
+        batch = batches[i % n]
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch)
+        predictions = {"predicted_energy": out["energy"]}
+        targets = {"energy": batch.energy}
+        if with_forces:
+            predictions["predicted_forces"] = out["forces"]
+            targets["forces"] = batch.forces
+        loss = loss_fn(
+            predictions,
+            targets,
+            step=i,
+            epoch=0,
+            batch_idx=batch.batch_idx,
+            num_graphs=batch.num_graphs,
+            num_nodes_per_graph=batch.num_nodes_per_graph,
+        )["total_loss"]
+        loss.backward()
+        optimizer.step()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(workload: str, args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    forces = workload == "forces"
+    atoms, size = (16, 32) if forces else (4, 8)
+    batches = make_batches(16, atoms, size, device)
+    torch.manual_seed(0)
+    model_s = SmallMLP(32, forces).to(device)
+    model_b = copy.deepcopy(model_s)
+    model_b.train()
+    loss_s = EnergyMSELoss() + ForceMSELoss() if forces else EnergyMSELoss()
+    strategy = TrainingStrategy(
+        models=model_s,
+        optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-3}),
+        loss_fn=loss_s,
+        num_steps=args.steps,
+        devices=[device],
+    )
+    loss_b = copy.deepcopy(strategy.loss_fn)  # the composition the strategy evaluates
+    optimizer = torch.optim.Adam(model_b.parameters(), lr=1e-3)
+    steps = args.steps
+    strategy_rates, bare_rates = [], []
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        if round_index:
+            strategy.num_steps += steps
+        sync(device)
+        start = time.perf_counter()
+        strategy.run(batches)
+        sync(device)
+        t_strategy = time.perf_counter() - start
+        start = time.perf_counter()
+        bare_loop(model_b, optimizer, loss_b, batches, steps, forces)
+        sync(device)
+        t_bare = time.perf_counter() - start
+        if round_index:
+            strategy_rates.append(steps / t_strategy)
+            bare_rates.append(steps / t_bare)
+    s, b = statistics.median(strategy_rates), statistics.median(bare_rates)
+    return {
+        "benchmark": "overhead",
+        "workload": workload,
+        "atoms_per_structure": atoms,
+        "batch_size": size,
+        "hidden": 32,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "steps_per_round": steps,
+        "strategy_steps_per_s": round(s, 1),
+        "bare_steps_per_s": round(b, 1),
+        "ratio": round(s / b, 4),
+        "overhead_us_per_step": round((1 / s - 1 / b) * 1e6, 2),
+    }
+
+
+_PROBE = (
+    "import resource, sys, time; t = time.perf_counter(); {stmt}; "
+    "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+)
+
+
+def import_cost(stmt: str, repeats: int) -> dict:
+    times, rss = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE.format(stmt=stmt)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        wall = time.perf_counter() - start
+        _, maxrss = out.stdout.split()
+        times.append(wall)
+        rss.append(int(maxrss) / 1024)  # ru_maxrss is KiB on Linux
+    return {
+        "benchmark": "import",
+        "statement": stmt,
+        "wall_s": round(statistics.median(times), 3),
+        "peak_rss_mb": round(statistics.median(rss), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workloads", default="mlp,forces")
+    parser.add_argument("--import-repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for workload in args.workloads.split(","):
+        print(json.dumps(measure(workload, args)), flush=True)
+    if args.import_repeats:
+        base = import_cost("import torch", args.import_repeats)
+        print(json.dumps(base), flush=True)
+        for stmt in ("import nvalchemi.training", "from nvalchemi.training import TrainingStrategy"):
+            row = import_cost(stmt, args.import_repeats)
+            row["wall_s_over_torch"] = round(row["wall_s"] - base["wall_s"], 3)
+            row["peak_rss_mb_over_torch"] = round(row["peak_rss_mb"] - base["peak_rss_mb"], 1)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

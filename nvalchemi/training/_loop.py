@@ -1,0 +1,520 @@
+"""The training loop behind :class:`~nvalchemi.training.TrainingStrategy` (``run``/``train_batch``).
+
+Kept apart from the strategy's fields and validation so the hot path can be read at
+once. Everything per batch goes through :meth:`_TrainingLoop._train_step`, which
+
+* reads counters from and writes them to the instance ``__dict__`` (no pydantic
+  ``__setattr__``), and everything else from a :class:`_Plan` resolved once per
+  ``run()`` (hooks per stage, optimizers, the one ``TrainContext``);
+* dispatches only to stages that have hooks, and builds no context without hooks;
+* never synchronises with the device, except ``nonfinite_loss="skip"`` (one scalar read
+  per batch) and the periodic check of the non-finite record.
+
+Hook frequency (fix of the reference's pre-increment gating): a hook with
+``frequency=N`` fires on the batches that contribute to optimizer step ``k`` (1-based)
+when ``k % N == 0``; at ``AFTER_OPTIMIZER_STEP`` and ``AFTER_BATCH`` only if that step
+was actually taken, so a vetoed or accumulating batch never re-fires it. Epoch stages
+gate on the 1-based epoch number; ``SETUP``, ``BEFORE_TRAINING``, ``AFTER_TRAINING``,
+``AFTER_VALIDATION``, the ``DO_*`` slots and validation forwards ignore ``frequency``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nvalchemi.training._loop_setup import (
+    _RAISE,
+    _SKIP,
+    _fire,
+    _LoopSetup,
+    _Plan,
+    _set_sampler_epoch,
+    _sized,
+)
+from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
+from nvalchemi.training.losses.composition import compute_supervised_loss
+from nvalchemi.training.optimizers import step_optimizers, zero_gradients
+from nvalchemi.training.runtime import unwrap_model
+from nvalchemi.training.stages import TrainingStage as S
+
+__all__: list[str] = []
+
+
+class _TrainingLoop(_LoopSetup):
+    """Mixin with ``run``, ``train_batch``, ``validate`` and the per-batch hot path."""
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Any:
+        d = self.__dict__
+        if d["_context_depth"] == 0:
+            entered: list[Any] = []
+            try:
+                for hook in self.hooks:
+                    enter = getattr(hook, "__enter__", None)
+                    if callable(enter):
+                        enter()
+                        entered.append(hook)
+            except BaseException as exc:
+                _exit_hooks(entered, type(exc), exc, exc.__traceback__)
+                raise
+        d["_context_depth"] += 1
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        d = self.__dict__
+        if d["_context_depth"] <= 0:
+            return
+        d["_context_depth"] -= 1
+        if d["_context_depth"] == 0:
+            d["_auto_session"] = False
+            d["_batch_session_ready"] = False
+            _exit_hooks(list(self.hooks), exc_type, exc, tb)
+
+    def close(self) -> None:
+        """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts)."""
+        if self.__dict__["_auto_session"]:
+            self.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ public entry points
+    def run(self, dataloader: Any) -> None:
+        """Train until ``num_steps`` optimizer steps (or ``num_epochs`` epochs) are done.
+
+        ``dataloader`` is any re-iterable of batches (a sized one for ``num_epochs``).
+        Lifecycle: ``SETUP`` → ``BEFORE_TRAINING`` → per epoch ``BEFORE_EPOCH``, the batch
+        stages, ``AFTER_EPOCH`` (+ scheduled validation) → ``AFTER_TRAINING`` → a final
+        validation unless one just ran at the final step. A :meth:`request_stop` ends the
+        run after the current batch (``AFTER_EPOCH`` only if the epoch completed).
+        """
+        d = self.__dict__
+        self.close()
+        d["_stop_reason"] = None
+        with self:
+            try:
+                self._train_run(dataloader)
+            finally:
+                d["_batch_session_ready"] = False
+
+    def train_batch(self, batch: Any) -> torch.Tensor:
+        """Train on one batch (all per-batch stages, counters advance); return the detached loss.
+
+        Setup (``prepare_strategy``, device placement, ``SETUP`` hooks, optimizers) runs
+        once per session: the first call opens one that later calls reuse, so hooks such
+        as DDP wrap the model once. Inside ``with strategy:`` the session ends with the
+        block; otherwise call :meth:`close` when done. Does not fire epoch/training
+        stages, check targets or validate.
+        """
+        d = self.__dict__
+        if d["_context_depth"] == 0:
+            self.__enter__()
+            d["_auto_session"] = True
+        if not d["_batch_session_ready"]:
+            self._begin(None)
+            d["_batch_session_ready"] = True
+        else:
+            self._ensure_optimizers()
+        plan = self._current_plan()
+        batch = _to_device(batch, plan.device)
+        d["_last_batch"] = batch
+        with self._mode_context():
+            self._train_step(batch, plan)
+        ctx = plan.ctx
+        loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
+        return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+    def validate(self, config: Any = None) -> dict[str, Any]:
+        """Run one validation pass now; return (and store in ``last_validation``) the summary.
+
+        Checks the non-finite record first, fires ``AFTER_VALIDATION`` hooks with
+        ``ctx.validation`` set. Does not step metric schedulers.
+        """
+        from nvalchemi.training.validation import ValidationLoop
+
+        if config is None and self.validation_config is None:
+            raise RuntimeError("TrainingStrategy.validate() requires a validation_config.")
+        self.check_nonfinite()
+        loop = ValidationLoop.from_training_strategy(self, config)
+        with loop:
+            summary = loop.execute()
+        d = self.__dict__
+        d["last_validation"] = summary
+        d["_validated_at"] = (d["step_count"], d["batch_count"])
+        hooks = self.hooks_for(S.AFTER_VALIDATION)
+        if hooks:
+            ctx = self._context()
+            self._sync_ctx(ctx)
+            ctx.validation = summary
+            _fire(S.AFTER_VALIDATION, hooks, ctx, 0)
+        return summary
+
+    def request_stop(self, reason: str) -> None:
+        """Ask ``run()`` to stop after the current batch (idempotent; the first reason wins).
+
+        The run then fires ``AFTER_EPOCH`` only if the epoch completed, then
+        ``AFTER_TRAINING`` and the final validation; counters stay consistent.
+        """
+        d = self.__dict__
+        if d["_stop_reason"] is None:
+            d["_stop_reason"] = str(reason)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the last (or current) run was asked to stop, or ``None``."""
+        return self.__dict__["_stop_reason"]
+
+    def check_nonfinite(self) -> None:
+        """Raise :class:`NonFiniteLossError` if a loss since the last check was NaN/inf.
+
+        One device sync. The loop calls it every ``nonfinite_check_interval`` steps,
+        before validation, before ``AFTER_EPOCH``/``AFTER_TRAINING`` hooks and at the
+        end of ``run()``; checkpoint hooks call it before saving.
+        """
+        record = self.__dict__["_nonfinite_record"]
+        bad = record.first_bad()
+        if bad is None:
+            return
+        (step, epoch, epoch_step, batch_count), components = bad
+        names = [n for n, v in components if not bool(torch.isfinite(v))] if components else []
+        raise NonFiniteLossError(
+            step=step,
+            epoch=epoch,
+            epoch_step=epoch_step,
+            batch_count=batch_count,
+            components=names or ["total_loss"],
+            detail=(
+                "Found at a non-finite check (every nonfinite_check_interval="
+                f"{self.nonfinite_check_interval} steps, before validation, epoch-end and "
+                "training-end hooks, checkpoints and at the end of run()); optimizer steps taken "
+                "since then used non-finite gradients."
+            ),
+        )
+
+    # ------------------------------------------------------------------ run
+    def _train_run(self, dataloader: Any) -> None:
+        d = self.__dict__
+        loader = self._begin(dataloader)
+        batches_per_epoch = _sized(loader)
+        target = self._target_steps(batches_per_epoch)
+        if d["step_count"] >= target:
+            return
+        self._position_counters(batches_per_epoch)
+        plan = self._current_plan()
+        trained = False
+        with self._mode_context():
+            try:
+                trained = self._epoch_loop(loader, batches_per_epoch, target, plan)
+            except Exception as exc:
+                self._annotate(exc, "the training loop")
+                raise
+            if not trained:
+                return
+            self.check_nonfinite()
+            plan = self._current_plan()
+            ctx = plan.ctx
+            if ctx is not None:
+                self._sync_ctx(ctx)
+                ctx.clear_step_outputs()
+            if plan.after_training:
+                _fire(S.AFTER_TRAINING, plan.after_training, ctx, 0)
+            if self.validation_config is not None and d["_validated_at"] != (
+                d["step_count"],
+                d["batch_count"],
+            ):
+                self._validation_checkpoint()
+
+    def _epoch_loop(self, loader: Any, per_epoch: int | None, target: int, plan: _Plan) -> bool:
+        d = self.__dict__
+        started = False
+        while True:
+            _set_sampler_epoch(loader, d["epoch_count"])
+            skip = self._seek(loader)
+            processed = 0
+            finished = False
+            iterator = iter(loader)
+            index = 0
+            while True:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    finished = True
+                    break
+                except Exception as exc:
+                    self._annotate(exc, "loading the next batch from the dataloader")
+                    raise
+                index += 1
+                if index <= skip:
+                    continue
+                if d["_hooks_version"] != plan.hooks_version:
+                    plan = self._current_plan()
+                batch = _to_device(batch, plan.device)
+                d["_last_batch"] = batch
+                if not started:
+                    started = True
+                    if plan.before_training:
+                        self._sync_ctx(plan.ctx)
+                        plan.ctx.batch = batch
+                        _fire(S.BEFORE_TRAINING, plan.before_training, plan.ctx, 0)
+                if d["epoch_step_count"] == 0 and plan.before_epoch:
+                    self._sync_ctx(plan.ctx)
+                    plan.ctx.batch = batch
+                    _fire(S.BEFORE_EPOCH, plan.before_epoch, plan.ctx, d["epoch_count"] + 1)
+                ran = self._train_step(batch, plan)
+                processed += 1
+                every = plan.val_every_steps
+                if every and ran and d["step_count"] % every == 0:
+                    self._validation_checkpoint()
+                if per_epoch is not None and d["epoch_step_count"] >= per_epoch:
+                    finished = True
+                    break
+                if d["step_count"] >= target or d["_stop_reason"] is not None:
+                    break
+            if processed == 0 and d["step_count"] < target and d["_stop_reason"] is None:
+                raise ValueError(
+                    "dataloader produced no batches before reaching the target step count; "
+                    "ensure the dataloader is non-empty, re-iterable, and compatible with the "
+                    f"restored epoch_step_count ({d['epoch_step_count']})."
+                )
+            if finished and processed:
+                self._end_epoch(plan)
+            if d["step_count"] >= target or d["_stop_reason"] is not None:
+                return started
+
+    def _end_epoch(self, plan: _Plan) -> None:
+        d = self.__dict__
+        d["epoch_count"] += 1
+        d["epoch_step_count"] = 0
+        if plan.after_epoch:
+            self.check_nonfinite()
+            self._sync_ctx(plan.ctx)
+            _fire(S.AFTER_EPOCH, plan.after_epoch, plan.ctx, d["epoch_count"])
+        every = plan.val_every_epochs
+        if every and d["epoch_count"] % every == 0:
+            self._validation_checkpoint()
+
+    # ------------------------------------------------------------------ the hot path
+    def _train_step(self, batch: Any, p: _Plan) -> bool:
+        """One batch: forward, loss, backward, optimizer step, counters. Returns whether it stepped."""
+        d = self.__dict__
+        ctx = p.ctx
+        gate = d["step_count"] + 1
+        stage: Any = S.BEFORE_BATCH
+        try:
+            if ctx is not None:
+                ctx.clear_step_outputs()
+                ctx.batch = batch
+                ctx.step_count = d["step_count"]
+                ctx.global_step_count = d["global_step_count"]
+                ctx.batch_count = d["batch_count"]
+                ctx.epoch_step_count = d["epoch_step_count"]
+                ctx.epoch = d["epoch_count"]
+            if p.before_batch:
+                _fire(stage, p.before_batch, ctx, gate)
+            if p.orchestrator is None:
+                stage = "zeroing gradients"
+                zero_gradients(p.optimizers)
+            stage = S.BEFORE_FORWARD
+            if p.before_forward:
+                _fire(stage, p.before_forward, ctx, gate)
+            stage = "the forward pass (training_fn)"
+            predictions = p.fn(p.model_arg, batch)
+            if ctx is not None:
+                ctx.predictions = predictions
+            stage = S.AFTER_FORWARD
+            if p.after_forward:
+                _fire(stage, p.after_forward, ctx, gate)
+            stage = S.BEFORE_LOSS
+            if p.before_loss:
+                _fire(stage, p.before_loss, ctx, gate)
+            stage = "the loss computation"
+            out = compute_supervised_loss(
+                p.loss_fn,
+                predictions,
+                batch,
+                step=d["step_count"],
+                epoch=d["epoch_count"],
+                workflow=self,
+                target_assembler=p.assembler,
+                target_keys=p.target_keys,
+            )
+            loss = out["total_loss"]
+            d["_last_loss"] = loss
+            if ctx is not None:
+                ctx.loss = loss
+                ctx.losses = out
+            stage = S.AFTER_LOSS
+            if p.after_loss:
+                _fire(stage, p.after_loss, ctx, gate)
+                if ctx.loss is not None:
+                    loss = ctx.loss
+            mode = p.nonfinite
+            if mode == _RAISE:
+                self._record_loss(loss, out)
+            elif mode == _SKIP and not math.isfinite(float(loss.detach())):
+                return self._skip_batch(p, out)
+            stage = S.BEFORE_BACKWARD
+            if p.before_backward:
+                _fire(stage, p.before_backward, ctx, gate)
+            stage = S.DO_BACKWARD
+            if p.do_backward is not None:
+                p.do_backward(ctx, stage)
+            elif ctx is not None and ctx.loss is not None:
+                ctx.loss.backward()
+            else:
+                loss.backward()
+            if p.publish_detached:
+                ctx.loss = ctx.loss.detach() if ctx.loss is not None else None
+                ctx.losses = _detached(out)
+            stage = S.AFTER_BACKWARD
+            if p.after_backward:
+                _fire(stage, p.after_backward, ctx, gate)
+            stage = S.BEFORE_OPTIMIZER_STEP
+            if p.before_optimizer_step:
+                _fire(stage, p.before_optimizer_step, ctx, gate)
+            stage = S.DO_OPTIMIZER_STEP
+            if p.do_step is not None:
+                p.do_step(ctx, stage)
+                ran = p.orchestrator is None or not p.orchestrator.optimizer_step_skipped
+            else:
+                step_optimizers(p.optimizers)
+                for scheduler in p.time_schedulers:
+                    scheduler.step()
+                ran = True
+            stage = S.AFTER_OPTIMIZER_STEP
+            if p.after_optimizer_step:
+                _fire(stage, p.after_optimizer_step, ctx, gate if ran else -1)
+            stage = "advancing counters"
+            self._advance(ran, p)
+            stage = S.AFTER_BATCH
+            if p.after_batch:
+                _fire(stage, p.after_batch, ctx, gate if ran else -1)
+            if mode == _RAISE and len(d["_nonfinite_record"].losses) >= p.nonfinite_capacity:
+                stage = "the periodic non-finite loss check"
+                self.check_nonfinite()
+            return ran
+        except Exception as exc:
+            self._annotate(exc, stage)
+            raise
+
+    def _record_loss(self, loss: torch.Tensor, out: Mapping[str, Any]) -> None:
+        d = self.__dict__
+        record = d["_nonfinite_record"]
+        record.losses.append(loss.detach())
+        components = out.get("per_component_unweighted")
+        record.meta.append(
+            (
+                (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"]),
+                tuple((k, v.detach()) for k, v in components.items()) if components else (),
+            )
+        )
+
+    def _skip_batch(self, p: _Plan, out: Mapping[str, Any]) -> bool:
+        ctx = p.ctx
+        if ctx is not None:
+            ctx.loss = ctx.loss.detach() if ctx.loss is not None else None
+            ctx.losses = _detached(out)
+        self._advance(False, p, skipped_nonfinite=True)
+        if p.after_batch:
+            _fire(S.AFTER_BATCH, p.after_batch, ctx, -1)
+        return False
+
+    def _advance(self, ran: bool, p: _Plan, skipped_nonfinite: bool = False) -> None:
+        d = self.__dict__
+        d["batch_count"] += 1
+        d["epoch_step_count"] += 1
+        if ran:
+            d["step_count"] += 1
+            d["global_step_count"] += p.world_size
+            d["_consecutive_skips"] = 0
+        else:
+            d["_consecutive_skips"] += 1
+            limit = self.max_consecutive_skips
+            if limit is not None and d["_consecutive_skips"] >= limit:
+                self._stalled(skipped_nonfinite)
+        ctx = p.ctx
+        if ctx is not None:
+            ctx.step_count = d["step_count"]
+            ctx.global_step_count = d["global_step_count"]
+            ctx.batch_count = d["batch_count"]
+            ctx.epoch_step_count = d["epoch_step_count"]
+            ctx.epoch = d["epoch_count"]
+
+    def _stalled(self, nonfinite: bool) -> None:
+        n = self.__dict__["_consecutive_skips"]
+        why = (
+            "the loss was non-finite (nonfinite_loss='skip')"
+            if nonfinite
+            else "update hooks vetoed the optimizer step or a GradScaler skipped it"
+        )
+        raise TrainingStalledError(
+            f"{n} consecutive batches made no optimizer step (latest: {why}); stopping instead "
+            f"of looping forever at step {self.step_count}. Check the data and learning rate, "
+            "the update hooks' veto conditions, or raise max_consecutive_skips (None disables "
+            "the guard; it must exceed any gradient-accumulation length)."
+        )
+
+    # ------------------------------------------------------------------ errors
+    def _annotate(self, exc: BaseException, stage: Any) -> None:
+        if getattr(exc, "_nvalchemi_annotated", False):
+            return
+        d = self.__dict__
+        where = getattr(stage, "name", stage)
+        add_note(
+            exc,
+            f"raised during training at stage {where} (step {d['step_count']}, epoch "
+            f"{d['epoch_count']}, batch {d['epoch_step_count']} of the epoch, batch_count "
+            f"{d['batch_count']})",
+        )
+        with contextlib.suppress(AttributeError, TypeError):
+            exc._nvalchemi_annotated = True
+
+
+# ---------------------------------------------------------------------------- helpers
+def _exit_hooks(hooks: list[Any], exc_type: Any, exc: Any, tb: Any) -> None:
+    first_error: BaseException | None = None
+    for hook in reversed(hooks):
+        try:
+            exit_ = getattr(hook, "__exit__", None)
+            if callable(exit_):
+                exit_(exc_type, exc, tb)
+            else:
+                close = getattr(hook, "close", None)
+                if callable(close):
+                    close()
+        except Exception as error:  # exit every hook; report the first failure
+            first_error = first_error or error
+    if first_error is not None and exc is None:
+        raise first_error
+
+
+def _detached(out: Mapping[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+        elif isinstance(value, dict):
+            value = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+        result[key] = value
+    return result
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    current = getattr(batch, "device", None)
+    if current is not None:
+        if current != device:
+            return batch.to(device, non_blocking=True)
+        return batch
+    if isinstance(batch, Mapping):
+        return {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
+    return batch
+
+
+def unwrapped(models: Mapping[str, Any]) -> dict[str, Any]:
+    """``{key: model}`` with DDP/DataParallel wrappers stripped."""
+    return {k: unwrap_model(m) for k, m in models.items()}

@@ -1,0 +1,417 @@
+"""Weight-update hooks: the hooks that own zeroing, backward and the optimizer step.
+
+A :class:`TrainingUpdateHook` takes part in the four update stages of a batch
+(``BEFORE_BATCH``, ``DO_BACKWARD``, ``DO_OPTIMIZER_STEP``, ``AFTER_OPTIMIZER_STEP``).
+Update hooks are never dispatched alone: the strategy folds them into one
+:class:`TrainingUpdateOrchestrator`, which runs them in ``priority`` order (lower
+first) and performs the gated operation once:
+
+=======================  ===================================  =====================================
+stage                    a hook returns ``(proceed, loss)``   the orchestrator then
+=======================  ===================================  =====================================
+``BEFORE_BATCH``         ``proceed=False`` vetoes             zeroes gradients unless vetoed
+``DO_BACKWARD``          ``loss`` (a tensor) is threaded on   calls ``backward()`` once on it
+``DO_OPTIMIZER_STEP``    ``proceed=False`` vetoes             steps optimizers and schedulers
+``AFTER_OPTIMIZER_STEP`` ignored                              (``will_skip`` says if it stepped)
+=======================  ===================================  =====================================
+
+Vetoes do not short-circuit: every hook runs and later hooks see ``will_skip=True``.
+Canonical priorities: 10 gradient accumulation, 20 mixed precision, 30 clipping,
+40 spike skipping, 50 default/EMA.
+
+Example:
+    >>> class HalveLoss(TrainingUpdateHook):
+    ...     priority = 30
+    ...     def __call__(self, ctx, stage, will_skip):
+    ...         if stage is TrainingStage.DO_BACKWARD:
+    ...             return True, ctx.loss * 0.5
+    ...         return True, ctx.loss
+    >>> orchestrator = HalveLoss() + TrainingUpdateHook()
+    >>> [type(h).__name__ for h in orchestrator.iter_hooks()]
+    ['HalveLoss', 'TrainingUpdateHook']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from nvalchemi.training.optimizers import step_lr_schedulers, step_optimizers, zero_gradients
+from nvalchemi.training.stages import TrainingStage
+
+__all__ = ["TrainingUpdateHook", "TrainingUpdateOrchestrator"]
+
+_BEFORE_BATCH = TrainingStage.BEFORE_BATCH
+_DO_BACKWARD = TrainingStage.DO_BACKWARD
+_DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
+_AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
+_SETUP = TrainingStage.SETUP
+UPDATE_STAGES = (_BEFORE_BATCH, _DO_BACKWARD, _DO_OPTIMIZER_STEP, _AFTER_OPTIMIZER_STEP)
+
+_MULTIPLE_ORCHESTRATOR_MSG = (
+    "Only one TrainingUpdateOrchestrator may be registered with a strategy. Combine update "
+    "hooks into one with `+` (hook_a + hook_b) or TrainingUpdateOrchestrator(*hooks), or "
+    "register bare TrainingUpdateHook instances and let the strategy fold them."
+)
+
+
+class TrainingUpdateHook:
+    """Base class of hooks that take part in the weight update (see the module docstring).
+
+    Subclasses set the class attributes ``priority`` (lower runs first) and, for hooks
+    that may appear at most once, ``_exclusive_update_key``, and override
+    ``__call__(ctx, stage, will_skip) -> (proceed, loss)``. The default does nothing:
+    it proceeds and passes ``ctx.loss`` on.
+    """
+
+    priority: ClassVar[int] = 50
+    _exclusive_update_key: ClassVar[str | None] = None
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return stage in UPDATE_STAGES
+
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+        """Take part in ``stage``; return ``(proceed, loss)``."""
+        return True, ctx.loss
+
+    def __add__(self, other: Any) -> TrainingUpdateOrchestrator:
+        if isinstance(other, (TrainingUpdateHook, TrainingUpdateOrchestrator)):
+            return TrainingUpdateOrchestrator(self, other)
+        return NotImplemented
+
+
+def is_update_hook(hook: Any) -> bool:
+    """Whether ``hook`` is a :class:`TrainingUpdateHook` or a :class:`TrainingUpdateOrchestrator`."""
+    return isinstance(hook, (TrainingUpdateHook, TrainingUpdateOrchestrator))
+
+
+def _hook_claims_stage(hook: Any, stage: Any) -> bool:
+    """Whether ``hook`` runs at ``stage`` (``_runs_on_stage`` wins over ``stage ==``)."""
+    runs_on_stage = getattr(hook, "_runs_on_stage", None)
+    if callable(runs_on_stage):
+        return bool(runs_on_stage(stage))
+    return getattr(hook, "stage", None) == stage
+
+
+def _check_veto(hook: Any, stage: TrainingStage, result: Any) -> bool:
+    """The strict-bool ``proceed`` of an update hook's return value (``TypeError`` otherwise)."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        return result[0]
+    got = (
+        type(result[0]).__name__ if isinstance(result, tuple) and result else type(result).__name__
+    )
+    raise TypeError(
+        f"{type(hook).__name__}.__call__(stage={stage.name}) must return "
+        f"(bool, Tensor | None); proceed got {got}. Return (True, ctx.loss) to proceed "
+        "or (False, ctx.loss) to veto."
+    )
+
+
+def _hook_label(hook: Any) -> str:
+    return type(hook).__name__
+
+
+class TrainingUpdateOrchestrator:
+    """Runs update hooks in priority order and owns zeroing, backward and stepping.
+
+    Args:
+        *hooks: update hooks or orchestrators (flattened into their children). Pass
+            them unpacked: ``TrainingUpdateOrchestrator(*hooks)``.
+
+    Raises:
+        TypeError: an argument is neither an update hook nor an orchestrator.
+        ValueError: two hooks share an ``_exclusive_update_key``.
+
+    Attributes:
+        optimizer_step_skipped: whether the last ``DO_OPTIMIZER_STEP`` did not step
+            (vetoed, or skipped by a ``GradScaler`` after an overflow).
+    """
+
+    frequency = 1
+    stage = None
+
+    def __init__(self, *hooks: Any) -> None:
+        children: list[Any] = []
+        for index, hook in enumerate(hooks):
+            if isinstance(hook, TrainingUpdateOrchestrator):
+                children.extend(hook._hooks)
+            elif isinstance(hook, TrainingUpdateHook):
+                children.append(hook)
+            else:
+                raise TypeError(
+                    f"argument {index} must be TrainingUpdateHook or TrainingUpdateOrchestrator; "
+                    f"got {type(hook).__name__}. If you have an iterable, call "
+                    "TrainingUpdateOrchestrator(*hooks)."
+                )
+        _check_exclusive(children)
+        self._hooks: list[Any] = _by_priority(children)
+        self._optimizer_step_skipped = False
+
+    # ----------------------------------------------------------------- membership
+    @property
+    def optimizer_step_skipped(self) -> bool:
+        """Whether the last ``DO_OPTIMIZER_STEP`` dispatch did not step the optimizers."""
+        return self._optimizer_step_skipped
+
+    def iter_hooks(self) -> Iterator[Any]:
+        """The child hooks in dispatch (priority) order."""
+        return iter(tuple(self._hooks))
+
+    def add_hook(self, hook: TrainingUpdateHook, workflow: Any = None) -> None:
+        """Add a child late; only ``hook.on_register(workflow)`` runs (others are untouched)."""
+        if not isinstance(hook, TrainingUpdateHook):
+            raise TypeError(f"add_hook expects a TrainingUpdateHook; got {type(hook).__name__}.")
+        if any(existing is hook for existing in self._hooks):
+            raise ValueError(f"{_hook_label(hook)} is already part of this orchestrator.")
+        candidate = [*self._hooks, hook]
+        _check_exclusive(candidate)
+        if workflow is not None:
+            _call_on_register(hook, workflow)
+        self._hooks = _by_priority(candidate)
+
+    def on_register(self, workflow: Any) -> None:
+        """Forward registration to every child that defines ``on_register``."""
+        for hook in self._hooks:
+            _call_on_register(hook, workflow)
+
+    def _validate_registered_hooks(self, hooks: list[Any]) -> None:
+        for child in self._hooks:
+            check = getattr(child, "_validate_registered_hooks", None)
+            if callable(check):
+                check(hooks)
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return stage in UPDATE_STAGES
+
+    # ----------------------------------------------------------------- dispatch
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        if stage is _DO_BACKWARD:
+            self._backward(ctx)
+        elif stage is _BEFORE_BATCH:
+            if self._run_gated(ctx, stage):
+                zero_gradients(ctx.optimizers)
+                clear = getattr(ctx.workflow, "_zero_optimizer_filtered_gradients", None)
+                if clear is not None:
+                    clear(ctx.optimizers)
+        elif stage is _DO_OPTIMIZER_STEP:
+            ran = self._run_gated(ctx, stage) and self._step_optimizers_with_context(ctx)
+            self._optimizer_step_skipped = not ran
+        elif stage is _AFTER_OPTIMIZER_STEP:
+            skipped = self._optimizer_step_skipped
+            for hook in self._hooks:
+                hook(ctx, stage, skipped)
+        elif stage is _SETUP:
+            for hook in self._hooks:
+                hook(ctx, stage, False)
+
+    def _run_gated(self, ctx: Any, stage: TrainingStage) -> bool:
+        will_skip = False
+        for hook in self._hooks:
+            if not _check_veto(hook, stage, hook(ctx, stage, will_skip)):
+                will_skip = True
+        return not will_skip
+
+    def _backward(self, ctx: Any) -> None:
+        for hook in self._hooks:
+            result = hook(ctx, _DO_BACKWARD, False)
+            loss = result[1] if isinstance(result, tuple) and len(result) == 2 else None
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"{_hook_label(hook)} did not provide a Tensor loss for DO_BACKWARD; got "
+                    f"{type(loss).__name__}. Return (True, ctx.loss) to pass the loss on."
+                )
+            ctx.loss = loss
+        ctx.loss.backward()
+
+    def _step_optimizers_with_context(self, ctx: Any) -> bool:
+        """Step optimizers and time-based schedulers; return whether the step ran.
+
+        With ``ctx.grad_scaler`` the scaler steps each optimizer; a step whose
+        gradients overflowed is skipped by the scaler, and its scheduler is not stepped.
+        """
+        scaler = ctx.grad_scaler
+        if scaler is None:
+            step_optimizers(ctx.optimizers)
+            step_lr_schedulers(ctx.lr_schedulers)
+            return True
+        optimizers = ctx.optimizers
+        schedulers = ctx.lr_schedulers
+        if not any(s is not None for s in schedulers):
+            before = _scale_of(scaler)
+            for optimizer in optimizers:
+                scaler.step(optimizer)
+            scaler.update()
+            after = _scale_of(scaler)
+            return before is None or after is None or not after < before
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        overflow = [_found_inf(scaler, optimizer) for optimizer in optimizers]
+        before = _scale_of(scaler)
+        scaler.update()
+        if any(flag is None for flag in overflow):
+            after = _scale_of(scaler)
+            decreased = before is not None and after is not None and after < before
+            overflow = [decreased if flag is None else flag for flag in overflow]
+        if not any(overflow):
+            step_lr_schedulers(schedulers)
+            return True
+        step_lr_schedulers(s for s, bad in zip(schedulers, overflow) if not bad)
+        return False
+
+    # ----------------------------------------------------------------- lifecycle
+    def __enter__(self) -> TrainingUpdateOrchestrator:
+        for hook in self._hooks:
+            enter = getattr(hook, "__enter__", None)
+            if callable(enter):
+                enter()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for hook in reversed(self._hooks):
+            exit_ = getattr(hook, "__exit__", None)
+            if callable(exit_):
+                exit_(exc_type, exc, tb)
+            else:
+                close = getattr(hook, "close", None)
+                if callable(close):
+                    close()
+
+    def close(self) -> None:
+        """Close every child (reverse order) that defines ``close()``."""
+        for hook in reversed(self._hooks):
+            close = getattr(hook, "close", None)
+            if callable(close):
+                close()
+
+    # ----------------------------------------------------------------- checkpoints
+    def checkpointable_children(self) -> list[tuple[str, Any]]:
+        """``(key, hook)`` for children with ``state_dict``/``load_state_dict``.
+
+        Keys are class names, suffixed ``#1``, ``#2`` ... for repeated classes, so a
+        checkpoint survives a change of priorities or of unrelated children.
+        """
+        return _stable_keys(h for h in self._hooks if _is_checkpointable(h))
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{child key: child.state_dict()}`` for every checkpointable child."""
+        return {key: hook.state_dict() for key, hook in self.checkpointable_children()}
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore the children saved by :meth:`state_dict`.
+
+        With ``strict`` (default) a saved key without a matching child, or a
+        checkpointable child missing from ``state``, raises ``ValueError``.
+        """
+        children = dict(self.checkpointable_children())
+        unknown = sorted(set(state) - set(children))
+        missing = sorted(set(children) - set(state))
+        if strict and (unknown or missing):
+            raise ValueError(
+                "TrainingUpdateOrchestrator.load_state_dict: saved update-hook state does not "
+                f"match the registered hooks (saved only: {unknown}; registered only: {missing})."
+                " Register the same update hooks as the saved run, or pass strict=False."
+            )
+        for key, hook in children.items():
+            if key in state:
+                hook.load_state_dict(state[key])
+
+    def __add__(self, other: Any) -> TrainingUpdateOrchestrator:
+        if isinstance(other, (TrainingUpdateHook, TrainingUpdateOrchestrator)):
+            return TrainingUpdateOrchestrator(self, other)
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> TrainingUpdateOrchestrator:
+        if isinstance(other, TrainingUpdateHook):
+            return TrainingUpdateOrchestrator(other, self)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TrainingUpdateOrchestrator({', '.join(map(_hook_label, self._hooks))})"
+
+
+def _by_priority(hooks: Iterable[Any]) -> list[Any]:
+    return sorted(hooks, key=lambda h: getattr(h, "priority", 50))  # stable: ties keep order
+
+
+def _check_exclusive(hooks: list[Any]) -> None:
+    seen: dict[str, Any] = {}
+    for hook in hooks:
+        key = getattr(hook, "_exclusive_update_key", None)
+        if key is None:
+            continue
+        if key in seen:
+            raise ValueError(
+                f"Only one update hook with exclusive key {key!r} may be registered; got "
+                f"{_hook_label(seen[key])} and {_hook_label(hook)}."
+            )
+        seen[key] = hook
+
+
+def _call_on_register(hook: Any, workflow: Any) -> None:
+    on_register = getattr(hook, "on_register", None)
+    if on_register is None:
+        return
+    if not callable(on_register):
+        raise TypeError(f"{_hook_label(hook)}.on_register must be callable (on_register(engine)).")
+    on_register(workflow)
+
+
+def _is_checkpointable(hook: Any) -> bool:
+    return callable(getattr(hook, "state_dict", None)) and callable(
+        getattr(hook, "load_state_dict", None)
+    )
+
+
+def _stable_keys(hooks: Iterable[Any]) -> list[tuple[str, Any]]:
+    counts: dict[str, int] = {}
+    out = []
+    for hook in hooks:
+        name = _hook_label(hook)
+        n = counts.get(name, 0)
+        counts[name] = n + 1
+        out.append((name if n == 0 else f"{name}#{n}", hook))
+    return out
+
+
+def _scale_of(scaler: Any) -> float | None:
+    try:
+        return float(scaler.get_scale())
+    except Exception:
+        return None
+
+
+def _found_inf(scaler: Any, optimizer: Any) -> bool | None:
+    """Whether the scaler found inf/NaN gradients for ``optimizer`` (``None``: unknown)."""
+    try:
+        found = scaler._found_inf_per_device(optimizer)
+        return any(bool(v.item()) for v in found.values())
+    except Exception:
+        return None
+
+
+def _fold_training_update_hooks(hooks: Iterable[Any]) -> list[Any]:
+    """Merge the update hooks of ``hooks`` into one orchestrator.
+
+    Other hooks keep their order; the orchestrator takes the position of the first
+    update hook. A lone orchestrator is kept as is (same object); two raise
+    ``ValueError``.
+    """
+    hooks = list(hooks)
+    orchestrators = [h for h in hooks if isinstance(h, TrainingUpdateOrchestrator)]
+    if len(orchestrators) > 1:
+        raise ValueError(_MULTIPLE_ORCHESTRATOR_MSG)
+    if not any(isinstance(h, TrainingUpdateHook) for h in hooks):
+        return hooks
+    folded = TrainingUpdateOrchestrator(*(h for h in hooks if is_update_hook(h)))
+    out: list[Any] = []
+    placed = False
+    for hook in hooks:
+        if is_update_hook(hook):
+            if not placed:
+                out.append(folded)
+                placed = True
+        else:
+            out.append(hook)
+    return out

@@ -1,0 +1,262 @@
+"""Runtime helpers around a training run: devices, train/eval modes, freezing, loaders.
+
+These are the small pieces :class:`~nvalchemi.training.TrainingStrategy` uses at the
+start of ``run()``; they also work on their own.
+
+Example:
+    >>> import torch
+    >>> models = {"student": torch.nn.Linear(2, 1), "teacher": torch.nn.Linear(2, 1)}
+    >>> with freeze_unconfigured_models(models, {"student": []}):
+    ...     models["teacher"].weight.requires_grad, models["teacher"].training
+    (False, False)
+    >>> models["teacher"].weight.requires_grad, models["teacher"].training
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "configure_dataloader",
+    "configure_parallelism",
+    "freeze_unconfigured_models",
+    "move_to_devices",
+    "rehome_optimizer_state",
+    "train_configured_models",
+    "unwrap_model",
+]
+
+ModelsLike = nn.Module | Mapping[str, nn.Module]
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """The user's module inside ``DistributedDataParallel``/``DataParallel`` wrappers."""
+    while isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        module = module.module
+    return module
+
+
+def _modes(module: nn.Module) -> list[tuple[nn.Module, bool]]:
+    # Every submodule's flag: restoring only the top-level one with .train(flag) would
+    # overwrite submodules deliberately kept in another mode (e.g. a frozen BatchNorm).
+    return [(m, m.training) for m in module.modules()]
+
+
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in modes:
+        module.training = training
+
+
+@contextmanager
+def freeze_unconfigured_models(
+    models: Mapping[str, nn.Module], optimizer_configs: Mapping[str, Any]
+) -> Iterator[None]:
+    """Put models absent from ``optimizer_configs`` in eval mode with frozen parameters.
+
+    On exit every module's mode and every parameter's ``requires_grad`` are restored,
+    also after an exception. Parameters shared with a configured model are left alone.
+    """
+    trainable_ids = {
+        id(p) for key, m in models.items() if key in optimizer_configs for p in m.parameters()
+    }
+    modes: list[tuple[nn.Module, bool]] = []
+    flags: list[tuple[nn.Parameter, bool]] = []
+    for key, model in models.items():
+        if key in optimizer_configs:
+            continue
+        modes.extend(_modes(model))
+        for param in model.parameters():
+            if id(param) not in trainable_ids:
+                flags.append((param, param.requires_grad))
+                param.requires_grad_(False)
+        model.eval()
+    try:
+        yield
+    finally:
+        _restore_modes(modes)
+        for param, requires_grad in flags:
+            param.requires_grad_(requires_grad)
+
+
+@contextmanager
+def train_configured_models(
+    models: Mapping[str, nn.Module], optimizer_configs: Mapping[str, Any]
+) -> Iterator[None]:
+    """Put the models present in ``optimizer_configs`` in training mode; restore on exit."""
+    modes: list[tuple[nn.Module, bool]] = []
+    for key, model in models.items():
+        if key in optimizer_configs:
+            modes.extend(_modes(model))
+            model.train()
+    try:
+        yield
+    finally:
+        _restore_modes(modes)
+
+
+def move_to_devices(
+    models: ModelsLike, devices: Sequence[torch.device | str], *, non_blocking: bool = False
+) -> ModelsLike:
+    """Move one model, or named models, to their devices (in place); return the same shape.
+
+    One device is used for every model; otherwise ``devices`` pairs with the models
+    in insertion order.
+
+    Raises:
+        ValueError: ``devices`` is empty, or its length is neither 1 nor the number of models.
+    """
+    devices = [torch.device(d) for d in devices]
+    if isinstance(models, (Mapping, nn.ModuleDict)):
+        if len(devices) not in (1, len(models)):
+            raise ValueError(
+                f"devices must have length 1 or len(models)={len(models)}; got {len(devices)}."
+            )
+        targets = devices * len(models) if len(devices) == 1 else devices
+        for model, device in zip(models.values(), targets):
+            _move(model, device, non_blocking)
+        return models
+    if len(devices) != 1:
+        raise ValueError(f"A single model needs exactly one device; got {len(devices)}: {devices}.")
+    _move(models, devices[0], non_blocking)
+    return models
+
+
+def _move(model: nn.Module, device: torch.device, non_blocking: bool) -> None:
+    # Skip the call when everything is already there: Module.to() walks every tensor.
+    for tensor in _first_tensors(model):
+        if tensor.device != device:
+            model.to(device, non_blocking=non_blocking)
+            return
+
+
+def _first_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def rehome_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Move an optimizer's per-parameter state to the devices of its parameters.
+
+    ``load_state_dict`` places state where the parameters were at load time; a model
+    moved afterwards would leave e.g. Adam moments behind. A CPU ``step`` counter of a
+    non-capturable, non-fused optimizer stays on the CPU (PyTorch's own placement).
+    """
+    for group in optimizer.param_groups:
+        step_follows = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or value.device == param.device:
+                    continue
+                if key == "step" and not step_follows and value.device.type == "cpu":
+                    continue
+                state[key] = value.to(param.device)
+
+
+def configure_dataloader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    shuffle: bool | None = None,
+    sampler: Any = None,
+    batch_sampler: Any = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **loader_kwargs: Any,
+) -> torch.utils.data.DataLoader:
+    """A ``torch.utils.data.DataLoader`` that collates ``AtomicData`` into a ``Batch``.
+
+    ``shuffle=None`` shuffles unless a sampler or batch sampler is given. Other
+    keywords (``num_workers``, ``pin_memory``, ``drop_last`` ...) go to the loader.
+
+    Raises:
+        ValueError: ``shuffle=True`` together with a ``sampler`` or ``batch_sampler``, or
+            a ``batch_sampler`` together with ``batch_size``/``sampler`` choices it overrides.
+    """
+    if shuffle and (sampler is not None or batch_sampler is not None):
+        raise ValueError(
+            "configure_dataloader: shuffle=True is incompatible with sampler/batch_sampler; "
+            "let the sampler shuffle (e.g. DistributedSampler(shuffle=True)) and pass "
+            "shuffle=None."
+        )
+    if batch_sampler is not None and sampler is not None:
+        raise ValueError("configure_dataloader: pass either sampler or batch_sampler, not both.")
+    if collate_fn is None:
+        collate_fn = _collate_atomic_data
+    if batch_sampler is not None:
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **loader_kwargs
+        )
+    resolved_shuffle = sampler is None if shuffle is None else bool(shuffle)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=resolved_shuffle,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        **loader_kwargs,
+    )
+
+
+def _collate_atomic_data(items: list[Any]) -> Any:
+    from nvalchemi.data import Batch
+
+    return Batch.from_data_list(list(items))
+
+
+def configure_parallelism(
+    models: ModelsLike,
+    *,
+    strategy: str = "none",
+    optimizer_configs: Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    distributed_manager: Any = None,
+    **ddp_kwargs: Any,
+) -> ModelsLike:
+    """Wrap models for data parallelism; return the same shape.
+
+    ``strategy="none"`` returns ``models`` unchanged. ``strategy="ddp"`` wraps each
+    model (only those in ``optimizer_configs`` when given) in
+    ``DistributedDataParallel`` when more than one process is running, and is a no-op
+    otherwise. ``ddp_kwargs`` go to ``DistributedDataParallel``.
+
+    Raises:
+        ValueError: an unknown ``strategy``.
+    """
+    if strategy == "none":
+        return models
+    if strategy != "ddp":
+        raise ValueError(
+            f"Unsupported parallelism strategy {strategy!r}; supported: ['none', 'ddp']."
+        )
+    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
+
+    if (
+        not is_distributed_initialized(distributed_manager)
+        or get_world_size(distributed_manager) <= 1
+    ):
+        return models
+
+    def wrap(model: nn.Module) -> nn.Module:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return model
+        kwargs = dict(ddp_kwargs)
+        target = torch.device(device) if device is not None else None
+        if target is not None and target.type == "cuda" and "device_ids" not in kwargs:
+            kwargs["device_ids"] = [target]
+        return nn.parallel.DistributedDataParallel(model, **kwargs)
+
+    if isinstance(models, (Mapping, nn.ModuleDict)):
+        wrapped = dict(models.items())
+        for key, model in wrapped.items():
+            if optimizer_configs is None or key in optimizer_configs:
+                wrapped[key] = wrap(model)
+        return wrapped
+    return wrap(models)
