@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nvalchemi._optional import OptionalDependencyError
+from nvalchemi._optional import OptionalDependency, OptionalDependencyError
 from nvalchemi.hooks.reporting import (
     ReportingOrchestrator,
     ReportingState,
@@ -17,7 +17,10 @@ from nvalchemi.hooks.reporting import (
 )
 from nvalchemi.training.stages import TrainingStage
 
-pytest.importorskip("tensorboard")
+# Tests with an injected writer run without the extra; the others need it.
+requires_tensorboard = pytest.mark.skipif(
+    not OptionalDependency.TENSORBOARD.is_available(), reason="tensorboard extra not installed"
+)
 
 
 def _support():
@@ -75,6 +78,7 @@ def test_tag_prefix_flush_option_and_validation_tags():
     assert writer.flushes == 0
 
 
+@requires_tensorboard
 def test_rank_zero_only_by_default_and_rank_token_rules(tmp_path):
     writer = FakeWriter()
     reporter = TensorBoardReporter("unused", writer=writer)
@@ -97,6 +101,7 @@ def test_close_closes_the_writer_and_orchestrator_closes_the_reporter():
     assert writer.closed == 1
 
 
+@requires_tensorboard
 def test_real_summary_writer_event_file(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
