@@ -1,0 +1,624 @@
+"""A chunked on-disk store of ``AtomicData`` in zarr v3: writer and reader.
+
+On-disk layout (kept compatible with the reference toolkit)::
+
+    <store>/
+      zarr.json      root attributes: "num_samples" (physical samples),
+                     "fields": {"core": {name: level}, "custom": {name: level}},
+                     and, when the stored neighbour lists carry one, "neighbor_list":
+                     {"cutoff": float, "half_list": bool}
+      meta/atoms_ptr     int64 [N+1]   cumulative atom counts
+      meta/edges_ptr     int64 [N+1]   cumulative edge counts
+      meta/samples_mask  bool  [N]     False = soft-deleted sample
+      meta/atoms_mask    bool  [V]     False = atom of a deleted sample
+      meta/edges_mask    bool  [E]     False = edge of a deleted sample
+      core/<field>       atom fields [V, ...], edge fields [E, ...], system fields [N, ...]
+      custom/<key>       arrays added with add_custom (leading dimension by level)
+
+Dtypes are stored as given. ``core/neighbor_list`` holds *store-global* atom
+indices (``atoms_ptr[sample]`` added), also for appended samples; the reader
+returns sample-local indices. Storing neighbour lists (e.g. built with
+``NeighborListTransform`` before writing) means training need not recompute them.
+
+Correctness rules of the writer: a write or append validates the whole incoming
+data before touching the store; an append whose samples lack a stored non-label
+field, or bring a field the store does not have, raises ``ValueError`` (labels,
+``cell`` and ``pbc`` missing from appended samples are filled as ``Batch`` fills
+them: NaN, zeros, False); the sample count attribute is updated last, so an
+interrupted append leaves the earlier samples readable.
+
+Reading is built for random access: pointer arrays are cached, requested samples
+are merged into contiguous runs (one read per field per run), and uncompressed,
+unsharded arrays in a local directory (the default) are read with ``preadv``
+straight from the chunk files (the zarr v3 on-disk format), which avoids zarr's
+per-call overhead; any other store or codec goes through zarr.
+
+Example:
+    >>> import torch
+    >>> from nvalchemi.data import AtomicData
+    >>> from nvalchemi.data.io.zarr import AtomicDataZarrReader, AtomicDataZarrWriter
+    >>> data = AtomicData(atomic_numbers=torch.tensor([1, 8]), positions=torch.zeros(2, 3),
+    ...                   energy=torch.tensor(-1.0))
+    >>> store = {}  # or a directory path
+    >>> AtomicDataZarrWriter(store).write([data, data])
+    >>> reader = AtomicDataZarrReader(store)
+    >>> len(reader), reader.read(1)[0]["energy"].tolist()
+    (2, [[-1.0]])
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nvalchemi.data.fields import FIELDS
+from nvalchemi.data.io._zarr_common import (
+    FORMAT,
+    LEVELS,
+    describe,
+    open_store,
+    store_exists,
+    zarr_module,
+)
+from nvalchemi.data.io._zarr_reader import AtomicDataZarrReader
+
+__all__ = [
+    "AtomicDataZarrReader",
+    "AtomicDataZarrWriter",
+    "ZarrArrayConfig",
+    "ZarrWriteConfig",
+]
+
+_CHUNK_BYTES = 1 << 20  # default chunk: about 1 MiB of rows
+
+
+# ------------------------------------------------------------------------ configs
+class ZarrArrayConfig(BaseModel):
+    """How arrays of one group (or one field) are encoded and chunked.
+
+    ``compressors=None`` (the default) stores raw bytes, which the reader can fetch
+    without zarr's overhead; pass e.g. ``(zarr.codecs.ZstdCodec(level=3),)`` to
+    compress. ``chunk_size``/``shard_size`` are rows along the leading axis
+    (default: about 1 MiB per chunk, no sharding); ``shard_size`` must be a
+    multiple of ``chunk_size``.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    compressors: tuple[Any, ...] | None = None
+    filters: tuple[Any, ...] | None = None
+    serializer: Any | None = None
+    chunk_size: int | None = Field(default=None, ge=1)
+    shard_size: int | None = Field(default=None, ge=1)
+    write_empty_chunks: bool = True
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> ZarrArrayConfig:
+        if self.shard_size is not None and self.chunk_size is not None:  # noqa: SIM102
+            if self.shard_size % self.chunk_size:
+                raise ValueError(
+                    f"shard_size={self.shard_size} must be a multiple of "
+                    f"chunk_size={self.chunk_size}."
+                )
+        return self
+
+    def array_kwargs(self, shape: tuple[int, ...], itemsize: int) -> dict[str, Any]:
+        """Keyword arguments of ``zarr.Group.create_array`` for an array of ``shape``."""
+        trailing = tuple(max(1, d) for d in shape[1:])
+        row_bytes = max(1, itemsize * int(np.prod(trailing, dtype=np.int64)))
+        rows = self.chunk_size or max(1, _CHUNK_BYTES // row_bytes)
+        kwargs: dict[str, Any] = {
+            "chunks": (rows, *trailing),
+            "compressors": self.compressors,
+            "filters": self.filters if self.filters is not None else (),
+        }
+        if self.shard_size is not None:
+            shard = self.shard_size
+            if self.chunk_size is None:
+                kwargs["chunks"] = (min(rows, shard), *trailing)
+                shard = max(shard // kwargs["chunks"][0], 1) * kwargs["chunks"][0]
+            kwargs["shards"] = (shard, *trailing)
+        if self.serializer is not None:
+            kwargs["serializer"] = self.serializer
+        if not self.write_empty_chunks:
+            kwargs["config"] = {"write_empty_chunks": False}
+        return kwargs
+
+
+class ZarrWriteConfig(BaseModel):
+    """Encoding of the ``meta``, ``core`` and ``custom`` groups, with per-field overrides."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    meta: ZarrArrayConfig = Field(default_factory=ZarrArrayConfig)
+    core: ZarrArrayConfig = Field(default_factory=ZarrArrayConfig)
+    custom: ZarrArrayConfig = Field(default_factory=ZarrArrayConfig)
+    field_overrides: dict[str, ZarrArrayConfig] = Field(default_factory=dict)
+
+    def for_array(self, group: str, name: str) -> ZarrArrayConfig:
+        """The config of array ``group/name`` (a field override wins)."""
+        return self.field_overrides.get(name) or getattr(self, group)
+
+
+def _as_config(config: Any) -> ZarrWriteConfig:
+    if config is None:
+        return ZarrWriteConfig()
+    if isinstance(config, ZarrWriteConfig):
+        return config
+    if isinstance(config, Mapping):
+        return ZarrWriteConfig.model_validate(dict(config))
+    raise TypeError(f"config must be a ZarrWriteConfig or a mapping; got {type(config).__name__}.")
+
+
+# --------------------------------------------------------------------- payloads
+class _Payload:
+    """Validated numpy view of the data to write: counts, fields and levels."""
+
+    def __init__(self, data: Any) -> None:
+        from nvalchemi.data.atomic_data import AtomicData
+        from nvalchemi.data.batch import Batch
+        from nvalchemi.data.neighbors import _stamp_of
+
+        if isinstance(data, AtomicData):
+            data = [data]
+        if isinstance(data, Batch):
+            stamp = _stamp_of(data)
+            batch = data
+        else:
+            items = list(data)
+            if not items:
+                raise ValueError("No data provided to write.")
+            stamps = {_stamp_of(d) for d in items}
+            stamp = stamps.pop() if len(stamps) == 1 else None
+            batch = Batch.from_data_list(items, device="cpu")
+        if batch.num_graphs == 0:
+            raise ValueError("No data provided to write.")
+        self.num_samples = batch.num_graphs
+        self.atom_counts = batch.num_nodes_per_graph.cpu().numpy().astype(np.int64)
+        self.edge_counts = (
+            batch.num_edges_per_graph.cpu().numpy().astype(np.int64)
+            if "neighbor_list" in batch
+            else np.zeros(self.num_samples, dtype=np.int64)
+        )
+        self.stamp = stamp if "neighbor_list" in batch else None
+        self.arrays: dict[str, np.ndarray] = {}
+        self.levels: dict[str, str] = {}
+        counts = {
+            "atom": int(self.atom_counts.sum()),
+            "edge": int(self.edge_counts.sum()),
+            "system": self.num_samples,
+        }
+        for key, _ in batch:
+            level = batch.level_of(key)
+            array = batch[key].detach().cpu().numpy()
+            if array.shape[0] != counts[level]:
+                raise ValueError(
+                    f"Field {key!r} ({level} level) has {array.shape[0]} rows; expected "
+                    f"{counts[level]}."
+                )
+            self.arrays[key] = array
+            self.levels[key] = level
+        nl = self.arrays.get("neighbor_list")
+        if nl is not None and nl.size and (nl.min() < 0 or nl.max() >= counts["atom"]):
+            raise ValueError(
+                f"neighbor_list holds atom indices outside [0, {counts['atom']}); the batch "
+                "is inconsistent."
+            )
+
+    def atom_rows(self) -> int:
+        return int(self.atom_counts.sum())
+
+    def edge_rows(self) -> int:
+        return int(self.edge_counts.sum())
+
+
+def _fill_missing(key: str, like: np.ndarray | tuple, dtype: np.dtype, rows: int) -> np.ndarray:
+    """Values for appended samples lacking ``key``, or raise when it may not be missing."""
+    shape = (rows, *like)
+    if key == "cell":
+        return np.zeros(shape, dtype=dtype)
+    if key == "pbc":
+        return np.zeros(shape, dtype=bool)
+    spec = FIELDS.get(key)
+    if spec is not None and spec.label and np.issubdtype(dtype, np.floating):
+        return np.full(shape, np.nan, dtype=dtype)
+    raise KeyError(key)
+
+
+# ------------------------------------------------------------------------ writer
+class AtomicDataZarrWriter:
+    """Write, append, extend, soft-delete and compact an ``AtomicData`` zarr store.
+
+    Args:
+        store: a directory path, a ``dict`` (in-memory store) or any zarr store.
+        config: :class:`ZarrWriteConfig` (or a mapping of it) for new arrays.
+
+    Example:
+        >>> writer = AtomicDataZarrWriter("data.zarr")       # doctest: +SKIP
+        >>> writer.write(train_structures)                   # doctest: +SKIP
+        >>> writer.append(more_structures)                   # doctest: +SKIP
+        >>> writer.delete([3, 4]); writer.defragment()       # doctest: +SKIP
+    """
+
+    def __init__(self, store: Any, config: ZarrWriteConfig | Mapping | None = None) -> None:
+        self.store = store
+        self.config = _as_config(config)
+        self._zstore = open_store(store)
+
+    # ----------------------------------------------------------------- helpers
+    def _root(self, mode: str = "r+") -> Any:
+        zarr = zarr_module()
+        if not store_exists(self.store):
+            raise FileNotFoundError(
+                f"Zarr store {describe(self.store)} does not exist; call write() first."
+            )
+        return zarr.open_group(self._zstore, mode=mode)
+
+    def _create(self, group: Any, name: str, data: np.ndarray, group_name: str) -> Any:
+        config = self.config.for_array(group_name, name)
+        kwargs = config.array_kwargs(data.shape, data.dtype.itemsize)
+        array = group.create_array(name, shape=data.shape, dtype=data.dtype, **kwargs)
+        if data.size:
+            array[...] = data
+        return array
+
+    def _write_new(self, payload: _Payload, root: Any) -> None:
+        meta = root.require_group("meta")
+        core = root.require_group("core")
+        root.require_group("custom")
+        for key, array in payload.arrays.items():
+            self._create(core, key, array, "core")
+        atoms_ptr = np.concatenate([[0], np.cumsum(payload.atom_counts)]).astype(np.int64)
+        edges_ptr = np.concatenate([[0], np.cumsum(payload.edge_counts)]).astype(np.int64)
+        self._create(meta, "atoms_ptr", atoms_ptr, "meta")
+        self._create(meta, "edges_ptr", edges_ptr, "meta")
+        self._create(meta, "samples_mask", np.ones(payload.num_samples, bool), "meta")
+        self._create(meta, "atoms_mask", np.ones(payload.atom_rows(), bool), "meta")
+        self._create(meta, "edges_mask", np.ones(payload.edge_rows(), bool), "meta")
+        attrs = {
+            "format": FORMAT,
+            "fields": {"core": dict(payload.levels), "custom": {}},
+            "neighbor_list": _stamp_attr(payload.stamp),
+            "num_samples": payload.num_samples,
+        }
+        root.attrs.update(attrs)
+
+    # ------------------------------------------------------------------ write
+    def write(self, data: Any) -> None:
+        """Create the store from ``data`` (``AtomicData``, a list of them, or a ``Batch``).
+
+        Raises:
+            FileExistsError: the store already exists (use :meth:`append`).
+            ValueError: no samples, or inconsistent data.
+        """
+        if store_exists(self.store):
+            raise FileExistsError(
+                f"Zarr store {describe(self.store)} already exists; use append() to add "
+                "samples or choose a new path."
+            )
+        payload = _Payload(data)
+        root = zarr_module().open_group(self._zstore, mode="w")
+        self._write_new(payload, root)
+
+    # ----------------------------------------------------------------- append
+    def append(self, data: Any) -> None:
+        """Add samples at the end of an existing store.
+
+        Neighbour lists are offset by the atoms already stored. Appended samples
+        must carry the same fields as the store (labels, ``cell`` and ``pbc`` may
+        be missing and are then stored as NaN / zeros / False), with the same
+        dtypes and trailing shapes, plus every custom array as a field of the same
+        name. Nothing is written unless all of that holds.
+
+        Raises:
+            FileNotFoundError: the store does not exist.
+            ValueError: new or missing fields, dtype or shape mismatches,
+                neighbour lists built with another cutoff.
+        """
+        root = self._root()
+        if isinstance(data, Sequence) and not isinstance(data, (str, bytes)) and len(data) == 0:
+            return
+        payload = _Payload(data)
+        fields = dict(root.attrs.get("fields", {}))
+        core_levels = dict(fields.get("core", {}))
+        custom_levels = dict(fields.get("custom", {}))
+        num_samples = int(root.attrs.get("num_samples", 0))
+        if num_samples == 0 and not core_levels:
+            self._write_new(payload, root)
+            return
+        meta, core = root["meta"], root["core"]
+        custom = root.get("custom")
+        atoms_ptr = np.asarray(meta["atoms_ptr"][: num_samples + 1], dtype=np.int64)
+        edges_ptr = np.asarray(meta["edges_ptr"][: num_samples + 1], dtype=np.int64)
+        totals = {"atom": int(atoms_ptr[-1]), "edge": int(edges_ptr[-1]), "system": num_samples}
+        new_rows = {
+            "atom": payload.atom_rows(),
+            "edge": payload.edge_rows(),
+            "system": payload.num_samples,
+        }
+        plan = self._plan_append(payload, core, custom, core_levels, custom_levels, new_rows)
+        stamp = self._merged_stamp(root.attrs.get("neighbor_list"), payload)
+        if "neighbor_list" in plan:
+            group, values = plan["neighbor_list"]
+            plan["neighbor_list"] = (group, values + totals["atom"])
+        # Data arrays first, pointers and masks next, the sample count last.
+        for key, (group, values) in plan.items():
+            level = core_levels.get(key) or custom_levels[key]
+            _extend(group[key], totals[level], values)
+        _extend(meta["atoms_ptr"], num_samples + 1, totals["atom"] + np.cumsum(payload.atom_counts))
+        _extend(meta["edges_ptr"], num_samples + 1, totals["edge"] + np.cumsum(payload.edge_counts))
+        _extend(meta["samples_mask"], num_samples, np.ones(payload.num_samples, bool))
+        _extend(meta["atoms_mask"], totals["atom"], np.ones(new_rows["atom"], bool))
+        _extend(meta["edges_mask"], totals["edge"], np.ones(new_rows["edge"], bool))
+        root.attrs.update(
+            {"neighbor_list": stamp, "num_samples": num_samples + payload.num_samples}
+        )
+
+    @staticmethod
+    def _plan_append(
+        payload: _Payload,
+        core: Any,
+        custom: Any,
+        core_levels: dict[str, str],
+        custom_levels: dict[str, str],
+        new_rows: dict[str, int],
+    ) -> dict[str, tuple[Any, np.ndarray]]:
+        """Check the incoming fields against the store; return what to write where."""
+        incoming = set(payload.arrays)
+        stored = set(core_levels) | set(custom_levels)
+        new = sorted(incoming - stored)
+        if new:
+            raise ValueError(
+                f"Cannot append: the samples carry fields {new} that the store does not have "
+                f"(stored: {sorted(stored)}). Drop them, write a new store, or add them to the "
+                "store first with add_custom()."
+            )
+        if payload.edge_rows() and "neighbor_list" not in core_levels:
+            raise ValueError("Cannot append samples with neighbour lists to a store without them.")
+        plan: dict[str, tuple[Any, np.ndarray]] = {}
+        problems: list[str] = []
+        for key in sorted(stored):
+            if key in core_levels:
+                group, level = core, core_levels[key]
+            else:
+                group, level = custom, custom_levels[key]
+            array = group[key]
+            dtype = np.dtype(array.dtype)
+            if key in payload.arrays:
+                values = payload.arrays[key]
+                if payload.levels[key] != level:
+                    problems.append(f"{key!r} is {payload.levels[key]}-level, stored as {level}")
+                elif values.dtype != dtype:
+                    problems.append(
+                        f"{key!r} has dtype {values.dtype}, stored as {dtype} (cast the data, "
+                        "e.g. data.to(dtype=...))"
+                    )
+                elif values.shape[1:] != tuple(array.shape[1:]):
+                    problems.append(
+                        f"{key!r} has trailing shape {list(values.shape[1:])}, stored as "
+                        f"{list(array.shape[1:])}"
+                    )
+                else:
+                    plan[key] = (group, values)
+                continue
+            try:
+                plan[key] = (group, _fill_missing(key, array.shape[1:], dtype, new_rows[level]))
+            except KeyError:
+                problems.append(
+                    f"{key!r} is missing from the appended samples "
+                    f"({'custom array' if key in custom_levels else 'stored field'}; only labels, "
+                    "cell and pbc may be missing)"
+                )
+        if problems:
+            raise ValueError("Cannot append: " + "; ".join(problems) + ".")
+        return plan
+
+    @staticmethod
+    def _merged_stamp(stored: Any, payload: _Payload) -> Any:
+        """The store's neighbour-list stamp after the append (None: unknown settings)."""
+        incoming = _stamp_attr(payload.stamp)
+        if stored is not None and incoming is not None and stored != incoming:
+            raise ValueError(
+                f"Cannot append: the store's neighbour lists were built with {stored} but the "
+                f"appended ones with {incoming}; rebuild them with the store's settings."
+            )
+        # Lists of unknown settings make the whole store's lists unknown.
+        return stored if incoming == stored else None
+
+    # ---------------------------------------------------------------- custom
+    def add_custom(self, key: str, data: Any, level: str, *, overwrite: bool = False) -> None:
+        """Store a user array under ``custom/<key>`` with one row per atom, edge or sample.
+
+        ``data`` must have as many rows as the store has physical atoms / edges /
+        samples (deleted ones included).
+        """
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {list(LEVELS)}; got {level!r}.")
+        root = self._root()
+        array = data.detach().cpu().numpy() if isinstance(data, torch.Tensor) else np.asarray(data)
+        num_samples = int(root.attrs.get("num_samples", 0))
+        meta = root["meta"]
+        expected = {
+            "atom": int(meta["atoms_ptr"][num_samples]) if num_samples else 0,
+            "edge": int(meta["edges_ptr"][num_samples]) if num_samples else 0,
+            "system": num_samples,
+        }[level]
+        if array.ndim == 0 or array.shape[0] != expected:
+            raise ValueError(
+                f"add_custom({key!r}): {level}-level data needs {expected} rows; got shape "
+                f"{list(array.shape)}."
+            )
+        fields = dict(root.attrs.get("fields", {"core": {}, "custom": {}}))
+        if key in fields.get("core", {}):
+            raise ValueError(f"add_custom({key!r}): {key!r} is already a core field.")
+        custom_levels = dict(fields.get("custom", {}))
+        group = root.require_group("custom")
+        if key in custom_levels or key in group:
+            if not overwrite:
+                raise ValueError(
+                    f"add_custom({key!r}): the store already has it; pass overwrite=True."
+                )
+            del group[key]
+        self._create(group, key, array, "custom")
+        custom_levels[key] = level
+        fields["custom"] = custom_levels
+        root.attrs["fields"] = fields
+
+    # ---------------------------------------------------------------- delete
+    def delete(self, indices: Any) -> None:
+        """Soft-delete samples by *physical* index (masks set False, their rows zeroed).
+
+        Pointers are untouched; readers skip deleted samples after ``refresh()``;
+        :meth:`defragment` removes them for good.
+        """
+        root = self._root()
+        num_samples = int(root.attrs.get("num_samples", 0))
+        if isinstance(indices, torch.Tensor):
+            indices = indices.tolist()
+        idx = np.atleast_1d(np.asarray(indices, dtype=np.int64))
+        bad = idx[(idx < -num_samples) | (idx >= num_samples)]
+        if bad.size:
+            raise IndexError(
+                f"delete: sample indices {bad.tolist()} out of range for {num_samples} samples."
+            )
+        idx = np.unique(idx % num_samples) if num_samples else idx
+        if idx.size == 0:
+            return
+        meta = root["meta"]
+        atoms_ptr = np.asarray(meta["atoms_ptr"][: num_samples + 1], dtype=np.int64)
+        edges_ptr = np.asarray(meta["edges_ptr"][: num_samples + 1], dtype=np.int64)
+        fields = root.attrs.get("fields", {})
+        for start, stop in _runs(idx):
+            spans = {
+                "system": (start, stop),
+                "atom": (int(atoms_ptr[start]), int(atoms_ptr[stop])),
+                "edge": (int(edges_ptr[start]), int(edges_ptr[stop])),
+            }
+            for group_name in ("core", "custom"):
+                for key, level in fields.get(group_name, {}).items():
+                    a, b = spans[level]
+                    if b > a:
+                        array = root[group_name][key]
+                        array[a:b] = np.zeros((b - a, *array.shape[1:]), dtype=array.dtype)
+            meta["samples_mask"][start:stop] = False
+            for name, level in (("atoms_mask", "atom"), ("edges_mask", "edge")):
+                a, b = spans[level]
+                if b > a:
+                    meta[name][a:b] = False
+
+    # ------------------------------------------------------------- defragment
+    def defragment(self, config: ZarrWriteConfig | Mapping | None = None) -> None:
+        """Rewrite the store without deleted samples (optionally with a new ``config``).
+
+        Neighbour-list indices are renumbered. Local stores are rebuilt in a
+        sibling directory and swapped in; other stores are rewritten in place.
+        Loads the active data into memory.
+        """
+        if config is not None:
+            self.config = _as_config(config)
+        root = self._root(mode="r")
+        num_samples = int(root.attrs.get("num_samples", 0))
+        fields = root.attrs.get("fields", {"core": {}, "custom": {}})
+        stamp = root.attrs.get("neighbor_list")
+        meta = root["meta"]
+        keep = np.asarray(meta["samples_mask"][:num_samples], dtype=bool)
+        atoms_ptr = np.asarray(meta["atoms_ptr"][: num_samples + 1], dtype=np.int64)
+        edges_ptr = np.asarray(meta["edges_ptr"][: num_samples + 1], dtype=np.int64)
+        kept = np.flatnonzero(keep)
+        atom_counts = np.diff(atoms_ptr)[kept]
+        edge_counts = np.diff(edges_ptr)[kept]
+        rows = {
+            "atom": _ranges(atoms_ptr[kept], atom_counts),
+            "edge": _ranges(edges_ptr[kept], edge_counts),
+            "system": kept,
+        }
+        arrays: dict[str, dict[str, np.ndarray]] = {"core": {}, "custom": {}}
+        for group_name in ("core", "custom"):
+            for key, level in fields.get(group_name, {}).items():
+                full = np.asarray(root[group_name][key][...])
+                arrays[group_name][key] = full[rows[level]]
+        if "neighbor_list" in arrays["core"]:
+            new_atoms_ptr = np.concatenate([[0], np.cumsum(atom_counts)])[:-1]
+            delta = np.repeat(new_atoms_ptr - atoms_ptr[kept], edge_counts)
+            arrays["core"]["neighbor_list"] = arrays["core"]["neighbor_list"] + delta[:, None]
+        new_attrs = {
+            "format": FORMAT,
+            "fields": fields if kept.size else {"core": {}, "custom": {}},
+            "neighbor_list": stamp if kept.size else None,
+            "num_samples": int(kept.size),
+        }
+
+        def build(group: Any) -> None:
+            if kept.size:
+                meta_g = group.require_group("meta")
+                for group_name in ("core", "custom"):
+                    target = group.require_group(group_name)
+                    for key, values in arrays[group_name].items():
+                        self._create(target, key, values, group_name)
+                for name, values in (
+                    ("atoms_ptr", np.concatenate([[0], np.cumsum(atom_counts)]).astype(np.int64)),
+                    ("edges_ptr", np.concatenate([[0], np.cumsum(edge_counts)]).astype(np.int64)),
+                    ("samples_mask", np.ones(kept.size, bool)),
+                    ("atoms_mask", np.ones(int(atom_counts.sum()), bool)),
+                    ("edges_mask", np.ones(int(edge_counts.sum()), bool)),
+                ):
+                    self._create(meta_g, name, values, "meta")
+            else:
+                for name in ("meta", "core", "custom"):
+                    group.require_group(name)
+            group.attrs.update(new_attrs)
+
+        zarr = zarr_module()
+        if isinstance(self.store, (str, os.PathLike)):
+            path = Path(self.store)
+            tmp = path.with_name(path.name + ".defrag-tmp")
+            old = path.with_name(path.name + ".defrag-old")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build(zarr.open_group(zarr.storage.LocalStore(str(tmp)), mode="w"))
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+            self._zstore = open_store(self.store)
+        else:
+            build(zarr.open_group(self._zstore, mode="w"))
+
+
+def _stamp_attr(stamp: tuple[float, bool] | None) -> dict | None:
+    return None if stamp is None else {"cutoff": float(stamp[0]), "half_list": bool(stamp[1])}
+
+
+def _extend(array: Any, old_rows: int, values: np.ndarray) -> None:
+    """Grow ``array`` to ``old_rows + len(values)`` rows and write ``values`` at the end."""
+    values = np.asarray(values)
+    new_rows = old_rows + values.shape[0]
+    if array.shape[0] != new_rows:
+        array.resize((new_rows, *array.shape[1:]))
+    if values.shape[0]:
+        array[old_rows:new_rows] = values.astype(array.dtype, copy=False)
+
+
+def _runs(sorted_idx: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of consecutive values in a sorted unique array."""
+    if sorted_idx.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_idx) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [sorted_idx.size]])
+    return [(int(sorted_idx[a]), int(sorted_idx[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + c)`` for every pair."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return offsets + np.arange(total, dtype=np.int64)
