@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import sys
 from pathlib import Path
@@ -166,3 +167,71 @@ def test_argument_and_file_errors(tmp_path):
         JSONLinesReporter(tmp_path, flush_every=0)
     with pytest.raises(FileNotFoundError, match="metrics"):
         read_metrics(tmp_path / "missing")
+
+
+class _EnergyModel(torch.nn.Module):
+    """Energy = a learned per-element constant summed per structure (just enough to train)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_element = torch.nn.Embedding(10, 1)
+
+    def forward(self, batch):
+        atom_energy = self.per_element(batch.atomic_numbers).squeeze(-1)
+        energy = atom_energy.new_zeros(batch.num_graphs).index_add(0, batch.batch_idx, atom_energy)
+        return {"energy": energy.unsqueeze(-1)}
+
+
+def _batches(count: int, seed: int) -> list:
+    from nvalchemi.data import AtomicData, Batch
+
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        structures = [
+            AtomicData(
+                atomic_numbers=torch.randint(1, 5, (3,), generator=generator),
+                positions=torch.randn(3, 3, generator=generator),
+                energy=torch.randn(1, 1, generator=generator),
+            )
+            for _ in range(2)
+        ]
+        batches.append(Batch.from_data_list(structures))
+    return batches
+
+
+def test_real_training_run_writes_every_step_and_validation(tmp_path):
+    from rich.console import Console
+
+    from nvalchemi.hooks.reporting import RichReporter
+    from nvalchemi.training import (
+        EnergyMSELoss,
+        OptimizerConfig,
+        TrainingStrategy,
+        ValidationConfig,
+    )
+
+    console = Console(file=io.StringIO(), width=200)
+    reporting = ReportingOrchestrator(
+        [RichReporter(console=console), JSONLinesReporter(tmp_path)],
+        stages={"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"},
+    )
+    strategy = TrainingStrategy(
+        models=_EnergyModel(),
+        optimizer_configs=OptimizerConfig(torch.optim.SGD, {"lr": 1e-2}),
+        loss_fn=EnergyMSELoss(),
+        validation_config=ValidationConfig(validation_data=_batches(1, seed=9), every_n_epochs=1),
+        num_epochs=2,
+        hooks=[reporting],
+    )
+    strategy.run(_batches(3, seed=0))
+    rows = read_metrics(tmp_path)
+    train = [(r["step"], r["epoch"]) for r in rows if r["kind"] == "train"]
+    assert train == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]
+    validation = [r for r in rows if r["kind"] == "validation"]
+    assert [r["step"] for r in validation][:2] == [3, 6]
+    assert all("validation/loss/total" in r for r in validation)
+    assert "loss/EnergyMSELoss/unweighted" in rows[0]
+    lines = console.file.getvalue().splitlines()
+    assert lines[0].startswith("epoch 1/2 batch 1/3 step 1/6 loss ")
+    assert any(line.startswith("validation epoch 2 step 6 loss ") for line in lines)

@@ -587,7 +587,7 @@ def validation_display_values(scalars: Mapping[str, float]) -> dict[str, float]:
         elif name.startswith("loss/"):
             if name.endswith("/unweighted"):
                 out["loss:" + name[len("loss/") : -len("/unweighted")]] = value
-        elif name != "num_batches":
+        elif not name.startswith("num_"):  # pass sizes (num_batches, num_structures)
             out[name] = value
     return out
 
