@@ -105,26 +105,13 @@ def from_spec_dict(
             f"from_spec_dict: spec is missing required key(s) {missing}; write it with "
             "TrainingStrategy.to_spec_dict()."
         )
-    spec_models = _rebuild_models(spec.get("model_specs", {}), trust)
-    runtime_single = isinstance(models, nn.Module) and not isinstance(models, nn.ModuleDict)
-    if models is None:
-        runtime: dict[str, nn.Module] = {}
-    elif runtime_single:
-        runtime = {"main": models}
-    elif isinstance(models, (Mapping, nn.ModuleDict)):
-        runtime = dict(models.items())
-    else:
+    model_specs = spec.get("model_specs", {})
+    if not isinstance(model_specs, Mapping):
+        raise ValueError(f"'model_specs' must be a mapping; got {type(model_specs).__name__}.")
+    if "single_model_input" in spec and not isinstance(spec["single_model_input"], bool):
         raise ValueError(
-            f"from_spec_dict: models must be an nn.Module or a mapping of them; got "
-            f"{type(models).__name__}."
+            f"'single_model_input' must be a bool; got {spec['single_model_input']!r}."
         )
-    merged = {**spec_models, **runtime}
-    if not merged:
-        raise ValueError(
-            "from_spec_dict: no models; the spec has no rebuildable 'model_specs' and no models= "
-            "were passed. Pass models=... (the model(s) to train)."
-        )
-    single = _call_mode(spec, merged, runtime_single, models is not None)
     configs = _optimizer_configs(spec["optimizer_configs"], trust)
     devices = spec["devices"]
     if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
@@ -149,6 +136,26 @@ def from_spec_dict(
             training_fn = import_path(path, trust=trust)
         except Exception as exc:
             raise ValueError(f"'training_fn' path {path!r} cannot be imported: {exc}") from exc
+    runtime_single = isinstance(models, nn.Module) and not isinstance(models, nn.ModuleDict)
+    if models is None:
+        runtime: dict[str, nn.Module] = {}
+    elif runtime_single:
+        runtime = {"main": models}
+    elif isinstance(models, (Mapping, nn.ModuleDict)):
+        runtime = dict(models.items())
+    else:
+        raise ValueError(
+            f"from_spec_dict: models must be an nn.Module or a mapping of them; got "
+            f"{type(models).__name__}."
+        )
+    missing_models = {k: v for k, v in model_specs.items() if k not in runtime}
+    merged = {**_rebuild_models(missing_models, trust), **runtime}
+    if not merged:
+        raise ValueError(
+            "from_spec_dict: no models; the spec has no rebuildable 'model_specs' and no models= "
+            "were passed. Pass models=... (the model(s) to train)."
+        )
+    single = _call_mode(spec, merged, runtime_single, models is not None)
     kwargs: dict[str, Any] = {
         "models": merged["main"] if single else merged,
         "optimizer_configs": configs,

@@ -170,6 +170,11 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         if single:
             data["models"] = {"main": models}
         elif isinstance(models, (Mapping, nn.ModuleDict)):
+            if len(models) == 0:
+                raise ValueError(
+                    "models must contain at least one torch.nn.Module; got an empty mapping. "
+                    "Pass models=model or models={'name': model}."
+                )
             bad = {
                 str(k): type(v).__name__ for k, v in models.items() if not isinstance(v, nn.Module)
             }
@@ -286,9 +291,12 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             from nvalchemi.distributed.runtime import get_world_size
 
             self.global_step_count = self.step_count * get_world_size(self.distributed_manager)
+        self._init_runtime()
         return self
 
-    def model_post_init(self, __context: Any) -> None:
+    def _init_runtime(self) -> None:
+        # Runs after every validation check passed, so a rejected configuration never
+        # triggers a hook's on_register side effects.
         d = self.__dict__
         d["_context_depth"] = 0
         d["_auto_session"] = False
