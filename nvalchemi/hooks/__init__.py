@@ -28,6 +28,12 @@ _EXPORTS = {
     "extract_loss_scalars": _REPORTING,
     "extract_optimizer_lr_scalars": _REPORTING,
     "extract_scalars": _REPORTING,
+    "extract_dynamics_scalars": _REPORTING,
+    "BaseRichLayout": _REPORTING,
+    "RichLayout": _REPORTING,
+    "TrainingRichLayout": _REPORTING,
+    "DynamicsRichLayout": _REPORTING,
+    "DEFAULT_REPORT_STAGES": _REPORTING,
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
