@@ -68,8 +68,8 @@ def _classify(index: int, fn: Callable) -> TransformKind | None:
     except Exception:  # unresolvable forward references: treat as untyped
         hints = {}
     annotation = hints.get(positional[0].name)
-    if annotation is None:
-        return None
+    if annotation is None or annotation is Any or annotation is object:
+        return None  # untyped in effect
     if isinstance(annotation, type) and issubclass(annotation, AtomicData):
         return "sample"
     if isinstance(annotation, type) and issubclass(annotation, Batch):

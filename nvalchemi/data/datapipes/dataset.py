@@ -196,7 +196,9 @@ class Dataset(torch.utils.data.Dataset):
             structure on every path: ``dataset[i]``, ``get_with_metadata`` and
             ``load_batches``.
         skip_validation: build ``AtomicData`` without shape/dtype/finiteness
-            checks (for readers that already validated, e.g. our zarr store).
+            checks. ``None`` (default) trusts readers that declare
+            ``validates = True`` (they return already-validated fields) and
+            validates everything else; ``False`` always validates.
         num_workers: accepted for compatibility and ignored; parallel loading is
             the ``DataLoader``'s ``num_workers``.
 
@@ -210,13 +212,15 @@ class Dataset(torch.utils.data.Dataset):
         *,
         device: Any = None,
         transforms: Sequence[Callable] | None = None,
-        skip_validation: bool = False,
+        skip_validation: bool | None = None,
         num_workers: int | None = None,
     ) -> None:
         self._read_mode = _read_mode(reader)
         self.reader = reader
         self.target_device = resolve_device(device)
         self.transforms = sample_transforms(transforms, "Dataset")
+        if skip_validation is None:
+            skip_validation = getattr(reader, "validates", False) is True
         self.skip_validation = bool(skip_validation)
         self.num_workers = num_workers
         self._field_levels = dict(getattr(reader, "field_levels", None) or {})
@@ -400,7 +404,7 @@ class InMemoryDataset(torch.utils.data.Dataset):
         data_list: Sequence[AtomicData] | None = None,
         chunk_size: int = 4096,
         device: Any = None,
-        skip_validation: bool = False,
+        skip_validation: bool | None = None,
         transforms: Sequence[Callable] | None = None,
         batch_transforms: Sequence[Callable] | None = None,
     ) -> None:
@@ -538,7 +542,7 @@ def _materialize(
     compose: Compose | None,
     batch_compose: Compose | None,
     chunk_size: int,
-    skip_validation: bool,
+    skip_validation: bool | None,
 ) -> Batch:
     try:
         source = Dataset(reader, device="cpu", skip_validation=skip_validation)
