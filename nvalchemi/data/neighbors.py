@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Mapping
@@ -166,19 +167,45 @@ def _box_and_periodic(cell: Any, pbc: Any, where: str) -> tuple[np.ndarray, np.n
         )
     if not periodic.any():
         return np.zeros((3, 3)), periodic
-    box = box.reshape(3, 3) * periodic[:, None]
-    rows = box[periodic]
-    if not np.isfinite(rows).all():
-        raise ValueError(f"{where}: the cell contains NaN or inf values.")
-    gram = rows @ rows.T
-    scale = float(np.prod(np.diag(gram)))
-    if scale == 0.0 or abs(np.linalg.det(gram)) <= 1e-10 * scale:
+    box = np.where(periodic[:, None], box.reshape(3, 3), 0.0)
+    rows = [row for row, p in zip(box.tolist(), periodic.tolist()) if p]
+    if not _independent(rows):
         raise ValueError(
-            f"{where}: periodic cell vectors {rows.tolist()} are zero or linearly dependent "
-            "(pbc={periodic.tolist()}); give independent lattice vectors for every periodic "
+            f"{where}: periodic cell vectors {rows} are zero, non-finite or linearly dependent "
+            f"(pbc={periodic.tolist()}); give independent lattice vectors for every periodic "
             "direction."
         )
     return box, periodic
+
+
+def _independent(rows: list[list[float]]) -> bool:
+    """Whether 1-3 vectors are finite and linearly independent (Gram determinant test).
+
+    Plain Python on at most 9 numbers: several times cheaper than numpy here, and
+    this runs once per structure.
+    """
+    if not all(math.isfinite(x) for row in rows for x in row):
+        return False
+
+    def dot(u, v):
+        return u[0] * v[0] + u[1] * v[1] + u[2] * v[2]
+
+    norms = [dot(r, r) for r in rows]
+    scale = math.prod(norms)
+    if scale == 0.0:
+        return False
+    if len(rows) == 1:
+        return True
+    if len(rows) == 2:
+        a, b = rows
+        return norms[0] * norms[1] - dot(a, b) ** 2 > 1e-10 * scale
+    a, b, c = rows
+    det = (
+        a[0] * (b[1] * c[2] - b[2] * c[1])
+        - a[1] * (b[0] * c[2] - b[2] * c[0])
+        + a[2] * (b[0] * c[1] - b[1] * c[0])
+    )
+    return det * det > 1e-10 * scale
 
 
 def _run_vesin(calc, positions: np.ndarray, box, periodic, where: str):
