@@ -296,3 +296,46 @@ def test_collate_fn_and_generic_map_datasets():
 def test_plain_torch_loader_with_random_sampler_still_works_through_ours():
     loader = DataLoader(dataset(), batch_size=4, sampler=RandomSampler(ITEMS))
     assert sorted(flat(tags(loader))) == list(range(23))
+
+
+# ------------------------------------------------------------ internals
+def test_packed_batches_round_trip_exactly_including_wide_integers():
+    import pickle
+
+    from nvalchemi.data.datapipes.dataloader import _Packed
+
+    data = [make_structure(i) for i in range(3)]
+    for d in data:
+        n = d.num_nodes
+        d.add_node_property("big", torch.arange(n, dtype=torch.int64) + 2**40)
+        d.add_node_property("flag", torch.ones(n, dtype=torch.bool))
+        d.add_system_property("weight", torch.tensor([[0.5]], dtype=torch.float64))
+    batch = Batch.from_data_list(data)
+    edges = torch.randint(0, batch.num_nodes, (3000, 2))
+    batch.set_edges(edges, torch.randint(-2, 3, (3000, 3)), torch.tensor([1000, 1000, 1000]))
+    packed = _Packed(batch)
+    assert packed.buffer.numel() < 3000 * 5 * 8 / 3  # int64 edges travel narrowed
+    restored = pickle.loads(pickle.dumps(packed)).unpack(Batch)
+    assert restored.num_graphs == 3
+    for key, value in batch:
+        assert restored[key].dtype == value.dtype, key
+        assert torch.equal(restored[key], value), key
+    assert torch.equal(restored.batch_idx, batch.batch_idx)
+    assert torch.equal(restored.num_edges_per_graph, batch.num_edges_per_graph)
+
+
+def test_in_process_loading_runs_single_threaded_and_restores_threads():
+    seen = []
+
+    def record(batch: Batch) -> Batch:
+        seen.append(torch.get_num_threads())
+        return batch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        list(DataLoader(dataset(), batch_size=8, batch_transforms=[record]))
+        assert seen == [1, 1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

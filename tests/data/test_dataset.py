@@ -283,3 +283,19 @@ def test_in_memory_field_names_list_only_stored_fields(items):
     # reference quirk: every declared AtomicData field was listed, set or not
     names = InMemoryDataset(data_list=items).field_names
     assert names == sorted(["atomic_numbers", "positions", "energy", "forces"])
+
+
+def test_readers_declaring_validated_output_skip_revalidation(items):
+    class Trusted(ListReader):
+        validates = True
+
+    bad = dict(items[0].items())
+    bad["energy"] = torch.tensor([[float("inf")]])
+    trusted, plain = Trusted(items), ListReader(items)
+    trusted.read_many = plain.read_many = lambda idx: [(bad, {}) for _ in idx]
+    assert Dataset(trusted).skip_validation is True
+    assert torch.isinf(Dataset(trusted)[0].energy).all()
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Dataset(plain)[0]
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Dataset(trusted, skip_validation=False)[0]

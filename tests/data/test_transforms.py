@@ -128,3 +128,13 @@ def test_callable_objects_are_classified_by_their_call_method():
     compose = Compose([Sampler()])
     assert not compose.is_batch
     assert compose(_data(), {})[1] == {"seen": True}
+
+
+def test_any_annotation_counts_as_untyped():
+    from typing import Any
+
+    def passthrough(data: Any, metadata: Any = None) -> Any:
+        return data, metadata
+
+    assert Compose([passthrough, scale_batch]).is_batch
+    assert not Compose([passthrough, add_x]).is_batch

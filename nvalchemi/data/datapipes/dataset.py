@@ -26,25 +26,22 @@ Example:
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.batch import Batch
+from nvalchemi.data.datapipes.reader import ReaderProtocol
 from nvalchemi.data.transforms import Compose
 
-__all__ = ["BatchDatasetProtocol", "Dataset", "InMemoryDataset", "ReaderProtocol"]
-
-
-@runtime_checkable
-class ReaderProtocol(Protocol):
-    """What :class:`Dataset` needs from a reader (``close`` is optional in practice)."""
-
-    def read_many(self, indices: Sequence[int]) -> list[tuple[Mapping[str, Any], dict]]: ...
-
-    def __len__(self) -> int: ...
+__all__ = [
+    "BatchDatasetProtocol",
+    "Dataset",
+    "InMemoryDataset",
+    "ReaderProtocol",
+]  # ReaderProtocol: re-export
 
 
 @runtime_checkable
