@@ -270,22 +270,52 @@ def _stamp_of(obj: Any) -> tuple[float, bool] | None:
         return None
     # A list built here remembers which positions tensor (and which in-place version
     # of it) it was built from, so moved atoms (dynamics) are never served a stale list.
-    built_from = attrs.get("_neighbor_list_positions")
-    if built_from is not None:
-        ref, version = built_from
-        positions = attrs.get("_data", {}).get("positions")
-        if ref() is not positions or positions._version != version:
-            return None
+    built_from = attrs.get(_BUILT_FROM)
+    if built_from is not None and not built_from.matches(attrs.get("_data", {}).get("positions")):
+        return None
     return float(cutoff), bool(attrs.get("_" + STAMP_HALF, False))
 
 
+_BUILT_FROM = "_neighbor_list_positions"
+
+
+class _BuiltFrom:
+    """The positions tensor (weakly) and its in-place version a list was built from.
+
+    Pickles (and deep-copies) to ``None``: an unpickled batch has new tensors
+    holding the same values, for which the list is valid.
+    """
+
+    __slots__ = ("ref", "version")
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.ref = weakref.ref(positions)
+        self.version = positions._version
+
+    def matches(self, positions: Any) -> bool:
+        return self.ref() is positions and positions._version == self.version
+
+    def __reduce__(self) -> tuple:
+        return (_no_record, ())
+
+
+def _no_record() -> None:
+    return None
+
+
+def remember_positions(batch: Any) -> None:
+    """Tie ``batch``'s neighbour-list stamp to its current positions.
+
+    Later in-place changes or replacement of ``batch.positions`` then invalidate
+    the stamp (see :func:`has_neighbor_list`).
+    """
+    object.__setattr__(batch, _BUILT_FROM, _BuiltFrom(batch.positions))
+
+
 def _stamp_batch(batch: Any, cutoff: float, half_list: bool) -> None:
-    positions = batch.positions
     object.__setattr__(batch, "_" + STAMP_CUTOFF, cutoff)
     object.__setattr__(batch, "_" + STAMP_HALF, half_list)
-    object.__setattr__(
-        batch, "_neighbor_list_positions", (weakref.ref(positions), positions._version)
-    )
+    remember_positions(batch)
 
 
 def has_neighbor_list(

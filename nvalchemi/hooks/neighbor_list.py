@@ -28,6 +28,7 @@ from nvalchemi.data.neighbors import (
     _vesin_method,
     compute_neighbors,
     has_neighbor_list,
+    remember_positions,
     resolve_neighbor_options,
 )
 
@@ -100,6 +101,9 @@ class NeighborListHook:
             f"format={self.format!r}, skin={self.skin}, stage={self.stage})"
         )
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_reference": None}  # weak references do not pickle
+
     def _runs_on_stage(self, stage: Enum) -> bool:
         if self.stage is not None:
             return stage == self.stage
@@ -110,6 +114,10 @@ class NeighborListHook:
         if batch is None:
             return
         if has_neighbor_list(batch, self.cutoff, half_list=self.half_list, format=self.format):
+            # A stamp that came with the batch (loader, unpickling) is trusted once; from
+            # now on moving the atoms in place invalidates it.
+            if batch.__dict__.get("_neighbor_list_positions") is None:
+                remember_positions(batch)
             self.skips += 1
             return
         if self.skin > 0.0 and self._within_skin(batch):
@@ -150,9 +158,6 @@ class NeighborListHook:
         moved = (batch.positions.detach() - positions).norm(dim=-1)
         if moved.numel() and bool(moved.max() > 0.5 * self.skin):
             return False
-        positions_now = batch.positions
-        object.__setattr__(
-            batch, "_neighbor_list_positions", (weakref.ref(positions_now), positions_now._version)
-        )
+        remember_positions(batch)
         self._restamp(batch)
         return True

@@ -201,6 +201,15 @@ def test_stamp_is_invalidated_when_positions_change(mixed_batch):
     assert not has_neighbor_list(mixed_batch, 3.0)
 
 
+def test_stamped_batch_pickles_and_the_copy_keeps_a_valid_stamp(mixed_batch):
+    import copy
+
+    compute_neighbors(mixed_batch, 3.0, half_list=True)
+    for clone in (pickle.loads(pickle.dumps(mixed_batch)), copy.deepcopy(mixed_batch)):
+        assert torch.equal(clone.neighbor_list, mixed_batch.neighbor_list)
+        assert has_neighbor_list(clone, 3.0, half_list=True)
+
+
 def test_compute_neighbors_requires_a_cutoff(mixed_batch):
     with pytest.raises(ValueError, match="cutoff"):
         compute_neighbors(mixed_batch)

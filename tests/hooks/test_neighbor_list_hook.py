@@ -121,6 +121,24 @@ def test_skips_lists_precomputed_with_the_same_cutoff_and_rebuilds_other_cutoffs
     assert edges(other) == reference_edges(other, 3.0)
 
 
+def test_a_batch_stamped_elsewhere_is_trusted_until_its_atoms_move():
+    import pickle
+
+    built = make_batch()
+    compute_neighbors(built, 3.0)
+    batch = pickle.loads(pickle.dumps(built))  # as from a loader worker
+    hook = NeighborListHook(config(cutoff=3.0))
+    ctx = HookContext(batch=batch)
+    hook(ctx, Stage.BEFORE_FORWARD)
+    assert (hook.builds, hook.skips) == (0, 1)
+    with torch.no_grad():
+        batch.positions[0] += 0.3
+    hook(ctx, Stage.BEFORE_FORWARD)
+    assert hook.builds == 1
+    assert edges(batch) == reference_edges(batch, 3.0)
+    assert pickle.loads(pickle.dumps(hook)).cutoff == 3.0
+
+
 def test_lists_of_unknown_origin_are_rebuilt():
     data = [d for d in make_batch().to_data_list()]
     data = [NeighborListTransform(2.0)(d, {})[0] for d in data]
