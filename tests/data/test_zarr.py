@@ -243,6 +243,36 @@ def test_append_and_write_preconditions(path, tmp_path):
         writer.write(samples(1))
     writer.append([])  # no-op
     assert AtomicDataZarrReader(path).__len__() == 1
+    empty_dir = tmp_path / "made_by_mkdtemp"
+    empty_dir.mkdir()
+    AtomicDataZarrWriter(empty_dir).write(samples(1))
+    assert len(AtomicDataZarrReader(empty_dir)) == 1
+
+
+def test_an_interrupted_append_leaves_the_store_readable_and_appendable(path, monkeypatch):
+    import nvalchemi.data.io.zarr as zarr_io
+
+    data = samples(5)
+    writer = AtomicDataZarrWriter(path)
+    writer.write(data[:2])
+    real_extend = zarr_io._extend
+
+    def crash_on_pointers(array, old_rows, values):
+        if array.basename == "atoms_ptr":
+            raise OSError("disk full")
+        real_extend(array, old_rows, values)
+
+    monkeypatch.setattr(zarr_io, "_extend", crash_on_pointers)
+    with pytest.raises(OSError, match="disk full"):
+        writer.append(data[2:4])  # core arrays already grew
+    monkeypatch.setattr(zarr_io, "_extend", real_extend)
+    reader = AtomicDataZarrReader(path)
+    assert len(reader) == 2
+    assert_same(reader.read(1)[0], data[1])
+    writer.append(data[4:])
+    reader.refresh()
+    assert len(reader) == 3
+    assert_same(reader.read(2)[0], data[4])
 
 
 def test_lists_of_unknown_settings_clear_the_store_stamp(path):

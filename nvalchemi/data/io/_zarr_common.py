@@ -29,7 +29,8 @@ def open_store(store: Any) -> Any:
 
 def store_exists(store: Any) -> bool:
     if isinstance(store, (str, os.PathLike)):
-        return Path(store).exists()
+        path = Path(store)  # an empty directory (e.g. made by mkdtemp) is not a store yet
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
     zarr = zarr_module()
     try:
         group = zarr.open_group(open_store(store), mode="r")
