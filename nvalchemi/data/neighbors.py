@@ -22,8 +22,9 @@ Entry points:
 Lists built here carry a *stamp* (cutoff and half/full) so that consumers such as
 ``NeighborListHook`` can tell a valid precomputed list from a stale one: on a
 ``Batch`` it is the attributes ``_neighbor_list_cutoff`` /
-``_neighbor_list_half_list``; on an ``AtomicData`` the ``info`` keys
-``"neighbor_list_cutoff"`` / ``"neighbor_list_half_list"``.
+``_neighbor_list_half_list`` (``_neighbor_matrix_*`` for the matrix format), tied
+to the positions tensor they were built from; on an ``AtomicData`` the ``info``
+keys ``"neighbor_list_cutoff"`` / ``"neighbor_list_half_list"``.
 
 Example:
     >>> import numpy as np
@@ -260,23 +261,27 @@ def neighbor_list_for_system(
 
 
 # ------------------------------------------------------------------------- stamps
-def _stamp_of(obj: Any) -> tuple[float, bool] | None:
+# Batch attributes of a stamp, per format: "<prefix>_cutoff", "<prefix>_half_list" and
+# "<prefix>_positions" (what the list was built from).
+_PREFIX = {"coo": "_neighbor_list", "matrix": "_neighbor_matrix"}
+
+
+def _stamp_of(obj: Any, format: str = "coo") -> tuple[float, bool] | None:
+    """``(cutoff, half_list)`` of the valid list of ``format`` that ``obj`` carries, if known."""
     info = getattr(obj, "info", None)
-    if isinstance(info, Mapping) and STAMP_CUTOFF in info:
+    if format == "coo" and isinstance(info, Mapping) and STAMP_CUTOFF in info:
         return float(info[STAMP_CUTOFF]), bool(info.get(STAMP_HALF, False))
     attrs = getattr(obj, "__dict__", {})
-    cutoff = attrs.get("_" + STAMP_CUTOFF)
+    prefix = _PREFIX[format]
+    cutoff = attrs.get(prefix + "_cutoff")
     if cutoff is None:
         return None
     # A list built here remembers which positions tensor (and which in-place version
     # of it) it was built from, so moved atoms (dynamics) are never served a stale list.
-    built_from = attrs.get(_BUILT_FROM)
+    built_from = attrs.get(prefix + "_positions")
     if built_from is not None and not built_from.matches(attrs.get("_data", {}).get("positions")):
         return None
-    return float(cutoff), bool(attrs.get("_" + STAMP_HALF, False))
-
-
-_BUILT_FROM = "_neighbor_list_positions"
+    return float(cutoff), bool(attrs.get(prefix + "_half_list", False))
 
 
 class _BuiltFrom:
@@ -303,36 +308,40 @@ def _no_record() -> None:
     return None
 
 
-def remember_positions(batch: Any) -> None:
+def remember_positions(batch: Any, format: str = "coo") -> None:
     """Tie ``batch``'s neighbour-list stamp to its current positions.
 
     Later in-place changes or replacement of ``batch.positions`` then invalidate
     the stamp (see :func:`has_neighbor_list`).
     """
-    object.__setattr__(batch, _BUILT_FROM, _BuiltFrom(batch.positions))
+    object.__setattr__(batch, _PREFIX[format] + "_positions", _BuiltFrom(batch.positions))
 
 
-def _stamp_batch(batch: Any, cutoff: float, half_list: bool) -> None:
-    object.__setattr__(batch, "_" + STAMP_CUTOFF, cutoff)
-    object.__setattr__(batch, "_" + STAMP_HALF, half_list)
-    remember_positions(batch)
+def _stamp_batch(batch: Any, cutoff: float, half_list: bool, format: str = "coo") -> None:
+    prefix = _PREFIX[format]
+    object.__setattr__(batch, prefix + "_cutoff", cutoff)
+    object.__setattr__(batch, prefix + "_half_list", half_list)
+    remember_positions(batch, format)
+
+
+def _format_name(format: Any) -> str:
+    return str(getattr(format, "value", format)).lower()
 
 
 def has_neighbor_list(
-    obj: Any, cutoff: float, *, half_list: bool = False, format: str = "coo"
+    obj: Any, cutoff: float, *, half_list: bool = False, format: Any = "coo"
 ) -> bool:
     """Whether ``obj`` (a ``Batch`` or ``AtomicData``) holds a list built for these options.
 
     True only when the list's stamp (see the module docstring) says it was built
-    with this cutoff and half/full choice and, for lists built by
+    with this cutoff, half/full choice and format and, for lists built by
     :func:`compute_neighbors`, the positions have not been replaced or modified in
     place since; a list of unknown origin is not trusted.
     """
-    fmt = str(getattr(format, "value", format)).lower()
-    key = "neighbor_matrix" if fmt == "matrix" else "neighbor_list"
-    if key not in obj:
+    fmt = _format_name(format)
+    if fmt not in _PREFIX or ("neighbor_matrix" if fmt == "matrix" else "neighbor_list") not in obj:
         return False
-    stamp = _stamp_of(obj)
+    stamp = _stamp_of(obj, fmt)
     return stamp is not None and stamp == (float(cutoff), bool(half_list))
 
 
@@ -446,7 +455,8 @@ def compute_neighbors(
         [[0, 1], [1, 0], [2, 3], [3, 2]]
     """
     cutoff, half_list, fmt = resolve_neighbor_options(cutoff, config, half_list, format)
-    _check_edge_fields(batch, "compute_neighbors")
+    if fmt == "coo":
+        _check_edge_fields(batch, "compute_neighbors")
     device = batch.device
     positions = _as_numpy(batch.positions, np.float64)
     counts = batch.num_nodes_list
@@ -479,7 +489,7 @@ def compute_neighbors(
                 "ej,ejk->ek", shifts.to(device, cell.dtype), cell.index_select(0, graph)
             )
         batch.set_edges(pairs.to(device), shifts.to(device), torch.from_numpy(counts_np), **extra)
-    _stamp_batch(batch, cutoff, half_list)
+    _stamp_batch(batch, cutoff, half_list, fmt)
 
 
 # ------------------------------------------------------------------- edge vectors

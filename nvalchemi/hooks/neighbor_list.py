@@ -116,8 +116,9 @@ class NeighborListHook:
         if has_neighbor_list(batch, self.cutoff, half_list=self.half_list, format=self.format):
             # A stamp that came with the batch (loader, unpickling) is trusted once; from
             # now on moving the atoms in place invalidates it.
-            if batch.__dict__.get("_neighbor_list_positions") is None:
-                remember_positions(batch)
+            prefix = "_neighbor_matrix" if self.format == "matrix" else "_neighbor_list"
+            if batch.__dict__.get(prefix + "_positions") is None:
+                remember_positions(batch, self.format)
             self.skips += 1
             return
         if self.skin > 0.0 and self._within_skin(batch):
@@ -139,7 +140,8 @@ class NeighborListHook:
 
     def _restamp(self, batch: Any) -> None:
         # The list reaches cutoff + skin; it is valid for the configured cutoff.
-        object.__setattr__(batch, "_neighbor_list_cutoff", self.cutoff)
+        prefix = "_neighbor_matrix" if self.format == "matrix" else "_neighbor_list"
+        object.__setattr__(batch, prefix + "_cutoff", self.cutoff)
 
     def _within_skin(self, batch: Any) -> bool:
         """Same batch object, same cell, and no atom moved more than skin/2 since the build."""
@@ -158,6 +160,6 @@ class NeighborListHook:
         moved = (batch.positions.detach() - positions).norm(dim=-1)
         if moved.numel() and bool(moved.max() > 0.5 * self.skin):
             return False
-        remember_positions(batch)
+        remember_positions(batch, self.format)
         self._restamp(batch)
         return True

@@ -221,6 +221,8 @@ def test_matrix_format_matches_coo(mixed_batch):
     compute_neighbors(mixed_batch, 3.0)
     coo = as_set(mixed_batch.neighbor_list.numpy(), mixed_batch.neighbor_list_shifts.numpy())
     compute_neighbors(mixed_batch, 3.0, format="matrix", max_neighbors=64)
+    assert has_neighbor_list(mixed_batch, 3.0, format="matrix")
+    assert has_neighbor_list(mixed_batch, 3.0, format="coo")
     matrix, counts = mixed_batch.neighbor_matrix, mixed_batch.num_neighbors
     shifts = mixed_batch.neighbor_matrix_shifts
     num_nodes = mixed_batch.num_nodes
@@ -231,6 +233,11 @@ def test_matrix_format_matches_coo(mixed_batch):
         assert bool((matrix[i, k:] == num_nodes).all())
         got |= {(i, int(j), tuple(s)) for j, s in zip(matrix[i, :k], shifts[i, :k].tolist())}
     assert got == coo
+    with torch.no_grad():
+        mixed_batch.positions[0] += 0.1  # both lists are now stale
+    compute_neighbors(mixed_batch, 3.0, format="matrix")
+    assert has_neighbor_list(mixed_batch, 3.0, format="matrix")
+    assert not has_neighbor_list(mixed_batch, 3.0, format="coo")
 
 
 def test_foreign_edge_fields_block_a_rebuild_but_cartesian_shifts_are_recomputed(mixed_batch):
