@@ -87,10 +87,14 @@ def test_drop_last_drops_the_incomplete_batch():
     assert [len(t) for t in tags(loader)] == [5, 5, 5, 5]
 
 
-def test_one_reader_call_per_batch():
+def test_one_reader_call_per_window_of_prefetch_factor_batches():
     reader = ListReader()
-    list(DataLoader(Dataset(reader), batch_size=10))
+    list(DataLoader(Dataset(reader), batch_size=10, prefetch_factor=1))
     assert reader.calls == [list(range(10)), list(range(10, 20)), [20, 21, 22]]
+    reader.calls.clear()
+    batches = list(DataLoader(Dataset(reader), batch_size=10, prefetch_factor=2))
+    assert reader.calls == [list(range(20)), [20, 21, 22]]
+    assert [b.num_graphs for b in batches] == [10, 10, 3]
 
 
 # ----------------------------------------------------------------- shuffling
@@ -157,8 +161,15 @@ def test_state_dict_resumes_mid_epoch_in_a_new_loader():
 
 
 # ------------------------------------------------------------------- workers
-def test_workers_give_the_same_batches_as_in_process():
-    kwargs = dict(batch_size=4, shuffle=True, seed=5, batch_transforms=[scale_energy])
+@pytest.mark.parametrize("prefetch_factor", [0, 2, 5])
+def test_workers_give_the_same_batches_as_in_process(prefetch_factor):
+    kwargs = dict(
+        batch_size=4,
+        shuffle=True,
+        seed=5,
+        batch_transforms=[scale_energy],
+        prefetch_factor=prefetch_factor,
+    )
     local = DataLoader(dataset(transforms=[add_pair_count]), **kwargs)
     workers = DataLoader(dataset(transforms=[add_pair_count]), num_workers=2, **kwargs)
     local.set_epoch(1)

@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,30 +52,46 @@ from nvalchemi.data.datapipes.multidataset import load_child_batches
 from nvalchemi.data.datapipes.samplers import ShuffleSampler
 from nvalchemi.data.transforms import Compose
 
-__all__ = ["DataLoader", "load_batch"]
+__all__ = ["DataLoader", "load_batches"]
 
 
-def load_batch(
+def load_batches(
     dataset: Any,
-    indices: list[int],
+    window: Sequence[list[int]],
     collate_fn: Callable | None = None,
     batch_transforms: Compose | None = None,
     device: Any = None,
-) -> Batch:
-    """Load, collate and transform one batch (what each loader step or worker does)."""
+) -> list[Batch]:
+    """Load, collate and transform a window of batches (one loader step or worker task).
+
+    Datasets with ``load_batches`` get the whole window in one call (one reader
+    call for all of it); others are read item by item and collated.
+    """
     if collate_fn is None and callable(getattr(dataset, "load_batches", None)):
-        batch = load_child_batches(dataset, [indices], device)[0]
+        batches = load_child_batches(dataset, [list(b) for b in window], device)
     else:
-        items = [dataset[i] for i in indices]
-        # reference-style datasets return (AtomicData, metadata) pairs
-        items = [
-            it[0] if isinstance(it, tuple) and it and isinstance(it[0], AtomicData) else it
-            for it in items
-        ]
-        batch = collate_fn(items) if collate_fn is not None else Batch.from_data_list(items)
+        batches = []
+        for indices in window:
+            items = [dataset[i] for i in indices]
+            # reference-style datasets return (AtomicData, metadata) pairs
+            items = [
+                it[0] if isinstance(it, tuple) and it and isinstance(it[0], AtomicData) else it
+                for it in items
+            ]
+            batches.append(
+                collate_fn(items) if collate_fn is not None else Batch.from_data_list(items)
+            )
     if batch_transforms is not None:
-        batch = batch_transforms(batch)
-    return batch
+        batches = [batch_transforms(b) for b in batches]
+    return batches
+
+
+def _windows(plan: Iterator[list[int]], size: int) -> Iterator[tuple[list[int], ...]]:
+    while True:
+        window = tuple(itertools.islice(plan, size))
+        if not window:
+            return
+        yield window
 
 
 _ALIGN = 16  # bytes; every packed tensor starts at a multiple of its element size
@@ -110,7 +127,8 @@ class _Packed:
 
     def __init__(self, obj: Any) -> None:
         tensors: list[torch.Tensor] = []
-        self.skeleton = _strip(obj.__getstate__(), tensors)
+        state = {k: v for k, v in obj.__getstate__().items() if not _holds_weakref(v)}
+        self.skeleton = _strip(state, tensors)
         self.layout = []
         offset = 0
         for t in tensors:
@@ -141,12 +159,15 @@ class _Packed:
 
     def unpack(self, cls: type) -> Any:
         tensors = []
+        pinned = self.buffer.is_pinned() if torch.cuda.is_available() else False
         for dtype, sent, shape, start in self.layout:
             count = 1
             for n in shape:
                 count *= n
             raw = self.buffer[start : start + count * sent.itemsize].view(sent).reshape(shape)
-            tensors.append(raw if sent == dtype else raw.to(dtype))
+            if sent != dtype:  # widen, into pinned memory when the buffer was pinned
+                raw = torch.empty(shape, dtype=dtype, pin_memory=pinned).copy_(raw)
+            tensors.append(raw)
         out = cls.__new__(cls)
         out.__setstate__(_fill(self.skeleton, iter(tensors)))
         return out
@@ -159,13 +180,22 @@ class _TensorSlot:
 _SLOT = _TensorSlot()
 
 
+def _holds_weakref(value: Any) -> bool:
+    """Process-local bookkeeping (e.g. "list built from this positions tensor")."""
+    if isinstance(value, weakref.ref):
+        return True
+    if type(value) in (tuple, list):
+        return any(isinstance(v, weakref.ref) for v in value)
+    return False
+
+
 def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return _SLOT
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: _strip(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return type(value)(_strip(v, tensors) for v in value)
     return value
 
@@ -173,26 +203,26 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
 def _fill(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
     if isinstance(value, _TensorSlot):
         return next(tensors)
-    if isinstance(value, dict):
+    if type(value) is dict:
         return {k: _fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return type(value)(_fill(v, tensors) for v in value)
     return value
 
 
 class _BatchJobs(torch.utils.data.Dataset):
-    """Worker-side view: item ``indices`` is the whole collated (packed) batch."""
+    """Worker-side view: item ``window`` (index lists) is those batches, collated and packed."""
 
     def __init__(self, dataset, collate_fn, batch_transforms) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batch_transforms = batch_transforms
 
-    def __getitem__(self, indices: list[int]) -> Any:
-        batch = load_batch(
-            self.dataset, indices, self.collate_fn, self.batch_transforms, device="cpu"
+    def __getitem__(self, window: tuple[list[int], ...]) -> list[Any]:
+        batches = load_batches(
+            self.dataset, window, self.collate_fn, self.batch_transforms, device="cpu"
         )
-        return _Packed(batch) if type(batch) is Batch else batch
+        return [_Packed(b) if type(b) is Batch else b for b in batches]
 
 
 class _PlanFeed(Sampler):
@@ -255,7 +285,10 @@ class DataLoader:
             and ``drop_last``.
         seed: seed of the default sampler's shuffling.
         num_workers: worker processes loading whole batches (0: in-process).
-        prefetch_factor: batches in flight per worker.
+        prefetch_factor: batches loaded together: in-process, per
+            ``load_batches`` call (one reader call); with workers, per worker
+            task, with two tasks in flight per worker (fewer, larger messages
+            between processes). 0 behaves like 1.
         persistent_workers: keep the workers between passes (keeps their caches).
         pin_memory: pin batches for fast host-to-device copies (CUDA only).
         collate_fn: ``list[AtomicData] -> Batch``; when given, items are fetched
@@ -463,12 +496,13 @@ class DataLoader:
 
     def _iter_local(self, plan: Iterator[list[int]]) -> Iterator[Batch]:
         pin = self.pin_memory and torch.cuda.is_available()
-        for indices in plan:
+        for window in _windows(plan, max(self.prefetch_factor, 1)):
             with _single_threaded():
-                batch = load_batch(self.dataset, indices, self.collate_fn, self.batch_transforms)
-            if pin and batch.device.type == "cpu":
-                batch = batch.pin_memory()
-            yield batch
+                batches = load_batches(self.dataset, window, self.collate_fn, self.batch_transforms)
+            for batch in batches:
+                if pin and batch.device.type == "cpu":
+                    batch = batch.pin_memory()
+                yield batch
 
     def _worker_pool(self) -> torch.utils.data.DataLoader:
         key = (
@@ -491,7 +525,7 @@ class DataLoader:
             num_workers=self.num_workers,
             collate_fn=_identity,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            prefetch_factor=max(self.prefetch_factor, 1),
+            prefetch_factor=2,  # tasks (windows of batches) in flight per worker
             persistent_workers=self.persistent_workers,
             multiprocessing_context=self.multiprocessing_context,
             timeout=self.timeout,
@@ -504,17 +538,18 @@ class DataLoader:
 
     def _iter_workers(self, plan: Iterator[list[int]]) -> Iterator[Batch]:
         pool = self._worker_pool()
-        self._feed.plan = plan
+        self._feed.plan = _windows(plan, max(self.prefetch_factor, 1))
         target = getattr(self.dataset, "target_device", None)
         iterator = iter(pool)
         try:
-            for batch in iterator:
-                if isinstance(batch, _Packed):
-                    with _single_threaded():
-                        batch = batch.unpack(Batch)
-                if target is not None and batch.device != target:
-                    batch = batch.to(target, non_blocking=True)
-                yield batch
+            for window in iterator:
+                for batch in window:
+                    if isinstance(batch, _Packed):
+                        with _single_threaded():
+                            batch = batch.unpack(Batch)
+                    if target is not None and batch.device != target:
+                        batch = batch.to(target, non_blocking=True)
+                    yield batch
         finally:
             if not self.persistent_workers:
                 shutdown = getattr(iterator, "_shutdown_workers", None)
