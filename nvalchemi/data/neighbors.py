@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi.data.atomic_data import AtomicData
+
 __all__ = [
     "NeighborListTransform",
     "compute_neighbors",
@@ -632,7 +634,9 @@ class NeighborListTransform:
             return int(self.n_threads)
         return 1 if torch.utils.data.get_worker_info() is not None else 0
 
-    def __call__(self, data: Any, metadata: dict | None = None) -> tuple[Any, dict | None]:
+    def __call__(
+        self, data: AtomicData, metadata: dict | None = None
+    ) -> tuple[AtomicData, dict | None]:
         stamp = (self.cutoff, self.half_list)
         if "neighbor_list" in data:
             meta_stamp = None

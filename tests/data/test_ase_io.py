@@ -154,6 +154,20 @@ def test_pickled_reader_reads_in_another_process_style(xyz):
     assert torch.equal(clone.read(2)[0]["positions"], reader.read(2)[0]["positions"])
 
 
+@pytest.mark.parametrize("as_atomic_data", [False, True])
+def test_dataset_over_the_reader(xyz, as_atomic_data):
+    from nvalchemi.data.datapipes.dataset import Dataset
+
+    reader = ASEReader(xyz, dtype=torch.float64, as_atomic_data=as_atomic_data)
+    assert reader.validates is True
+    dataset = Dataset(reader)
+    original = structures()
+    for k in (5, 0):
+        data, meta = dataset.get_with_metadata(k)
+        assert torch.allclose(data.forces, original[k].forces.double())
+        assert meta["frame"] == k
+
+
 def test_write_extxyz_accepts_a_batch(tmp_path):
     from nvalchemi.data import Batch
 

@@ -156,6 +156,24 @@ def test_batch_input_and_dict_store():
     assert torch.equal(reader.read(1)[0]["neighbor_list"], batch[1].neighbor_list)
 
 
+def test_dataset_over_the_store_reuses_stored_lists(path, monkeypatch):
+    import nvalchemi.data.neighbors as nb
+    from nvalchemi.data.datapipes.dataset import Dataset
+
+    data = samples(5)
+    AtomicDataZarrWriter(path).write(data)
+    reader = AtomicDataZarrReader(path)
+    assert reader.validates is True
+    calls = []
+    monkeypatch.setattr(nb, "_run_vesin", lambda *a: calls.append(a))
+    dataset = Dataset(reader, transforms=[NeighborListTransform(CUTOFF)])
+    for k in (4, 2, 0):
+        sample = dataset[k]
+        assert sample.info["neighbor_list_cutoff"] == CUTOFF
+        assert_same(dict(sample.items()), data[k])
+    assert calls == []  # the stamp in the store's metadata says the lists fit
+
+
 # ------------------------------------------------------------------------- append
 def test_append_offsets_neighbour_lists_by_the_stored_atoms(path):
     data = samples(6)

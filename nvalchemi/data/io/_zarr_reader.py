@@ -179,10 +179,16 @@ class AtomicDataZarrReader(Reader):
 
     Call :meth:`refresh` after another process appended or deleted samples.
 
+    ``validates = True``: :class:`AtomicDataZarrWriter` stores only validated
+    ``AtomicData``, so ``Dataset`` need not check samples again (labels a sample
+    lacks, stored as NaN, are left out of it, as ``Batch`` does when splitting).
+
     Raises:
         FileNotFoundError: no store at the path.
         ValueError: the store lacks the ``meta`` or ``core`` group.
     """
+
+    validates = True
 
     def __init__(
         self,

@@ -334,10 +334,15 @@ class ASEReader(Reader):
             (with ``info``) instead of a dict of its tensors; ``Dataset`` accepts
             either, and this skips a second validation.
 
+    ``validates = True``: the fields come from a validated ``AtomicData``, so
+    ``Dataset`` need not check them again.
+
     ``read(i)`` returns ``(fields, metadata)`` with ``metadata`` holding ``index``,
     ``source_file``, ``frame`` (within that file) and ``info`` (the structure's
     non-label ``atoms.info``); ``read_data(i)`` returns the ``AtomicData``.
     """
+
+    validates = True
 
     def __init__(
         self,
