@@ -350,3 +350,8 @@ def test_in_process_loading_runs_single_threaded_and_restores_threads():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_pin_memory_is_harmless_without_cuda():
+    loader = DataLoader(dataset(), batch_size=8, pin_memory=True)
+    assert [b.num_graphs for b in loader] == [8, 8, 7]

@@ -5,12 +5,17 @@ from ``sampler`` grouped by ``batch_size``; so sharding, shuffling and seeking
 (``set_epoch_step``) are exact and identical with or without workers. Batches
 are then loaded
 
-* in-process (``num_workers=0``) with ``dataset.load_batches([indices])`` (one
-  reader call per batch), or ``collate_fn([dataset[i] ...])`` for other map-style
-  datasets; or
+* in-process (``num_workers=0``) with ``dataset.load_batches(window)``, one
+  call (and one reader call) per window of ``prefetch_factor`` batches, or
+  ``collate_fn([dataset[i] ...])`` for other map-style datasets; or
 * by ``num_workers`` worker processes, each loading, transforming and collating
-  whole batches (per-structure transforms such as neighbour lists run in
-  parallel), delivered in order.
+  whole windows of batches (per-structure transforms such as neighbour lists run
+  in parallel), delivered in order.
+
+Workers pay off when a batch costs more to build than to ship between
+processes (about a millisecond per batch): neighbour lists computed on the fly,
+text formats, augmentation. Cheap pipelines (cached or stored lists, an
+``InMemoryDataset``) are fastest in-process.
 
 The default sampler shuffles (``shuffle=True``) as a pure function of ``(seed,
 epoch)``; the global RNG is never used, so a resumed run sees the same batches.
@@ -103,7 +108,7 @@ def _narrowest(t: torch.Tensor) -> torch.dtype:
     """The smallest integer dtype holding every value of ``t`` (int tensors only)."""
     if t.numel() < _NARROW_MIN_NUMEL or t.dtype not in (torch.int64, torch.int32):
         return t.dtype
-    low, high = int(t.min()), int(t.max())
+    low, high = (int(v) for v in torch.aminmax(t))
     for dtype in _NARROW:
         info = torch.iinfo(dtype)
         if info.min <= low and high <= info.max:
