@@ -15,6 +15,10 @@ Also prints the wall time and peak RSS of ``python -c "import torch"``,
 ``python -c "import nvalchemi.training"`` and
 ``python -c "from nvalchemi.training import TrainingStrategy"``.
 
+On CPU the clock is the process's CPU time (``time.process_time``, one torch thread by
+default), which other jobs on a shared machine do not inflate; on CUDA it is wall time
+with synchronisation.
+
 Output: one JSON line per measurement. Usage::
 
     python benchmarks/overhead.py [--rounds 9] [--steps 300] [--threads 1] [--device cpu]
@@ -53,7 +57,11 @@ class SmallMLP(nn.Module):
         self.forces = forces
         self.embedding = nn.Embedding(NUM_TYPES + 1, 8)
         self.mlp = nn.Sequential(
-            nn.Linear(11, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 1)
+            nn.Linear(11, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, hidden),
+            nn.SiLU(),
+            nn.Linear(hidden, 1),
         )
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -119,6 +127,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device):
+    """CPU time of this process on CPU (robust to other load on a shared machine), else wall."""
+    return time.process_time if device.type == "cpu" else time.perf_counter
+
+
 def measure(workload: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     forces = workload == "forces"
@@ -139,19 +152,20 @@ def measure(workload: str, args: argparse.Namespace) -> dict:
     loss_b = copy.deepcopy(strategy.loss_fn)  # the composition the strategy evaluates
     optimizer = torch.optim.Adam(model_b.parameters(), lr=1e-3)
     steps = args.steps
+    now = clock(device)
     strategy_rates, bare_rates = [], []
     for round_index in range(args.rounds + 1):  # round 0 warms up
         if round_index:
             strategy.num_steps += steps
         sync(device)
-        start = time.perf_counter()
+        start = now()
         strategy.run(batches)
         sync(device)
-        t_strategy = time.perf_counter() - start
-        start = time.perf_counter()
+        t_strategy = now() - start
+        start = now()
         bare_loop(model_b, optimizer, loss_b, batches, steps, forces)
         sync(device)
-        t_bare = time.perf_counter() - start
+        t_bare = now() - start
         if round_index:
             strategy_rates.append(steps / t_strategy)
             bare_rates.append(steps / t_bare)
@@ -164,6 +178,7 @@ def measure(workload: str, args: argparse.Namespace) -> dict:
         "hidden": 32,
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "clock": "process_time" if device.type == "cpu" else "wall",
         "rounds": args.rounds,
         "steps_per_round": steps,
         "strategy_steps_per_s": round(s, 1),
@@ -173,31 +188,36 @@ def measure(workload: str, args: argparse.Namespace) -> dict:
     }
 
 
+# VmHWM (peak RSS of this process image) rather than ru_maxrss: the latter survives exec and
+# would report the parent's (torch-loaded) peak. torch is imported first and timed apart,
+# so "over torch" is measured inside one process (robust to a busy machine).
 _PROBE = (
-    "import resource, sys, time; t = time.perf_counter(); {stmt}; "
-    "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    "import time; t0 = time.perf_counter(); c0 = time.process_time(); import torch; "
+    "t1 = time.perf_counter(); c1 = time.process_time(); {stmt}; "
+    "t2 = time.perf_counter(); c2 = time.process_time(); "
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]; "
+    "print(t1 - t0, c1 - c0, t2 - t1, c2 - c1, hwm)"
 )
 
 
 def import_cost(stmt: str, repeats: int) -> dict:
-    times, rss = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    rows = []
+    for _ in range(repeats + 1):  # the first run warms the file cache
         out = subprocess.run(
             [sys.executable, "-c", _PROBE.format(stmt=stmt)],
             capture_output=True,
             text=True,
             check=True,
         )
-        wall = time.perf_counter() - start
-        _, maxrss = out.stdout.split()
-        times.append(wall)
-        rss.append(int(maxrss) / 1024)  # ru_maxrss is KiB on Linux
+        rows.append([float(x) for x in out.stdout.split()])
+    med = [statistics.median(col) for col in zip(*rows[1:])]
     return {
         "benchmark": "import",
         "statement": stmt,
-        "wall_s": round(statistics.median(times), 3),
-        "peak_rss_mb": round(statistics.median(rss), 1),
+        "torch_wall_s": round(med[0], 3),
+        "wall_s_over_torch": round(med[2], 3),
+        "cpu_s_over_torch": round(med[3], 3),
+        "peak_rss_mb": round(med[4] / 1024, 1),
     }
 
 
@@ -211,14 +231,17 @@ def main() -> None:
     parser.add_argument("--import-repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for workload in args.workloads.split(","):
+    for workload in filter(None, args.workloads.split(",")):
         print(json.dumps(measure(workload, args)), flush=True)
     if args.import_repeats:
-        base = import_cost("import torch", args.import_repeats)
+        base = import_cost("pass", args.import_repeats)
+        base["statement"] = "import torch"
         print(json.dumps(base), flush=True)
-        for stmt in ("import nvalchemi.training", "from nvalchemi.training import TrainingStrategy"):
+        for stmt in (
+            "import nvalchemi.training",
+            "from nvalchemi.training import TrainingStrategy",
+        ):
             row = import_cost(stmt, args.import_repeats)
-            row["wall_s_over_torch"] = round(row["wall_s"] - base["wall_s"], 3)
             row["peak_rss_mb_over_torch"] = round(row["peak_rss_mb"] - base["peak_rss_mb"], 1)
             print(json.dumps(row), flush=True)
 

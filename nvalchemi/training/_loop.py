@@ -177,7 +177,7 @@ class _TrainingLoop(_LoopSetup):
         bad = record.first_bad()
         if bad is None:
             return
-        (step, epoch, epoch_step, batch_count), components = bad
+        step, epoch, epoch_step, batch_count, components = bad
         names = [n for n, v in components if not bool(torch.isfinite(v))] if components else []
         raise NonFiniteLossError(
             step=step,
@@ -316,6 +316,8 @@ class _TrainingLoop(_LoopSetup):
             if p.orchestrator is None:
                 stage = "zeroing gradients"
                 zero_gradients(p.optimizers)
+                if p.zero_filtered is not None:
+                    p.zero_filtered(p.optimizers)
             stage = S.BEFORE_FORWARD
             if p.before_forward:
                 _fire(stage, p.before_forward, ctx, gate)
@@ -387,7 +389,14 @@ class _TrainingLoop(_LoopSetup):
             if p.after_optimizer_step:
                 _fire(stage, p.after_optimizer_step, ctx, gate if ran else -1)
             stage = "advancing counters"
-            self._advance(ran, p)
+            if ran and ctx is None:  # the common case, inlined
+                d["batch_count"] += 1
+                d["epoch_step_count"] += 1
+                d["step_count"] += 1
+                d["global_step_count"] += p.world_size
+                d["_consecutive_skips"] = 0
+            else:
+                self._advance(ran, p)
             stage = S.AFTER_BATCH
             if p.after_batch:
                 _fire(stage, p.after_batch, ctx, gate if ran else -1)
@@ -400,14 +409,19 @@ class _TrainingLoop(_LoopSetup):
             raise
 
     def _record_loss(self, loss: torch.Tensor, out: Mapping[str, Any]) -> None:
+        # Detached aliases only (no kernel, no sync): references to live tensors would keep
+        # every step's autograd graph alive until the next check.
         d = self.__dict__
         record = d["_nonfinite_record"]
         record.losses.append(loss.detach())
         components = out.get("per_component_unweighted")
         record.meta.append(
             (
-                (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"]),
-                tuple((k, v.detach()) for k, v in components.items()) if components else (),
+                d["step_count"],
+                d["epoch_count"],
+                d["epoch_step_count"],
+                d["batch_count"],
+                [(k, v.detach()) for k, v in components.items()] if components else None,
             )
         )
 

@@ -75,6 +75,7 @@ class _Plan:
         "val_every_epochs",
         "val_every_steps",
         "world_size",
+        "zero_filtered",
     )
 
 
@@ -86,9 +87,10 @@ class _NonFiniteRecord:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.losses: list[torch.Tensor] = []
-        self.meta: list[tuple[tuple[int, int, int, int], Any]] = []
+        # (step, epoch, epoch_step, batch_count, [(component, detached value)] | None)
+        self.meta: list[tuple[int, int, int, int, Any]] = []
 
-    def first_bad(self) -> tuple[tuple[int, int, int, int], Any] | None:
+    def first_bad(self) -> tuple[int, int, int, int, Any] | None:
         """Metadata of the first non-finite loss since the last check (one sync), then clear."""
         if not self.losses:
             return None
@@ -310,6 +312,9 @@ class _LoopSetup:
         p.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
         p.device = self.devices[0]
         p.world_size = get_world_size(self.distributed_manager)
+        # Seam for fine-tuning strategies: clear gradients of trainable parameters that no
+        # optimizer owns (the orchestrator calls the same method when it zeroes).
+        p.zero_filtered = getattr(self, "_zero_optimizer_filtered_gradients", None)
         return p
 
     def _context(self) -> TrainContext:

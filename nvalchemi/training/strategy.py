@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from torch import nn
 
 from nvalchemi.hooks.registry import HookRegistryMixin
-from nvalchemi.training import _strategy_spec
 from nvalchemi.training._loop import _TrainingLoop, unwrapped
 from nvalchemi.training._loop_setup import _NonFiniteRecord
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError
@@ -63,6 +62,7 @@ from nvalchemi.training.validation import ValidationConfig
 __all__ = ["NonFiniteLossError", "TrainingStalledError", "TrainingStrategy", "default_training_fn"]
 
 _DO_STAGES = (TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP)
+_COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
 
 
 def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
@@ -79,10 +79,10 @@ def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
         >>> default_training_fn(Energy(), {"x": torch.ones(2)})
         {'predicted_energy': tensor([[2.]])}
     """
-    if isinstance(model, Mapping):
+    if not isinstance(model, nn.Module) and isinstance(model, Mapping):
         model = model["main"] if "main" in model or len(model) != 1 else next(iter(model.values()))
     outputs = model(batch)
-    if not isinstance(outputs, Mapping):
+    if type(outputs) is not dict and not isinstance(outputs, Mapping):
         raise TypeError(
             f"default_training_fn expects {type(model).__name__} to return a mapping of outputs "
             f"(e.g. {{'energy': ...}}); got {type(outputs).__name__}. Write a training_fn that "
@@ -471,7 +471,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         """
         self.check_nonfinite()
         d = self.__dict__
-        state = {name: int(d[name]) for name in _strategy_spec._COUNTERS}
+        state = {name: int(d[name]) for name in _COUNTERS}
         state["consecutive_skips"] = int(d["_consecutive_skips"])
         validated = d["_validated_at"]
         state["validated_at"] = list(validated) if validated is not None else None
@@ -482,7 +482,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         if not isinstance(state, Mapping):
             raise ValueError(f"runtime_state must be a mapping; got {type(state).__name__}.")
         d = self.__dict__
-        for name in _strategy_spec._COUNTERS:
+        for name in _COUNTERS:
             if name not in state:
                 continue
             try:
@@ -528,10 +528,14 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
     # ------------------------------------------------------------------ specs
     def to_spec_dict(self) -> dict[str, Any]:
         """JSON-ready spec (optimizers, duration, devices, loss, model specs, training_fn)."""
+        from nvalchemi.training import _strategy_spec
+
         return _strategy_spec.to_spec_dict(self)
 
     def to_checkpoint_dict(self) -> dict[str, Any]:
         """:meth:`to_spec_dict` + ``strategy_cls`` + ``runtime_state`` (no file I/O)."""
+        from nvalchemi.training import _strategy_spec
+
         return _strategy_spec.to_checkpoint_dict(self)
 
     @classmethod
@@ -546,6 +550,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         **overrides: Any,
     ) -> TrainingStrategy:
         """Rebuild a strategy from :meth:`to_spec_dict`; ``models``/``hooks``/``training_fn`` override."""
+        from nvalchemi.training import _strategy_spec
+
         return _strategy_spec.from_spec_dict(
             cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
         )
@@ -562,6 +568,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         **overrides: Any,
     ) -> TrainingStrategy:
         """Rebuild the saved strategy class from :meth:`to_checkpoint_dict` and its counters."""
+        from nvalchemi.training import _strategy_spec
+
         return _strategy_spec.from_checkpoint_dict(
             cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
         )
