@@ -93,7 +93,9 @@ def _introspect(module: nn.Module, path: str) -> BaseSpec:
                 f"{path}: {cls.__name__}.__init__ has positional-only parameter {name!r}; "
                 "define checkpoint_spec() on the model instead."
             )
-        if not hasattr(module, name):
+        # A same-named parameter/buffer (nn.Linear's ``bias``) is state, not the argument.
+        is_state = module._parameters.get(name) is not None or module._buffers.get(name) is not None
+        if is_state or not hasattr(module, name):
             if param.default is param.empty:
                 raise ValueError(
                     f"{path}: constructor argument {name!r} of {cls.__name__} is not stored as "
