@@ -16,8 +16,10 @@ a checkpoint every few hundred steps does not build a model each time.
 Example:
     >>> import torch
     >>> spec = model_spec_for(torch.nn.Linear(3, 2, bias=False))
-    >>> spec.cls_path, spec.kwargs["in_features"], spec.kwargs["bias"]
-    ('torch.nn.modules.linear.Linear', 3, False)
+    >>> spec.cls_path, spec.kwargs["in_features"]
+    ('torch.nn.modules.linear.Linear', 3)
+    >>> spec.build()
+    Linear(in_features=3, out_features=2, bias=False)
 """
 
 from __future__ import annotations

@@ -81,3 +81,24 @@ def test_verification_rejects_a_spec_that_rebuilds_other_weights():
     with pytest.raises(ValueError, match="different weights"):
         model_spec_for(model, strict=True)
     assert torch.is_tensor(model.layer.weight)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "nvalchemi.training.strategy",
+        "nvalchemi.training.validation",
+        "nvalchemi.training.runtime",
+        "nvalchemi.training.model_spec",
+        "nvalchemi.training.errors",
+        "nvalchemi.training.hooks.update",
+        "nvalchemi.training.hooks.early_stopping",
+    ],
+)
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(importlib.import_module(module), optionflags=flags, verbose=False)
+    assert result.failed == 0 and result.attempted > 0
