@@ -1,5 +1,10 @@
 """One-shot neighbour lists for a batch (documented import path ``nvalchemi.neighbors``)."""
 
-from nvalchemi.data.neighbors import compute_neighbors
+from nvalchemi.data.neighbors import (
+    NeighborListTransform,
+    compute_neighbors,
+    edge_vectors,
+    neighbor_list_for_system,
+)
 
-__all__ = ["compute_neighbors"]
+__all__ = ["NeighborListTransform", "compute_neighbors", "edge_vectors", "neighbor_list_for_system"]

@@ -557,11 +557,13 @@ class AtomicData:
             source = atoms.arrays if per_atom else atoms.info
             if key in source:
                 return source[key]
-            return results.get(result_key)
+            # A renamed key (e.g. "REF_energy") names one level of theory; the calculator's
+            # result may come from another, so only the default name falls back to it.
+            return results.get(result_key) if key == result_key else None
 
         fields: dict[str, Any] = {
-            "atomic_numbers": torch.as_tensor(atoms.numbers, dtype=torch.int64),
-            "positions": torch.as_tensor(np.asarray(atoms.positions), dtype=dtype),
+            "atomic_numbers": torch.as_tensor(np.array(atoms.numbers), dtype=torch.int64),
+            "positions": torch.as_tensor(np.array(atoms.positions), dtype=dtype),
         }
         pbc = np.asarray(atoms.pbc, dtype=bool)
         if pbc.any():
@@ -583,7 +585,7 @@ class AtomicData:
         ):
             value = label(key, result_key, per_atom)
             if value is not None:
-                fields[name] = torch.as_tensor(np.asarray(value, dtype=float), dtype=label_dtype)
+                fields[name] = torch.as_tensor(np.array(value, dtype=float), dtype=label_dtype)
         charge = atoms.info.get("charge")
         if charge is not None:
             if not float(charge).is_integer():

@@ -59,6 +59,42 @@ def _normalize_level(level: str) -> Level:
         ) from None
 
 
+# Neighbour-list stamps (see nvalchemi.data.neighbors): which cutoff / half-list
+# setting the stored edges were built with. They describe the edge level, so every
+# operation that keeps the edges keeps them; the record of which positions tensor
+# the list was built from is deliberately not carried over.
+_STAMP_ATTRS = (
+    "_neighbor_list_cutoff",
+    "_neighbor_list_half_list",
+    "_neighbor_matrix_cutoff",
+    "_neighbor_matrix_half_list",
+)
+_INFO_STAMPS = (
+    ("neighbor_list_cutoff", "_neighbor_list_cutoff"),
+    ("neighbor_list_half_list", "_neighbor_list_half_list"),
+)
+
+
+def _copy_stamps(source: Batch, target: Batch) -> Batch:
+    for name in _STAMP_ATTRS:
+        value = source.__dict__.get(name)
+        if value is not None:
+            object.__setattr__(target, name, value)
+    return target
+
+
+def _common_stamps(items: Sequence[Any], target: Batch) -> Batch:
+    """Stamp ``target`` when every item (structure or batch) carries the same stamp."""
+    for info_key, attr in _INFO_STAMPS:
+        values = {
+            (it.info.get(info_key) if isinstance(it, AtomicData) else it.__dict__.get(attr))
+            for it in items
+        }
+        if len(values) == 1 and None not in values:
+            object.__setattr__(target, attr, values.pop())
+    return target
+
+
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
@@ -163,7 +199,8 @@ class Batch:
             parts, node_counts, edge_counts, ones, set(exclude_keys or ()), field_levels
         )
         target = torch.device(device) if device is not None else data_list[0].device
-        return cls._from_collated(data, levels, node_counts, edge_counts, target)
+        batch = cls._from_collated(data, levels, node_counts, edge_counts, target)
+        return _common_stamps(data_list, batch) if "neighbor_list" in data else batch
 
     @classmethod
     def _from_collated(
@@ -201,7 +238,8 @@ class Batch:
         part_nodes = torch.tensor([b.num_nodes for b in batches], dtype=torch.int64)
         part_edges = torch.tensor([b.num_edges for b in batches], dtype=torch.int64)
         data, levels = _collate(parts, part_nodes, part_edges, graphs, set(), None)
-        return cls._from_collated(data, levels, node_counts, edge_counts, device)
+        batch = cls._from_collated(data, levels, node_counts, edge_counts, device)
+        return _common_stamps(batches, batch) if "neighbor_list" in data else batch
 
     # ------------------------------------------------------------ counts/index
     @property
@@ -434,6 +472,8 @@ class Batch:
             del self._data[key], self._level_of[key]
         for key in ("edge_batch_idx", "num_edges_per_graph"):
             self._index.pop(key, None)
+        for name in _STAMP_ATTRS:
+            self.__dict__.pop(name, None)
         counts = num_edges_per_graph.to(device="cpu", dtype=torch.int64)
         object.__setattr__(self, "_edge_counts", counts)
         fields = {"neighbor_list": neighbor_list, "neighbor_list_shifts": neighbor_list_shifts}
@@ -542,9 +582,10 @@ class Batch:
                     data[key] = data[key] + shift.unsqueeze(1)
             else:
                 data[key] = value.index_select(0, graph_rows)
-        return Batch._from_collated(
+        selected = Batch._from_collated(
             data, dict(self._level_of), node_counts, edge_counts, self.device
         )
+        return _copy_stamps(self, selected)
 
     def append(self, other: Batch) -> None:
         """Append ``other``'s systems in place (``other`` is not modified)."""
@@ -559,6 +600,9 @@ class Batch:
             merged.device,
             merged._index,
         )
+        for name in _STAMP_ATTRS:
+            self.__dict__.pop(name, None)
+        _copy_stamps(merged, self)
 
     def append_data(self, data_list: Sequence[AtomicData]) -> None:
         """Append structures in place."""
@@ -571,9 +615,10 @@ class Batch:
         data = {k: fn(v) for k, v in self._data.items()}
         index = {k: fn(v) for k, v in self._index.items()}
         device = next(iter(data.values())).device if data else self.device
-        return Batch._construct(
+        out = Batch._construct(
             data, dict(self._level_of), self._node_counts, self._edge_counts, device, index
         )
+        return _copy_stamps(self, out)
 
     def to(
         self,

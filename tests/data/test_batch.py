@@ -260,3 +260,19 @@ def test_pin_memory_and_model_dump():
     assert batch.pin_memory() is batch
     dump = batch.model_dump()
     assert dump["num_graphs"] == 1 and "positions" in dump and "batch_idx" in dump
+
+
+def test_neighbor_list_stamps_follow_the_edges():
+    a, b = molecule(2), crystal(3)
+    for item in (a, b):
+        item.info["neighbor_list_cutoff"] = 5.0
+        item.info["neighbor_list_half_list"] = False
+    batch = Batch.from_data_list([a, b])
+    assert batch.__dict__["_neighbor_list_cutoff"] == 5.0
+    for derived in (batch.to(dtype=torch.float64), batch.clone(), batch[[1, 0]]):
+        assert derived.__dict__["_neighbor_list_cutoff"] == 5.0
+    c = crystal(3)
+    c.info["neighbor_list_cutoff"] = 4.0
+    assert "_neighbor_list_cutoff" not in Batch.from_data_list([a, c]).__dict__
+    batch.set_edges(torch.tensor([[0, 1]]), None, torch.tensor([1, 0]))
+    assert "_neighbor_list_cutoff" not in batch.__dict__
