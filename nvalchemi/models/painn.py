@@ -1,0 +1,513 @@
+"""PaiNN: an E(3)-equivariant message-passing interatomic potential in pure PyTorch.
+
+After Schütt, Unke and Gastegger, "Equivariant message passing for the prediction of
+tensorial properties and molecular spectra" (ICML 2021). Every atom carries scalar
+features ``s [V, F]`` and vector features ``v [V, 3, F]``; each interaction block
+passes messages along edges (radial filters times a smooth cutoff, edge directions)
+and then mixes scalars and vectors per atom. The energy is a sum of per-atom
+energies ``E_i = scale * MLP(s_i) + shift + E0[Z_i]``; forces and stress are its
+derivatives (:func:`nvalchemi.models._utils.energy_and_derivatives`).
+
+The constructor is described entirely by keyword arguments with usable defaults, so
+checkpoints can rebuild the model from its attributes. Fit the data-dependent ones
+(elements, reference energies ``E0``, ``scale``, ``shift``) with :meth:`PaiNN.from_data`
+or :func:`fit_atomic_energies` / :func:`fit_scale_shift`.
+
+Example:
+    >>> import torch
+    >>> from nvalchemi.data import AtomicData
+    >>> model = PaiNN(cutoff=4.0, hidden_channels=16, num_interactions=2, elements=[29])
+    >>> data = AtomicData(
+    ...     atomic_numbers=torch.tensor([29, 29]),
+    ...     positions=torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 2.5]]),
+    ...     neighbor_list=torch.tensor([[0, 1], [1, 0]]),
+    ... )
+    >>> out = model(data)
+    >>> out["energy"].shape, out["forces"].shape
+    (torch.Size([1, 1]), torch.Size([2, 3]))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nvalchemi.data.neighbors import edge_vectors
+from nvalchemi.models._utils import energy_and_derivatives, graph_layout
+from nvalchemi.models.base import BaseModelMixin, ModelConfig, NeighborConfig
+from nvalchemi.models.statistics import (
+    atomic_number,
+    fit_atomic_energies,
+    fit_scale_shift,
+    mean_num_neighbors,
+)
+
+__all__ = ["PaiNN", "fit_atomic_energies", "fit_scale_shift"]
+
+MAX_ATOMIC_NUMBER = 94
+_CUTOFF_FNS = ("cosine", "polynomial")
+
+
+def _chemical_symbol(z: int) -> str:
+    from ase.data import chemical_symbols
+
+    return chemical_symbols[z] if 0 < z < len(chemical_symbols) else f"Z={z}"
+
+
+class _BesselBasis(nn.Module):
+    """``sqrt(2/rc) sin(n pi r / rc) / r`` for ``n = 1..num_rbf`` (the sinc basis of PaiNN)."""
+
+    def __init__(self, cutoff: float, num_rbf: int) -> None:
+        super().__init__()
+        self.cutoff = cutoff
+        self.register_buffer(
+            "frequencies", torch.arange(1, num_rbf + 1) * math.pi / cutoff, persistent=False
+        )
+        self.prefactor = math.sqrt(2.0 / cutoff)
+
+    def forward(self, distances: torch.Tensor) -> torch.Tensor:
+        arg = distances.unsqueeze(-1) * self.frequencies.to(distances.dtype)
+        return self.prefactor * torch.sin(arg) / distances.unsqueeze(-1)
+
+
+def _cosine_cutoff(distances: torch.Tensor, cutoff: float) -> torch.Tensor:
+    inside = distances < cutoff
+    value = 0.5 * (torch.cos(distances * (math.pi / cutoff)) + 1.0)
+    return value * inside
+
+
+def _polynomial_cutoff(distances: torch.Tensor, cutoff: float, p: int = 6) -> torch.Tensor:
+    """The smooth envelope of DimeNet: 1 at 0, value and first two derivatives 0 at the cutoff."""
+    x = distances / cutoff
+    value = (
+        1.0
+        - (p + 1) * (p + 2) / 2 * x**p
+        + p * (p + 2) * x ** (p + 1)
+        - p * (p + 1) / 2 * x ** (p + 2)
+    )
+    return value * (x < 1.0)
+
+
+class _Interaction(nn.Module):
+    """One PaiNN message + update block."""
+
+    def __init__(self, hidden: int, num_rbf: int) -> None:
+        super().__init__()
+        self.hidden = hidden
+        # No bias: the radial features already carry the cutoff envelope, so the
+        # filter (and with it every message) vanishes smoothly at the cutoff.
+        self.filter_net = nn.Linear(num_rbf, 3 * hidden, bias=False)
+        self.message_mlp = nn.Sequential(
+            nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, 3 * hidden)
+        )
+        self.vector_mix = nn.Linear(hidden, 2 * hidden, bias=False)  # U and V, fused
+        self.update_mlp = nn.Sequential(
+            nn.Linear(2 * hidden, hidden), nn.SiLU(), nn.Linear(hidden, 3 * hidden)
+        )
+
+    def forward(
+        self,
+        s: torch.Tensor,
+        v: torch.Tensor | None,
+        radial: torch.Tensor,
+        directions: torch.Tensor,
+        centers: torch.Tensor,
+        neighbors: torch.Tensor,
+        norm: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        f = self.hidden
+        # Message: every neighbour j sends phi(s_j) * W(r_ij) to the centre i.
+        x = self.message_mlp(s).index_select(0, neighbors) * self.filter_net(radial)
+        ds_edge, dvv_edge, dvs_edge = x.split(f, dim=-1)
+        dv_edge = dvs_edge.unsqueeze(1) * directions.unsqueeze(-1)
+        if v is not None:  # v is zero before the first block: skip the gather
+            dv_edge = torch.addcmul(dv_edge, v.index_select(0, neighbors), dvv_edge.unsqueeze(1))
+        s = s + norm * torch.zeros_like(s).index_add_(0, centers, ds_edge)
+        dv = torch.zeros(s.shape[0], 3, f, dtype=s.dtype, device=s.device)
+        dv = dv.index_add_(0, centers, dv_edge)
+        v = norm * dv if v is None else v + norm * dv
+        # Update: mix scalars and vectors on every atom.
+        u_v, v_v = self.vector_mix(v).split(f, dim=-1)
+        v_norm = torch.sqrt((v_v * v_v).sum(dim=1) + 1e-8)
+        a = self.update_mlp(torch.cat([s, v_norm], dim=-1))
+        a_vv, a_sv, a_ss = a.split(f, dim=-1)
+        s = s + a_sv * (u_v * v_v).sum(dim=1) + a_ss
+        v = torch.addcmul(v, a_vv.unsqueeze(1), u_v)
+        return s, v
+
+
+class PaiNN(nn.Module, BaseModelMixin):
+    """Polarizable atom interaction neural network: energy, forces and stress.
+
+    Inputs: ``positions``, ``atomic_numbers``, a full (both directions) neighbour
+    list ``neighbor_list [E, 2]``, and for periodic systems ``cell`` and
+    ``neighbor_list_shifts``. Outputs ``energy [B, 1]``, ``forces [V, 3]`` and
+    ``stress [B, 3, 3]`` (active by default: energy and forces; enable stress with
+    ``model.set_config("active_outputs", {"energy", "forces", "stress"})``).
+
+    Args:
+        cutoff: interaction cutoff in Å (also the model's neighbour-list cutoff).
+        hidden_channels: feature width ``F``.
+        num_interactions: message-passing blocks.
+        num_rbf: radial basis functions.
+        elements: atomic numbers the model supports (default: 1..94); others raise
+            ``ValueError``.
+        atomic_energies: reference energy ``E0`` per element in eV, as a mapping
+            keyed by atomic number or chemical symbol (``{29: -3.5}`` or
+            ``{"Cu": -3.5}``; missing elements get 0) or a sequence aligned with
+            ``elements``; see :func:`fit_atomic_energies`.
+        scale: multiplies the network's per-atom energy (eV); e.g. the force RMS.
+        shift: added to every per-atom energy (eV).
+        avg_num_neighbors: messages are divided by this (``None``: not normalised).
+        cutoff_fn: ``"cosine"`` or ``"polynomial"`` envelope.
+        dtype: parameter dtype (default ``torch.get_default_dtype()``); inputs are
+            cast to it and outputs use it.
+    """
+
+    def __init__(
+        self,
+        *,
+        cutoff: float = 5.0,
+        hidden_channels: int = 64,
+        num_interactions: int = 3,
+        num_rbf: int = 20,
+        elements: Sequence[int] | None = None,
+        atomic_energies: Mapping[int | str, float] | Sequence[float] | torch.Tensor | None = None,
+        scale: float = 1.0,
+        shift: float = 0.0,
+        avg_num_neighbors: float | None = None,
+        cutoff_fn: str = "cosine",
+        dtype: torch.dtype | str | None = None,
+    ) -> None:
+        super().__init__()
+        if cutoff <= 0:
+            raise ValueError(f"PaiNN cutoff must be positive; got {cutoff}.")
+        if cutoff_fn not in _CUTOFF_FNS:
+            raise ValueError(f"PaiNN cutoff_fn={cutoff_fn!r}; expected one of {_CUTOFF_FNS}.")
+        if hidden_channels < 1 or num_interactions < 1 or num_rbf < 1:
+            raise ValueError(
+                "PaiNN needs hidden_channels, num_interactions and num_rbf >= 1; got "
+                f"{hidden_channels}, {num_interactions}, {num_rbf}."
+            )
+        if avg_num_neighbors is not None and avg_num_neighbors <= 0:
+            raise ValueError(f"avg_num_neighbors must be positive; got {avg_num_neighbors}.")
+        self.cutoff = float(cutoff)
+        self.hidden_channels = int(hidden_channels)
+        self.num_interactions = int(num_interactions)
+        self.num_rbf = int(num_rbf)
+        self.scale = float(scale)
+        self.shift = float(shift)
+        self.avg_num_neighbors = None if avg_num_neighbors is None else float(avg_num_neighbors)
+        self.cutoff_fn = cutoff_fn
+        zs = _normalise_elements(elements)
+        self.elements = None if elements is None else zs
+
+        # z -> row; unknown elements map to the last row, whose E0 is NaN.
+        num_elements = len(zs)
+        table = torch.full((MAX_ATOMIC_NUMBER + 2,), num_elements, dtype=torch.long)
+        table[torch.tensor(zs)] = torch.arange(num_elements)
+        self.register_buffer("z_to_index", table, persistent=False)
+        self.register_buffer("_element_zs", torch.tensor(zs, dtype=torch.long), persistent=False)
+        self.register_buffer("e0", _reference_energies(atomic_energies, zs))
+
+        f = self.hidden_channels
+        self.embedding = nn.Embedding(num_elements + 1, f)
+        self.radial_basis = _BesselBasis(self.cutoff, self.num_rbf)
+        self.interactions = nn.ModuleList(
+            _Interaction(f, self.num_rbf) for _ in range(self.num_interactions)
+        )
+        self.readout = nn.Sequential(
+            nn.Linear(f, f // 2 or 1), nn.SiLU(), nn.Linear(f // 2 or 1, 1)
+        )
+        self.to(_resolve_dtype(dtype))
+
+        self.model_config = ModelConfig(
+            outputs={"energy", "forces", "stress"},
+            autograd_outputs={"forces", "stress"},
+            autograd_inputs={"positions"},
+            optional_inputs={"cell", "pbc", "neighbor_list_shifts"},
+            supports_pbc=True,
+            neighbor_config=NeighborConfig(cutoff=self.cutoff),
+            active_outputs={"energy", "forces"},
+        )
+
+    # -------------------------------------------------------------- attributes
+    @property
+    def dtype(self) -> torch.dtype:
+        """Current parameter dtype (follows ``model.to(dtype)``)."""
+        return self.embedding.weight.dtype
+
+    @property
+    def atomic_energies(self) -> dict[str, float] | None:
+        """Reference energies ``{symbol: E0}`` in eV (``None`` when all are zero).
+
+        Keyed by chemical symbol so the value survives JSON (checkpoint specs).
+        """
+        values = self.e0[:-1].detach().cpu().double().tolist()
+        if not any(values):
+            return None
+        zs = self._element_zs.tolist()
+        return {_chemical_symbol(z): float(e) for z, e in zip(zs, values) if e != 0.0}
+
+    @property
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        f = self.hidden_channels
+        return {"node_embeddings": (f,), "graph_embeddings": (f,)}
+
+    # ------------------------------------------------------------------ model
+    def species_index(self, atomic_numbers: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``atomic_numbers``; raises ``ValueError`` for unsupported ones.
+
+        The check needs a device sync, so it is skipped while training on CUDA (an
+        unsupported element then yields a NaN energy through its NaN ``E0``).
+        """
+        table = self.z_to_index
+        index = table.index_select(0, atomic_numbers.clamp(0, table.shape[0] - 1))
+        if not (index.is_cuda and self.training):
+            unknown = index == self.e0.shape[0] - 1
+            if bool(unknown.any()):
+                bad = sorted(set(atomic_numbers[unknown].tolist()))
+                names = ", ".join(f"{_chemical_symbol(z)} (Z={z})" for z in bad)
+                raise ValueError(
+                    f"PaiNN was built for elements {self._element_zs.tolist()} and cannot "
+                    f"handle {names}. Build it with elements=[...] including them "
+                    "(PaiNN.from_data(train_data) uses the elements of the training data)."
+                )
+        return index
+
+    def node_features(
+        self,
+        species: torch.Tensor,
+        positions: torch.Tensor,
+        neighbor_list: torch.Tensor,
+        shifts: torch.Tensor | None,
+        cell: torch.Tensor | None,
+        batch_idx: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scalar features ``s [V, F]`` after all interaction blocks."""
+        vectors = edge_vectors(positions, cell, neighbor_list, shifts, batch_idx)
+        distances = torch.sqrt((vectors * vectors).sum(dim=-1))
+        directions = vectors / distances.unsqueeze(-1)
+        if self.cutoff_fn == "cosine":
+            envelope = _cosine_cutoff(distances, self.cutoff)
+        else:
+            envelope = _polynomial_cutoff(distances, self.cutoff)
+        radial = self.radial_basis(distances) * envelope.unsqueeze(-1)
+        centers, neighbors = neighbor_list[:, 0], neighbor_list[:, 1]
+        norm = 1.0 if self.avg_num_neighbors is None else 1.0 / self.avg_num_neighbors
+        s = self.embedding(species)
+        v = None
+        for block in self.interactions:
+            s, v = block(s, v, radial, directions, centers, neighbors, norm)
+        return s
+
+    def atomic_energy(self, species: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Per-atom energy ``[V]`` in eV."""
+        out = self.readout(features).squeeze(-1)
+        return out * self.scale + self.shift + self.e0.index_select(0, species)
+
+    def _prepare(self, data: Any) -> dict[str, Any]:
+        inputs = self.adapt_input(data)
+        batch_idx, num_graphs = graph_layout(data)
+        shifts = inputs.get("neighbor_list_shifts")
+        cell = inputs.get("cell")
+        if "pbc" in inputs and (shifts is None or cell is None):
+            missing = [
+                k for k, v in (("cell", cell), ("neighbor_list_shifts", shifts)) if v is None
+            ]
+            raise ValueError(
+                f"The input has 'pbc' but no {missing}: periodic systems need the cell and "
+                "the lattice shifts of every edge. Compute neighbour lists with "
+                "nvalchemi.data.neighbors.compute_neighbors(batch, config=model.model_config."
+                "neighbor_config) (it writes neighbor_list and neighbor_list_shifts)."
+            )
+        if cell is not None:
+            cell = cell.to(self.dtype)
+            if cell.dim() == 2:
+                cell = cell.unsqueeze(0)
+        return {
+            "species": self.species_index(inputs["atomic_numbers"]),
+            "positions": inputs["positions"].to(self.dtype),
+            "neighbor_list": inputs["neighbor_list"],
+            "shifts": shifts,
+            "cell": cell,
+            "batch_idx": batch_idx,
+            "num_graphs": num_graphs,
+        }
+
+    def forward(self, data: Any, **kwargs: Any):
+        """Energy, forces and stress of an ``AtomicData`` or ``Batch`` (active outputs only)."""
+        x = self._prepare(data)
+        active = self.output_data()
+        species, batch_idx, num_graphs = x["species"], x["batch_idx"], x["num_graphs"]
+
+        def energy_fn(positions: torch.Tensor, cell: torch.Tensor | None) -> torch.Tensor:
+            s = self.node_features(
+                species, positions, x["neighbor_list"], x["shifts"], cell, batch_idx
+            )
+            per_atom = self.atomic_energy(species, s)
+            return per_atom.new_zeros(num_graphs).index_add_(0, batch_idx, per_atom)
+
+        result = energy_and_derivatives(
+            energy_fn,
+            x["positions"],
+            x["cell"],
+            batch_idx=batch_idx,
+            num_graphs=num_graphs,
+            compute_forces="forces" in active,
+            compute_stress="stress" in active,
+            training=self.training,
+        )
+        return self.adapt_output(result, data)
+
+    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
+        """Write ``node_embeddings [V, F]`` and sum-pooled ``graph_embeddings [B, F]``."""
+        x = self._prepare(data)
+        with torch.no_grad():
+            s = self.node_features(
+                x["species"],
+                x["positions"],
+                x["neighbor_list"],
+                x["shifts"],
+                x["cell"],
+                x["batch_idx"],
+            )
+        graphs = s.new_zeros(x["num_graphs"], s.shape[-1]).index_add_(0, x["batch_idx"], s)
+        data["node_embeddings"] = s
+        data["graph_embeddings"] = graphs
+        return data
+
+    # ------------------------------------------------------------ data fitting
+    @staticmethod
+    def fit_atomic_energies(data: Any, elements: Sequence[int] | None = None) -> dict[int, float]:
+        """Least-squares reference energies ``{Z: E0}``; see :func:`fit_atomic_energies`."""
+        return fit_atomic_energies(data, elements)
+
+    @staticmethod
+    def fit_scale_shift(
+        data: Any, atomic_energies: Mapping[int, float] | None = None
+    ) -> tuple[float, float]:
+        """``(scale, shift)`` from data statistics; see :func:`fit_scale_shift`."""
+        return fit_scale_shift(data, atomic_energies)
+
+    @classmethod
+    def from_data(cls, train_data: Any, **kwargs: Any) -> PaiNN:
+        """Build a PaiNN whose data-dependent arguments are fitted on ``train_data``.
+
+        ``train_data`` is an ``AtomicData``, a ``Batch``, an ``ase.Atoms``, or an
+        iterable/dataset of those (a DataLoader works). Fits ``elements``,
+        ``atomic_energies`` (least squares), ``scale`` and ``shift`` unless given in
+        ``kwargs``; ``avg_num_neighbors`` is measured when the data carries neighbour
+        lists. Every fitted value is an ordinary constructor argument.
+
+        Example:
+            >>> model = PaiNN.from_data(train_structures, cutoff=5.0)  # doctest: +SKIP
+        """
+        from nvalchemi.models.statistics import data_elements
+
+        if kwargs.get("elements") is None:
+            kwargs["elements"] = data_elements(train_data)
+        if kwargs.get("atomic_energies") is None:
+            kwargs["atomic_energies"] = fit_atomic_energies(train_data, kwargs["elements"])
+        if "scale" not in kwargs or "shift" not in kwargs:
+            scale, shift = fit_scale_shift(train_data, kwargs["atomic_energies"])
+            kwargs.setdefault("scale", scale)
+            kwargs.setdefault("shift", shift)
+        if "avg_num_neighbors" not in kwargs:
+            kwargs["avg_num_neighbors"] = mean_num_neighbors(train_data, kwargs.get("cutoff", 5.0))
+        return cls(**kwargs)
+
+    # -------------------------------------------------------------- save/load
+    def init_kwargs(self) -> dict[str, Any]:
+        """The constructor arguments that rebuild this model (weights not included)."""
+        return {
+            "cutoff": self.cutoff,
+            "hidden_channels": self.hidden_channels,
+            "num_interactions": self.num_interactions,
+            "num_rbf": self.num_rbf,
+            "elements": None if self.elements is None else list(self.elements),
+            "atomic_energies": self.atomic_energies,
+            "scale": self.scale,
+            "shift": self.shift,
+            "avg_num_neighbors": self.avg_num_neighbors,
+            "cutoff_fn": self.cutoff_fn,
+            "dtype": self.dtype,
+        }
+
+    def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
+        """Save weights (``as_state_dict=True``) or weights plus constructor arguments,
+        loadable without pickle by :meth:`load`."""
+        if as_state_dict:
+            torch.save(self.state_dict(), Path(path))
+            return
+        kwargs = self.init_kwargs()
+        kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
+        torch.save({"painn_kwargs": kwargs, "state_dict": self.state_dict()}, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, map_location: Any = "cpu") -> PaiNN:
+        """Rebuild a model written by :meth:`export_model` (``weights_only``, no pickle)."""
+        payload = torch.load(Path(path), map_location=map_location, weights_only=True)
+        if not isinstance(payload, dict) or "painn_kwargs" not in payload:
+            raise ValueError(f"{path} is not a PaiNN export; write it with model.export_model().")
+        model = cls(**payload["painn_kwargs"])
+        model.load_state_dict(payload["state_dict"])
+        return model
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.get_default_dtype()
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'float32' or 'float64'.")
+        dtype = resolved
+    if not dtype.is_floating_point:
+        raise ValueError(f"PaiNN dtype must be floating point; got {dtype}.")
+    return dtype
+
+
+def _normalise_elements(elements: Iterable[int] | None) -> list[int]:
+    if elements is None:
+        return list(range(1, MAX_ATOMIC_NUMBER + 1))
+    zs = sorted({int(z) for z in elements})
+    bad = [z for z in zs if not 1 <= z <= MAX_ATOMIC_NUMBER]
+    if not zs or bad:
+        raise ValueError(
+            f"elements must be atomic numbers in 1..{MAX_ATOMIC_NUMBER}; got {list(elements)}."
+        )
+    return zs
+
+
+def _reference_energies(values: Any, zs: list[int]) -> torch.Tensor:
+    """``E0`` per row (``[len(zs) + 1]``, float64); the unknown-element row is NaN."""
+    e0 = torch.zeros(len(zs) + 1, dtype=torch.float64)
+    e0[-1] = float("nan")
+    if values is None:
+        return e0
+    if isinstance(values, Mapping):
+        row = {z: i for i, z in enumerate(zs)}
+        by_z = {atomic_number(key): float(energy) for key, energy in values.items()}
+        extra = sorted(z for z in by_z if z not in row)
+        if extra:
+            raise ValueError(
+                f"atomic_energies has elements {extra} that are not in elements={zs}; "
+                "add them to elements or drop them."
+            )
+        for z, energy in by_z.items():
+            e0[row[z]] = energy
+        return e0
+    values = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    if values.numel() != len(zs):
+        raise ValueError(
+            f"atomic_energies has {values.numel()} values but the model has {len(zs)} "
+            "elements; give one per element (in the order of elements) or a {Z: E0} mapping."
+        )
+    e0[:-1] = values
+    return e0

@@ -1,0 +1,214 @@
+"""Data statistics that set a model's data-dependent constructor arguments.
+
+Every function accepts an ``AtomicData``, a ``Batch``, an ``ase.Atoms``, or any
+iterable of those (a list, a dataset, a DataLoader) and returns plain Python values
+that are passed to the model constructor, so the model stays fully described by its
+keyword arguments.
+
+Example:
+    >>> from ase.build import bulk
+    >>> from ase.calculators.emt import EMT
+    >>> structures = []
+    >>> for n, el in [(1, "Cu"), (2, "Cu"), (1, "Au")]:
+    ...     atoms = bulk(el, "fcc") * (n, 1, 1)
+    ...     atoms.calc = EMT()
+    ...     atoms.get_potential_energy()
+    ...     structures.append(atoms)
+    >>> sorted(fit_atomic_energies(structures))
+    [29, 79]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "atomic_number",
+    "data_elements",
+    "fit_atomic_energies",
+    "fit_scale_shift",
+    "mean_num_neighbors",
+]
+
+_MAX_Z = 119
+
+
+def atomic_number(key: int | str) -> int:
+    """An atomic number from ``29``, ``"29"`` or ``"Cu"``."""
+    if isinstance(key, str) and not key.strip().isdigit():
+        from ase.data import atomic_numbers
+
+        if key not in atomic_numbers:
+            raise ValueError(f"{key!r} is neither an atomic number nor a chemical symbol.")
+        return atomic_numbers[key]
+    return int(key)
+
+
+@dataclass
+class _Chunk:
+    """One structure or batch, reduced to what the statistics need (CPU, float64)."""
+
+    atomic_numbers: torch.Tensor  # [V]
+    batch_idx: torch.Tensor  # [V]
+    num_graphs: int
+    energy: torch.Tensor | None  # [B]
+    forces: torch.Tensor | None  # [V, 3]
+    source: Any
+
+
+def _chunk(item: Any) -> _Chunk:
+    if type(item).__name__ == "Atoms" and hasattr(item, "get_chemical_symbols"):
+        from nvalchemi.data.atomic_data import AtomicData
+
+        item = AtomicData.from_atoms(item, dtype=torch.float64)
+    z = item["atomic_numbers"].detach().cpu().long()
+    num_graphs = getattr(item, "num_graphs", None)
+    if num_graphs is None:
+        batch_idx, num_graphs = torch.zeros_like(z), 1
+    else:
+        batch_idx = item.batch_idx.detach().cpu()
+    energy = getattr(item, "energy", None)
+    forces = getattr(item, "forces", None)
+    return _Chunk(
+        z,
+        batch_idx,
+        int(num_graphs),
+        None if energy is None else energy.detach().cpu().double().reshape(-1),
+        None if forces is None else forces.detach().cpu().double(),
+        item,
+    )
+
+
+def _chunks(data: Any) -> Iterator[_Chunk]:
+    if hasattr(data, "positions") and (
+        hasattr(data, "get_chemical_symbols") or "atomic_numbers" in data
+    ):
+        yield _chunk(data)
+        return
+    try:
+        iterator = iter(data)
+    except TypeError:
+        raise TypeError(
+            f"Expected AtomicData, Batch, ase.Atoms or an iterable of them; got "
+            f"{type(data).__name__}."
+        ) from None
+    for item in iterator:
+        yield _chunk(item)
+
+
+def _composition_and_energy(
+    data: Any, zs: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Element counts ``[S, Z]`` and energies ``[S]`` of every labelled structure."""
+    counts, energies = [], []
+    for chunk in _chunks(data):
+        if chunk.energy is None:
+            continue
+        per_graph = torch.zeros(chunk.num_graphs, _MAX_Z + 1, dtype=torch.float64)
+        per_graph.index_put_(
+            (chunk.batch_idx, chunk.atomic_numbers),
+            torch.ones(chunk.atomic_numbers.shape[0], dtype=torch.float64),
+            accumulate=True,
+        )
+        keep = torch.isfinite(chunk.energy)
+        counts.append(per_graph[keep])
+        energies.append(chunk.energy[keep])
+    if not counts or sum(len(e) for e in energies) == 0:
+        raise ValueError(
+            "No structure in the data has an energy label; cannot fit reference energies."
+        )
+    counts_all = torch.cat(counts)
+    present = torch.nonzero(counts_all.sum(0)).flatten().tolist()
+    zs = present if zs is None else sorted({int(z) for z in zs})
+    missing = sorted(set(present) - set(zs))
+    if missing:
+        raise ValueError(f"The data contains elements {missing} that are not in {list(zs)}.")
+    return counts_all[:, zs], torch.cat(energies), list(zs)
+
+
+def data_elements(data: Any) -> list[int]:
+    """Sorted atomic numbers present in ``data``."""
+    seen = torch.zeros(_MAX_Z + 1, dtype=torch.bool)
+    for chunk in _chunks(data):
+        seen[chunk.atomic_numbers] = True
+    return torch.nonzero(seen).flatten().tolist()
+
+
+def fit_atomic_energies(data: Any, elements: Sequence[int] | None = None) -> dict[int, float]:
+    """Reference energies ``{Z: E0}`` (eV) by least squares of energies on element counts.
+
+    ``E_total ~ sum_Z count_Z * E0[Z]`` over every structure with an energy label. When
+    the compositions do not determine every ``E0`` (e.g. an element that only appears
+    in a fixed ratio) the minimum-norm solution is returned. Elements in ``elements``
+    but absent from the data get 0.
+    """
+    counts, energies, zs = _composition_and_energy(data, elements)
+    solution = torch.linalg.lstsq(counts, energies.unsqueeze(-1), driver="gelsd").solution
+    return {int(z): float(e) for z, e in zip(zs, solution.flatten().tolist())}
+
+
+def fit_scale_shift(
+    data: Any, atomic_energies: Mapping[int, float] | None = None
+) -> tuple[float, float]:
+    """``(scale, shift)`` for a per-atom energy ``scale * NN + shift + E0[Z]``.
+
+    ``atomic_energies`` maps atomic numbers or chemical symbols to ``E0`` (eV).
+
+    ``shift`` is the mean per-atom energy left after subtracting ``E0`` (0 without
+    energy labels). ``scale`` is the root mean square of the force components when
+    the data has forces, else the standard deviation of that per-atom residual; it
+    is 1.0 when neither can be measured.
+    """
+    e0 = torch.zeros(_MAX_Z + 1, dtype=torch.float64)
+    for z, value in (atomic_energies or {}).items():
+        e0[atomic_number(z)] = float(value)
+    residuals, force_sq, force_count = [], 0.0, 0
+    for chunk in _chunks(data):
+        if chunk.forces is not None:
+            finite = torch.isfinite(chunk.forces)
+            force_sq += float((chunk.forces[finite] ** 2).sum())
+            force_count += int(finite.sum())
+        if chunk.energy is not None:
+            natoms = torch.bincount(chunk.batch_idx, minlength=chunk.num_graphs).double()
+            reference = torch.zeros(chunk.num_graphs, dtype=torch.float64).index_add_(
+                0, chunk.batch_idx, e0[chunk.atomic_numbers]
+            )
+            per_atom = (chunk.energy - reference) / natoms
+            residuals.append(per_atom[torch.isfinite(per_atom)])
+    residual = torch.cat(residuals) if residuals else torch.zeros(0, dtype=torch.float64)
+    shift = float(residual.mean()) if residual.numel() else 0.0
+    if force_count:
+        scale = (force_sq / force_count) ** 0.5
+    elif residual.numel() > 1:
+        scale = float(residual.std())
+    else:
+        scale = 1.0
+    return (scale if scale > 1e-12 else 1.0), shift
+
+
+def mean_num_neighbors(data: Any, cutoff: float) -> float | None:
+    """Average number of neighbours within ``cutoff`` per atom, from the neighbour lists
+    the data carries; ``None`` when it carries none."""
+    from nvalchemi.data.neighbors import edge_vectors
+
+    edges, atoms = 0, 0
+    for chunk in _chunks(data):
+        item = chunk.source
+        if "neighbor_list" not in item:
+            continue
+        shifts = getattr(item, "neighbor_list_shifts", None)
+        cell = getattr(item, "cell", None)
+        vectors = edge_vectors(
+            item["positions"].detach().double(),
+            None if cell is None else cell.detach().double(),
+            item["neighbor_list"],
+            shifts,
+            chunk.batch_idx.to(item["positions"].device),
+        )
+        edges += int((vectors.norm(dim=-1) < cutoff).sum())
+        atoms += chunk.atomic_numbers.shape[0]
+    return edges / atoms if atoms else None
