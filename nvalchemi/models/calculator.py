@@ -1,0 +1,150 @@
+"""``NvalchemiCalculator``: any nvalchemi model (or training checkpoint) as an ASE calculator.
+
+Computes ``energy``, ``free_energy`` (equal to the energy), ``forces`` and, for
+periodic systems, ``stress`` (Voigt, eV/Å³, ASE's sign). Neighbour lists are built
+for every call from the model's ``neighbor_config``; results are cached by ASE's
+contract (recomputed only when positions, numbers, cell or pbc change).
+
+Example:
+    >>> from ase.build import bulk
+    >>> from nvalchemi.models import PaiNN
+    >>> atoms = bulk("Cu", "fcc", a=3.6) * (2, 2, 2)
+    >>> atoms.calc = NvalchemiCalculator(PaiNN(elements=[29], hidden_channels=8))
+    >>> atoms.get_forces().shape
+    (8, 3)
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.stress import full_3x3_to_voigt_6_stress
+
+from nvalchemi.data.atomic_data import AtomicData
+
+__all__ = ["NvalchemiCalculator"]
+
+
+class NvalchemiCalculator(Calculator):
+    """ASE calculator around an nvalchemi model.
+
+    Args:
+        model: an ``nn.Module`` + ``BaseModelMixin`` model. It is run in eval mode
+            (its own mode is restored after every call); when ``device`` or ``dtype``
+            differ from the model's, the calculator works on a copy.
+        device: where to run (default: the model's device).
+        dtype: run in this dtype (default: the model's dtype).
+        **kwargs: passed to ``ase.calculators.calculator.Calculator``.
+
+    Raises:
+        PropertyNotImplementedError: stress of a non-periodic system, or a property
+            the model cannot compute.
+    """
+
+    implemented_properties = ["energy", "free_energy", "forces", "stress"]
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        first = next(iter(model.parameters()), None)
+        current_device = first.device if first is not None else torch.device("cpu")
+        current_dtype = first.dtype if first is not None else None
+        self.device = torch.device(device) if device is not None else current_device
+        if self.device != current_device or (dtype is not None and dtype != current_dtype):
+            model = copy.deepcopy(model).to(device=self.device, dtype=dtype)
+        self.model = model
+        outputs = set(model.model_config.outputs)
+        self.implemented_properties = [
+            p
+            for p in ("energy", "free_energy", "forces", "stress")
+            if p in outputs | {"free_energy"}
+        ]
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        model_key: str = "main",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> NvalchemiCalculator:
+        """Build from a training checkpoint directory (weights of model ``model_key``)."""
+        from nvalchemi.training.checkpoint import load_model_from_checkpoint
+
+        model = load_model_from_checkpoint(path, map_location=device, model_key=model_key)
+        return cls(model, device=device, dtype=dtype, **kwargs)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        dtype = getattr(self.model, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        return next(p.dtype for p in self.model.parameters() if p.dtype.is_floating_point)
+
+    def _to_data(self, atoms: Any) -> AtomicData:
+        numbers = torch.as_tensor(atoms.numbers, dtype=torch.long)
+        positions = torch.as_tensor(np.asarray(atoms.positions), dtype=self.model_dtype)
+        fields: dict[str, Any] = {"atomic_numbers": numbers, "positions": positions}
+        pbc = np.asarray(atoms.pbc, dtype=bool)
+        cell = np.asarray(atoms.cell.array, dtype=float)
+        if pbc.any():
+            fields["cell"] = torch.as_tensor(cell, dtype=self.model_dtype).unsqueeze(0)
+            fields["pbc"] = torch.as_tensor(pbc).unsqueeze(0)
+        config = self.model.model_config.neighbor_config
+        if config is not None:
+            from nvalchemi.data.neighbors import neighbor_list_for_system
+
+            pairs, shifts = neighbor_list_for_system(
+                atoms.positions,
+                cell if pbc.any() else None,
+                pbc if pbc.any() else None,
+                config.cutoff,
+                full_list=not config.half_list,
+            )
+            fields["neighbor_list"] = torch.from_numpy(pairs)
+            fields["neighbor_list_shifts"] = torch.from_numpy(shifts)
+        return AtomicData(**fields).to(self.device)
+
+    def calculate(
+        self,
+        atoms: Any = None,
+        properties: list[str] | tuple[str, ...] = ("energy",),
+        system_changes: list[str] = all_changes,
+    ) -> None:
+        super().calculate(atoms, properties, system_changes)
+        periodic = bool(np.asarray(self.atoms.pbc).any())
+        if "stress" in properties and not periodic:
+            raise PropertyNotImplementedError("stress is only defined for periodic systems.")
+        wanted = {"energy", "forces"} & set(self.model.model_config.outputs)
+        if periodic and "stress" in self.model.model_config.outputs:
+            wanted.add("stress")
+        config = self.model.model_config
+        previous, was_training = config.active_outputs, self.model.training
+        config.active_outputs = wanted
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = self.model(self._to_data(self.atoms))
+        finally:
+            config.active_outputs = previous
+            self.model.train(was_training)
+        energy = float(out["energy"].detach().double().sum().cpu())
+        self.results = {"energy": energy, "free_energy": energy}
+        if out.get("forces") is not None:
+            self.results["forces"] = out["forces"].detach().double().cpu().numpy()
+        if out.get("stress") is not None:
+            stress = out["stress"].detach().double().cpu().numpy().reshape(3, 3)
+            self.results["stress"] = full_3x3_to_voigt_6_stress(stress)

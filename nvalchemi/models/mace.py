@@ -1,0 +1,408 @@
+"""``MACEWrapper``: a mace-torch model behind the nvalchemi model contract.
+
+Needs the optional ``mace-torch`` package (``pip install 'nvalchemi-training[mace]'``),
+imported only when a wrapper is built. Three ways in:
+
+* ``MACEWrapper(model)`` around any ``mace.modules.MACE`` instance;
+* :meth:`MACEWrapper.from_mace_kwargs` builds a ``ScaleShiftMACE`` from plain,
+  JSON-friendly arguments (irreps as strings, block names as strings) and records
+  them, so training checkpoints can rebuild the model;
+* :meth:`MACEWrapper.from_checkpoint` loads a pickled mace-torch model file (trusted
+  files only) and records its path.
+
+Outputs: ``energy [B, 1]``, ``forces [V, 3]``, ``stress [B, 3, 3]`` (positive =
+tensile), ``hessian``, ``atomic_energies [V]``; active by default: energy and forces.
+In train mode MACE builds a differentiable force graph (``training=True``).
+
+Example:
+    >>> wrapper = MACEWrapper.from_mace_kwargs(atomic_numbers=[29, 79], r_max=4.0,
+    ...     hidden_irreps="8x0e + 8x1o", num_interactions=1)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nvalchemi._optional import OptionalDependency
+from nvalchemi.models._utils import graph_layout
+from nvalchemi.models.base import BaseModelMixin, ModelConfig, NeighborConfig
+from nvalchemi.models.statistics import atomic_number
+
+__all__ = ["MACEWrapper"]
+
+_MAX_Z = 119
+
+
+def _require_mace() -> Any:
+    return OptionalDependency.MACE.require("MACEWrapper")
+
+
+def _chemical_symbol(z: int) -> str:
+    from ase.data import chemical_symbols
+
+    return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
+
+
+def _float(value: Any) -> float:
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+class MACEWrapper(nn.Module, BaseModelMixin):
+    """A mace-torch ``MACE`` model that trains and runs through the nvalchemi contract.
+
+    Args:
+        model: a ``mace.modules.MACE`` (e.g. ``ScaleShiftMACE``) instance.
+        reconstruction_spec: a spec that rebuilds this wrapper (returned by
+            :meth:`checkpoint_spec`); the factories record one themselves.
+    """
+
+    def __init__(self, model: nn.Module, *, reconstruction_spec: Any = None) -> None:
+        super().__init__()
+        _require_mace()
+        self.model = model
+        self.reconstruction_spec = reconstruction_spec
+        self._spec_record: tuple[str, dict[str, Any]] | None = None
+        zs = [int(z) for z in model.atomic_numbers.tolist()]
+        table = torch.zeros(_MAX_Z + 1, len(zs), dtype=self._model_dtype)
+        table[torch.tensor(zs), torch.arange(len(zs))] = 1.0
+        # One-hot species lookup; not part of the weights.
+        self.register_buffer("_node_emb", table, persistent=False)
+        known = torch.zeros(_MAX_Z + 1, dtype=torch.bool)
+        known[torch.tensor(zs)] = True
+        self.register_buffer("_known_z", known, persistent=False)
+        self.model_config = ModelConfig(
+            outputs={"energy", "forces", "stress", "hessian", "atomic_energies"},
+            autograd_outputs={"forces", "stress", "hessian"},
+            autograd_inputs={"positions"},
+            optional_inputs={"cell", "pbc", "neighbor_list_shifts"},
+            supports_pbc=True,
+            neighbor_config=NeighborConfig(cutoff=self.cutoff),
+            active_outputs={"energy", "forces"},
+        )
+
+    # ------------------------------------------------------------ properties
+    @property
+    def cutoff(self) -> float:
+        return _float(self.model.r_max)
+
+    @property
+    def _model_dtype(self) -> torch.dtype:
+        for p in self.model.parameters():
+            if p.dtype.is_floating_point:
+                return p.dtype
+        return torch.float64
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._model_dtype
+
+    @property
+    def elements(self) -> list[int]:
+        return [int(z) for z in self.model.atomic_numbers.tolist()]
+
+    @property
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        h = sum(int(p.linear.irreps_out.dim) for p in self.model.products)
+        return {"node_embeddings": (h,), "graph_embeddings": (h,)}
+
+    # ----------------------------------------------------------------- inputs
+    def _check_species(self, atomic_numbers: torch.Tensor) -> None:
+        if atomic_numbers.is_cuda and self.training:
+            return  # the check syncs; unknown species get all-zero node attributes
+        z = atomic_numbers.clamp(0, _MAX_Z)
+        unknown = ~self._known_z.index_select(0, z)
+        if bool(unknown.any()):
+            bad = sorted(set(atomic_numbers[unknown].tolist()))
+            names = ", ".join(f"{_chemical_symbol(b)} (Z={b})" for b in bad)
+            raise ValueError(
+                f"This MACE model was built for elements {self.elements} and cannot handle {names}."
+            )
+
+    def adapt_input(self, data: Any, **kwargs: Any) -> dict[str, Any]:
+        """MACE's input dict; the caller's tensors are never modified in place."""
+        base = super().adapt_input(data, **kwargs)
+        dtype = self._model_dtype
+        batch_idx, num_graphs = graph_layout(data)
+        positions = base["positions"]
+        if not positions.requires_grad:
+            positions = positions.detach()
+        # MACE calls positions.requires_grad_() itself: hand it a tensor of our own.
+        positions = positions.to(dtype)
+        atomic_numbers = base["atomic_numbers"]
+        self._check_species(atomic_numbers)
+        neighbor_list = base["neighbor_list"].long()
+        unit_shifts = base.get("neighbor_list_shifts")
+        if unit_shifts is None:
+            if "pbc" in base:
+                raise ValueError(
+                    "The input has 'pbc' but no 'neighbor_list_shifts'; compute neighbour lists "
+                    "with nvalchemi.data.neighbors.compute_neighbors(batch, config="
+                    "model.model_config.neighbor_config)."
+                )
+            unit_shifts = torch.zeros(neighbor_list.shape[0], 3, device=positions.device)
+        unit_shifts = unit_shifts.to(dtype)
+        cell = base.get("cell")
+        if cell is None:
+            cell = torch.zeros(num_graphs, 3, 3, dtype=dtype, device=positions.device)
+        cell = cell.to(dtype).reshape(-1, 3, 3)
+        edge_cell = cell.index_select(0, batch_idx.index_select(0, neighbor_list[:, 0]))
+        shifts = torch.einsum("ej,ejk->ek", unit_shifts, edge_cell)
+        ptr = getattr(data, "ptr", None)
+        if ptr is None:
+            ptr = torch.tensor([0, positions.shape[0]], device=positions.device)
+        return {
+            "positions": positions,
+            "node_attrs": self._node_emb.index_select(0, atomic_numbers.clamp(0, _MAX_Z)),
+            "batch": batch_idx,
+            "ptr": ptr,
+            "edge_index": neighbor_list.T.contiguous(),
+            "unit_shifts": unit_shifts,
+            "shifts": shifts,
+            "cell": cell,
+        }
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, data: Any, **kwargs: Any):
+        active = self.output_data()
+        inputs = self.adapt_input(data, **kwargs)
+        need_grad = bool(active & {"forces", "stress", "hessian"})
+        grad_enabled = torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad_enabled or need_grad):
+            raw = self.model(
+                inputs,
+                training=self.training and grad_enabled,
+                compute_force="forces" in active or "hessian" in active,
+                compute_stress="stress" in active,
+                compute_displacement="stress" in active,
+                compute_hessian="hessian" in active,
+            )
+        if not grad_enabled:
+            raw = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in raw.items()}
+        return self.adapt_output(raw, data)
+
+    def adapt_output(self, model_output: Any, data: Any):
+        mapped = dict(model_output)
+        energy = mapped.get("energy")
+        if isinstance(energy, torch.Tensor):
+            mapped["energy"] = energy.reshape(-1, 1)
+        if mapped.get("node_energy") is not None:
+            mapped["atomic_energies"] = mapped["node_energy"].to(self._model_dtype)
+        return super().adapt_output(mapped, data)
+
+    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
+        """Write MACE's node features as ``node_embeddings [V, h]`` and their
+        per-system sums as ``graph_embeddings [B, h]``."""
+        inputs = self.adapt_input(data)
+        with torch.enable_grad():  # MACE marks positions as requiring grad
+            raw = self.model(inputs, training=False, compute_force=False)
+        feats = raw.get("node_feats")
+        if feats is None:
+            raise RuntimeError("The MACE model returned no 'node_feats'; cannot embed.")
+        feats = feats.detach()
+        batch_idx, num_graphs = graph_layout(data)
+        graphs = feats.new_zeros(num_graphs, feats.shape[-1]).index_add_(0, batch_idx, feats)
+        data["node_embeddings"] = feats
+        data["graph_embeddings"] = graphs
+        return data
+
+    # --------------------------------------------------------- construction
+    @classmethod
+    def from_mace_kwargs(
+        cls,
+        *,
+        atomic_numbers: Sequence[int],
+        atomic_energies: Mapping[int | str, float] | Sequence[float] | None = None,
+        r_max: float = 5.0,
+        num_bessel: int = 8,
+        num_polynomial_cutoff: int = 5,
+        max_ell: int = 3,
+        interaction: str = "RealAgnosticResidualInteractionBlock",
+        interaction_first: str = "RealAgnosticResidualInteractionBlock",
+        num_interactions: int = 2,
+        hidden_irreps: str = "32x0e + 32x1o",
+        MLP_irreps: str = "16x0e",
+        correlation: int = 3,
+        gate: str | None = "silu",
+        avg_num_neighbors: float = 10.0,
+        atomic_inter_scale: float = 1.0,
+        atomic_inter_shift: float = 0.0,
+        radial_MLP: Sequence[int] = (64, 64, 64),
+        radial_type: str = "bessel",
+        dtype: str = "float64",
+        seed: int | None = None,
+    ) -> MACEWrapper:
+        """Build a ``ScaleShiftMACE`` from JSON-friendly arguments and record them.
+
+        Argument names follow mace-torch's model constructor (block and gate names as
+        strings, irreps as strings). ``atomic_energies`` maps atomic numbers or
+        chemical symbols to ``E0`` (eV), or is a sequence aligned with ``atomic_numbers``
+        (default zeros); ``seed`` fixes the initial
+        weights. :meth:`checkpoint_spec` rebuilds the same architecture from these
+        arguments (weights are restored from the checkpoint).
+        """
+        recorded = {k: v for k, v in locals().items() if k not in ("cls", "__class__")}
+        recorded["atomic_numbers"] = [int(z) for z in atomic_numbers]
+        recorded["radial_MLP"] = [int(n) for n in radial_MLP]
+        zs = recorded["atomic_numbers"]
+        e0 = [0.0] * len(zs)
+        if isinstance(atomic_energies, Mapping):
+            by_z = {atomic_number(z): float(e) for z, e in atomic_energies.items()}
+            unknown = sorted(z for z in by_z if z not in zs)
+            if unknown:
+                raise ValueError(f"atomic_energies names elements {unknown} not in {zs}.")
+            e0 = [by_z.get(z, 0.0) for z in zs]
+        elif atomic_energies is not None:
+            if len(atomic_energies) != len(zs):
+                raise ValueError(
+                    f"atomic_energies has {len(atomic_energies)} values for {len(zs)} elements."
+                )
+            e0 = [float(e) for e in atomic_energies]
+        recorded["atomic_energies"] = e0  # aligned with atomic_numbers: JSON-friendly
+        _require_mace()
+        import numpy as np
+        from e3nn import o3
+        from mace import modules
+
+        for name, value in (("interaction", interaction), ("interaction_first", interaction_first)):
+            if value not in modules.interaction_classes:
+                raise ValueError(
+                    f"Unknown MACE {name} {value!r}; choose from "
+                    f"{sorted(modules.interaction_classes)}."
+                )
+        gate_key = "None" if gate is None else gate
+        if gate_key not in modules.gate_dict:
+            raise ValueError(
+                f"Unknown MACE gate {gate!r}; choose from {sorted(modules.gate_dict)}."
+            )
+        torch_dtype = getattr(torch, str(dtype).removeprefix("torch."))
+        generator_state = torch.random.get_rng_state()
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(torch_dtype)  # MACE creates buffers in the default dtype
+            model = modules.ScaleShiftMACE(
+                r_max=float(r_max),
+                num_bessel=int(num_bessel),
+                num_polynomial_cutoff=int(num_polynomial_cutoff),
+                max_ell=int(max_ell),
+                interaction_cls=modules.interaction_classes[interaction],
+                interaction_cls_first=modules.interaction_classes[interaction_first],
+                num_interactions=int(num_interactions),
+                num_elements=len(zs),
+                hidden_irreps=o3.Irreps(hidden_irreps),
+                MLP_irreps=o3.Irreps(MLP_irreps),
+                atomic_energies=np.asarray(e0, dtype=float),
+                avg_num_neighbors=float(avg_num_neighbors),
+                atomic_numbers=zs,
+                correlation=int(correlation),
+                gate=modules.gate_dict[gate_key],
+                radial_MLP=recorded["radial_MLP"],
+                radial_type=radial_type,
+                atomic_inter_scale=float(atomic_inter_scale),
+                atomic_inter_shift=float(atomic_inter_shift),
+            )
+        finally:
+            torch.set_default_dtype(previous)
+            if seed is not None:
+                torch.random.set_rng_state(generator_state)
+        wrapper = cls(model.to(torch_dtype))
+        wrapper._spec_record = ("from_mace_kwargs", recorded)
+        return wrapper
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint_path: str | Path,
+        *,
+        map_location: str | torch.device = "cpu",
+        dtype: str | torch.dtype | None = None,
+        atomic_energies: Mapping[int | str, float] | None = None,
+    ) -> MACEWrapper:
+        """Load a pickled mace-torch model file (e.g. ``*.model`` from ``mace_run_train``).
+
+        .. warning:: MACE model files are Python pickles: loading one runs code from
+           the file. Only load files you trust.
+
+        Args:
+            checkpoint_path: a local file (named foundation models are not downloaded).
+            map_location: device to load onto.
+            dtype: cast the model (``"float32"``/``"float64"``).
+            atomic_energies: overrides of the reference energies, keyed by atomic
+                number or chemical symbol.
+
+        Returns:
+            The wrapper in eval mode; :meth:`checkpoint_spec` reloads the same file.
+        """
+        _require_mace()
+        path = Path(checkpoint_path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"MACE model file {path} does not exist (only local files are supported)."
+            )
+        warnings.warn(
+            f"Loading {path} with pickle (torch.load(weights_only=False)): this executes code "
+            "from the file. Only load MACE models you trust.",
+            UserWarning,
+            stacklevel=2,
+        )
+        model = torch.load(path, map_location=map_location, weights_only=False)
+        if not isinstance(model, nn.Module) or not hasattr(model, "atomic_numbers"):
+            raise TypeError(
+                f"{path} holds a {type(model).__name__}, not a mace-torch model; save the model "
+                "itself (torch.save(model, path)), not a state dict or a training checkpoint."
+            )
+        if dtype is not None:
+            model = model.to(getattr(torch, str(dtype).removeprefix("torch.")))
+        if atomic_energies:
+            _override_e0(model, atomic_energies)
+        from ase.data import chemical_symbols
+
+        wrapper = cls(model)
+        wrapper._spec_record = (
+            "from_checkpoint",
+            {
+                "checkpoint_path": str(path.resolve()),
+                "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+                "atomic_energies": None
+                if not atomic_energies
+                else {
+                    chemical_symbols[atomic_number(z)]: float(e) for z, e in atomic_energies.items()
+                },
+            },
+        )
+        return wrapper.eval()
+
+    def checkpoint_spec(self) -> Any:
+        """A spec that rebuilds this wrapper, or ``None`` for a wrapper around a live
+        module built by hand (training checkpoints then cannot rebuild it)."""
+        if self.reconstruction_spec is not None:
+            return self.reconstruction_spec
+        if self._spec_record is None:
+            return None
+        from nvalchemi.training.spec import create_model_spec
+
+        factory, kwargs = self._spec_record
+        return create_model_spec(getattr(type(self), factory), **kwargs)
+
+    def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
+        """Save the inner MACE module (pickled, loadable by mace-torch) or its state dict."""
+        torch.save(self.model.state_dict() if as_state_dict else self.model, Path(path))
+
+
+def _override_e0(model: nn.Module, atomic_energies: Mapping[int | str, float]) -> None:
+    zs = [int(z) for z in model.atomic_numbers.tolist()]
+    by_z = {atomic_number(z): float(e) for z, e in atomic_energies.items()}
+    unknown = sorted(z for z in by_z if z not in zs)
+    if unknown:
+        raise ValueError(f"atomic_energies names elements {unknown} not in the model's {zs}.")
+    buffer = model.atomic_energies_fn.atomic_energies
+    with torch.no_grad():
+        for z, value in by_z.items():
+            buffer[..., zs.index(z)] = value
