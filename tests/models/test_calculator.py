@@ -1,0 +1,117 @@
+"""NvalchemiCalculator: ASE's calculator contract on top of an nvalchemi model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase.calculators.calculator import PropertyNotImplementedError
+from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_stress
+
+from nvalchemi.models import NvalchemiCalculator, PaiNN
+
+
+def _painn(dtype=torch.float64):
+    torch.manual_seed(0)
+    return PaiNN(
+        cutoff=4.0,
+        hidden_channels=16,
+        num_interactions=2,
+        num_rbf=8,
+        elements=[29, 79],
+        atomic_energies={29: -3.0, 79: -2.5},
+        scale=0.3,
+        dtype=dtype,
+    )
+
+
+def test_forces_are_minus_the_energy_gradient(helpers):
+    atoms = helpers.triclinic_cu_au()
+    atoms.calc = NvalchemiCalculator(_painn())
+    numeric = calculate_numerical_forces(atoms, eps=1e-4, iatoms=[0, 1])
+    np.testing.assert_allclose(atoms.get_forces()[:2], numeric, atol=1e-7)
+
+
+def test_stress_is_the_finite_strain_derivative(helpers):
+    for atoms in (helpers.triclinic_cu_au(), helpers.au_slab()):
+        atoms.calc = NvalchemiCalculator(_painn())
+        numeric = calculate_numerical_stress(atoms, eps=1e-5)
+        np.testing.assert_allclose(atoms.get_stress(), numeric, atol=1e-8)
+        assert atoms.get_stress().shape == (6,)
+
+
+def test_free_energy_and_non_periodic_systems(helpers):
+    atoms = helpers.cu_cluster()
+    atoms.calc = NvalchemiCalculator(_painn())
+    energy = atoms.get_potential_energy()
+    assert atoms.get_potential_energy(force_consistent=True) == energy
+    assert atoms.get_forces().shape == (4, 3)
+    with pytest.raises(PropertyNotImplementedError):
+        atoms.get_stress()
+
+
+def test_results_are_cached_until_the_atoms_change(helpers):
+    model = _painn()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    atoms = helpers.triclinic_cu_au()
+    atoms.calc = NvalchemiCalculator(model)
+    atoms.get_potential_energy()
+    atoms.get_forces()
+    atoms.get_stress()
+    assert len(calls) == 1
+    atoms.positions[0, 0] += 0.01
+    atoms.get_forces()
+    assert len(calls) == 2
+
+
+def test_dtype_and_mode_selection_leave_the_model_untouched(helpers):
+    model = _painn(torch.float32).train()
+    calc = NvalchemiCalculator(model, device="cpu", dtype=torch.float64)
+    assert model.dtype == torch.float32 and calc.model.dtype == torch.float64
+    atoms = helpers.triclinic_cu_au()
+    atoms.calc = calc
+    reference = helpers.triclinic_cu_au()
+    reference.calc = NvalchemiCalculator(_painn(torch.float64))
+    assert atoms.get_potential_energy() == pytest.approx(reference.get_potential_energy(), abs=1e-5)
+    same = NvalchemiCalculator(model)
+    assert same.model is model
+    atoms.calc = same
+    atoms.get_forces()
+    assert model.training  # the calculator's eval mode is temporary
+
+
+def test_nve_dynamics_conserves_energy():
+    from ase import units
+    from ase.build import bulk
+    from ase.md.velocitydistribution import thermalize_momenta
+    from ase.md.verlet import VelocityVerlet
+
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True) * (2, 2, 2)
+    atoms.numbers[::5] = 79
+    atoms.rattle(0.02, seed=3)
+    model = _painn()
+    model.scale = 10.0  # a random but smooth potential with EMT-sized forces (~0.3 eV/Å)
+    atoms.calc = NvalchemiCalculator(model)
+    thermalize_momenta(atoms, temperature_K=300, rng=np.random.default_rng(0))
+    dyn = VelocityVerlet(atoms, timestep=2.0 * units.fs)
+    total, potential = [], []
+    dyn.attach(lambda: total.append(atoms.get_total_energy()), interval=2)
+    dyn.attach(lambda: potential.append(atoms.get_potential_energy()), interval=2)
+    dyn.run(100)
+    exchanged = max(potential) - min(potential)
+    drift = max(total) - min(total)
+    assert exchanged > 0.1, "the potential energy should change during the run"
+    assert drift < 2e-3 * exchanged, f"total energy drifted {drift:.2e} eV ({exchanged:.2f} eV)"
+
+
+def test_from_checkpoint_directory(tmp_path, helpers):
+    checkpoint = pytest.importorskip("nvalchemi.training.checkpoint")
+    if not hasattr(checkpoint, "load_model_from_checkpoint"):
+        pytest.skip("nvalchemi.training.checkpoint.load_model_from_checkpoint is not available")
+    model = _painn()
+    checkpoint.save_checkpoint(tmp_path / "ckpt", models={"main": model})
+    calc = NvalchemiCalculator.from_checkpoint(tmp_path / "ckpt", device="cpu")
+    atoms, reference = helpers.triclinic_cu_au(), helpers.triclinic_cu_au()
+    atoms.calc, reference.calc = calc, NvalchemiCalculator(model)
+    np.testing.assert_allclose(atoms.get_forces(), reference.get_forces(), atol=1e-12)
