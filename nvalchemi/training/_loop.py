@@ -171,10 +171,25 @@ class _TrainingLoop(_LoopSetup):
 
         One device sync. The loop calls it every ``nonfinite_check_interval`` steps,
         before validation, before ``AFTER_EPOCH``/``AFTER_TRAINING`` hooks and at the
-        end of ``run()``; checkpoint hooks call it before saving.
+        end of ``run()``; checkpoint hooks call it before saving. Under
+        ``torch.distributed`` (more than one process) the verdict is agreed across ranks,
+        so every rank raises together: call it on every rank at the same point.
         """
         record = self.__dict__["_nonfinite_record"]
         bad = record.first_bad()
+        if self._distributed():
+            from nvalchemi.distributed.runtime import all_agree
+
+            if all_agree(bad is not None, self.distributed_manager) and bad is None:
+                d = self.__dict__
+                raise NonFiniteLossError(
+                    step=d["step_count"],
+                    epoch=d["epoch_count"],
+                    epoch_step=d["epoch_step_count"],
+                    batch_count=d["batch_count"],
+                    components=[],
+                    detail="Another rank reported a non-finite loss since the last check.",
+                )
         if bad is None:
             return
         step, epoch, epoch_step, batch_count, components = bad
@@ -192,6 +207,24 @@ class _TrainingLoop(_LoopSetup):
                 "since then used non-finite gradients."
             ),
         )
+
+    def _distributed(self) -> bool:
+        from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
+
+        manager = self.distributed_manager
+        return is_distributed_initialized(manager) and get_world_size(manager) > 1
+
+    def _skip_nonfinite(self, loss: torch.Tensor, p: _Plan) -> bool:
+        """Whether to skip this batch (``nonfinite_loss="skip"``): one sync, agreed across ranks.
+
+        Every rank must skip together, or DDP's gradient all-reduce would wait forever.
+        """
+        bad = not math.isfinite(float(loss.detach()))
+        if p.world_size > 1 and self._distributed():
+            from nvalchemi.distributed.runtime import all_agree
+
+            bad = all_agree(bad, self.distributed_manager)
+        return bad
 
     # ------------------------------------------------------------------ run
     def _train_run(self, dataloader: Any) -> None:
@@ -355,7 +388,7 @@ class _TrainingLoop(_LoopSetup):
             mode = p.nonfinite
             if mode == _RAISE:
                 self._record_loss(loss, out)
-            elif mode == _SKIP and not math.isfinite(float(loss.detach())):
+            elif mode == _SKIP and self._skip_nonfinite(loss, p):
                 return self._skip_batch(p, out)
             stage = S.BEFORE_BACKWARD
             if p.before_backward:

@@ -466,10 +466,10 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
     def runtime_state(self) -> dict[str, Any]:
         """Counters and loop state to resume exactly (plain ints; JSON-ready).
 
-        Checks the non-finite record first (raising :class:`NonFiniteLossError`), so a
-        checkpoint never captures a run that already diverged.
+        Checkpoint hooks should call :meth:`check_nonfinite` first (on every rank), so a
+        checkpoint never captures a run that already diverged; this method itself does
+        not synchronise.
         """
-        self.check_nonfinite()
         d = self.__dict__
         state = {name: int(d[name]) for name in _COUNTERS}
         state["consecutive_skips"] = int(d["_consecutive_skips"])

@@ -874,3 +874,55 @@ def test_nonfinite_record_survives_no_warning_noise():
         warnings.simplefilter("error")
         strategy(nonfinite_loss="skip", num_steps=2).run(make_batches(2))
     assert math.isfinite(1.0)
+
+
+@pytest.mark.distributed
+def test_nonfinite_verdicts_are_agreed_across_ranks():
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = Path(__file__).with_name("_strategy_ranks.py")
+    root = Path(__file__).resolve().parents[2]
+    procs = []
+    for rank in range(2):
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+        }
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            CUDA_VISIBLE_DEVICES="",
+            PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out[-3000:]
+            results.append(json.loads(next(x for x in out.splitlines() if x.startswith("{"))))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    by_rank = {r["rank"]: r for r in results}
+    assert by_rank[1]["raised"] == {"step": 2, "components": ["EnergyMSELoss"]}
+    assert by_rank[0]["raised"] is not None  # told by rank 1, instead of hanging
+    assert by_rank[0]["skip_counts"] == by_rank[1]["skip_counts"] == [4, 5]
