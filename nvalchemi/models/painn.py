@@ -402,8 +402,9 @@ class PaiNN(nn.Module, BaseModelMixin):
         ``train_data`` is an ``AtomicData``, a ``Batch``, an ``ase.Atoms``, or an
         iterable/dataset of those (a DataLoader works). Fits ``elements``,
         ``atomic_energies`` (least squares), ``scale`` and ``shift`` unless given in
-        ``kwargs``; ``avg_num_neighbors`` is measured when the data carries neighbour
-        lists. Every fitted value is an ordinary constructor argument.
+        ``kwargs``; ``avg_num_neighbors="auto"`` measures the mean neighbour count
+        from the neighbour lists the data carries. Every fitted value is an ordinary
+        constructor argument.
 
         Example:
             >>> model = PaiNN.from_data(train_structures, cutoff=5.0)  # doctest: +SKIP
@@ -418,8 +419,13 @@ class PaiNN(nn.Module, BaseModelMixin):
             scale, shift = fit_scale_shift(train_data, kwargs["atomic_energies"])
             kwargs.setdefault("scale", scale)
             kwargs.setdefault("shift", shift)
-        if "avg_num_neighbors" not in kwargs:
+        if kwargs.get("avg_num_neighbors") == "auto":
             kwargs["avg_num_neighbors"] = mean_num_neighbors(train_data, kwargs.get("cutoff", 5.0))
+            if kwargs["avg_num_neighbors"] is None:
+                raise ValueError(
+                    "avg_num_neighbors='auto' needs neighbour lists on the training data; "
+                    "compute them first (nvalchemi.data.neighbors.compute_neighbors)."
+                )
         return cls(**kwargs)
 
     # -------------------------------------------------------------- save/load

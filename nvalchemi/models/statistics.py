@@ -90,7 +90,11 @@ def _chunks(data: Any) -> Iterator[_Chunk]:
         yield _chunk(data)
         return
     try:
-        iterator = iter(data)
+        if hasattr(data, "__len__") and not hasattr(data, "__iter__"):
+            # A map-style dataset: index it (iter() would rely on IndexError at the end).
+            iterator = (data[i] for i in range(len(data)))
+        else:
+            iterator = iter(data)
     except TypeError:
         raise TypeError(
             f"Expected AtomicData, Batch, ase.Atoms or an iterable of them; got "

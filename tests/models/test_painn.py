@@ -148,6 +148,26 @@ def test_fit_atomic_energies_recovers_exact_references():
     assert shift == pytest.approx(0.0, abs=1e-9) and scale == 1.0
 
 
+def test_fitting_accepts_map_style_datasets_and_loaders_of_batches():
+    structures = [
+        AtomicData(
+            atomic_numbers=torch.tensor([29] * n), positions=torch.randn(n, 3), energy=-2.0 * n
+        )
+        for n in (1, 2, 3)
+    ]
+
+    class MapStyle:  # __len__ + __getitem__ only, like a plain torch Dataset
+        def __len__(self):
+            return len(structures)
+
+        def __getitem__(self, i):
+            return structures[i]
+
+    assert fit_atomic_energies(MapStyle()) == pytest.approx({29: -2.0})
+    loader = [Batch.from_data_list(structures[:2]), Batch.from_data_list(structures[2:])]
+    assert fit_atomic_energies(loader) == pytest.approx({29: -2.0})
+
+
 def test_fit_scale_shift_uses_force_rms():
     data = AtomicData(
         atomic_numbers=torch.tensor([29, 29]),
@@ -178,10 +198,12 @@ def test_from_data_fits_every_data_dependent_argument(helpers):
     assert fit_scale_shift(structures, model.atomic_energies) == pytest.approx(
         fit_scale_shift(structures, e0), abs=1e-6
     )
-    assert model.avg_num_neighbors is None  # ase.Atoms carry no neighbour lists
-    with_lists = PaiNN.from_data(batch, cutoff=4.0, hidden_channels=8)
+    assert model.avg_num_neighbors is None
+    with_lists = PaiNN.from_data(batch, cutoff=4.0, hidden_channels=8, avg_num_neighbors="auto")
     expected = batch.num_edges / batch.num_nodes
     assert with_lists.avg_num_neighbors == pytest.approx(expected)
+    with pytest.raises(ValueError, match="neighbour lists"):
+        PaiNN.from_data(structures, cutoff=4.0, avg_num_neighbors="auto")
 
 
 # --------------------------------------------------------- reconstruction
