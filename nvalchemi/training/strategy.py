@@ -574,6 +574,36 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
         )
 
+    # ------------------------------------------------------------------ checkpoint files
+    def save_checkpoint(
+        self, root_folder: Any, *, checkpoint_index: int = -1, **kwargs: Any
+    ) -> int:
+        """Write a restartable checkpoint (see :mod:`nvalchemi.training.checkpoint`)."""
+        from nvalchemi.training.checkpoint import strategy_save_checkpoint
+
+        return strategy_save_checkpoint(
+            self, root_folder, checkpoint_index=checkpoint_index, **kwargs
+        )
+
+    def restore_checkpoint(
+        self, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
+    ) -> Mapping[str, Any]:
+        """Load a checkpoint into this strategy in place."""
+        from nvalchemi.training.checkpoint import strategy_restore_checkpoint
+
+        return strategy_restore_checkpoint(
+            self, root_folder, checkpoint_index, map_location, **kwargs
+        )
+
+    @classmethod
+    def load_checkpoint(
+        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
+    ) -> TrainingStrategy:
+        """Rebuild a strategy from a checkpoint and restore its state (resume)."""
+        from nvalchemi.training.checkpoint import strategy_load_checkpoint
+
+        return strategy_load_checkpoint(cls, root_folder, checkpoint_index, map_location, **kwargs)
+
     def __repr_args__(self) -> Any:
         for name in ("num_epochs", "num_steps", "step_count", "epoch_count", "nonfinite_loss"):
             yield name, getattr(self, name)
