@@ -106,6 +106,24 @@ def test_parked_steps_do_not_refire_step_cadence():
     assert every_two == [2, 4]
 
 
+@pytest.mark.xfail(
+    reason="needs the orchestrator to restore ctx.loss after DO_BACKWARD (see the update-hooks "
+    "report): hooks after backward and train_batch() currently see the loss scaled by 1/N",
+    strict=False,
+)
+def test_loss_published_after_backward_is_the_unscaled_loss():
+    strategy = S.make_strategy(hooks=[GradientAccumulationHook(2)], num_steps=10)
+    seen = _record(
+        strategy,
+        TrainingStage.AFTER_BATCH,
+        lambda ctx: (float(ctx.loss), float(ctx.losses["total_loss"])),
+    )
+    returned = [float(strategy.train_batch(batch)) for batch in S.make_batches(2)]
+    strategy.close()
+    assert [published for published, _ in seen] == pytest.approx([total for _, total in seen])
+    assert returned == pytest.approx([total for _, total in seen])
+
+
 def test_accumulation_state_round_trip():
     hook = GradientAccumulationHook(4)
     strategy = S.make_strategy(hooks=[hook], num_steps=10)
@@ -373,6 +391,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_spike_decision_agrees_across_ranks():
     port = _free_port()

@@ -45,12 +45,51 @@ _FAST_MARK = "_nvalchemi_fast_ema"
 
 
 class _Runtime:
-    __slots__ = ("averaged", "fast", "pending")
+    __slots__ = ("averaged", "fast", "pending", "plan", "synced_updates")
 
     def __init__(self) -> None:
         self.averaged: AveragedModel | None = None
         self.fast = False
         self.pending: dict[str, Any] | None = None
+        self.plan: _UpdatePlan | None = None
+        self.synced_updates = -1  # num_updates last written into averaged.n_averaged
+
+
+class _UpdatePlan:
+    """Tensor lists of one (shadow, source) pair, built once per SETUP (no module walks
+    per step). ``lerp`` pairs are averaged; ``copy`` pairs (integer tensors, and buffers
+    when ``use_buffers=False``) are copied."""
+
+    __slots__ = ("copy_dst", "copy_src", "lerp_dst", "lerp_src", "source_id")
+
+    def __init__(self, shadow: nn.Module, source: nn.Module, use_buffers: bool) -> None:
+        self.source_id = id(source)
+        self.lerp_dst: list[torch.Tensor] = []
+        self.lerp_src: list[torch.Tensor] = []
+        self.copy_dst: list[torch.Tensor] = []
+        self.copy_src: list[torch.Tensor] = []
+        averaged = list(shadow.parameters())
+        sources = list(source.parameters())
+        if use_buffers:
+            averaged += list(shadow.buffers())
+            sources += list(source.buffers())
+        else:
+            self.copy_dst += list(shadow.buffers())
+            self.copy_src += list(source.buffers())
+        if len(averaged) != len(sources):
+            raise RuntimeError(
+                "EMAHook: the averaged model and the source model have different numbers of "
+                f"tensors ({len(averaged)} vs {len(sources)}); the model's structure changed "
+                "after the average was built. Reset the EMA (load_state_dict without "
+                "'averaged_model_state') after changing the model."
+            )
+        for dst, src in zip(averaged, sources):
+            if dst.is_floating_point():
+                self.lerp_dst.append(dst)
+                self.lerp_src.append(src)
+            else:
+                self.copy_dst.append(dst)
+                self.copy_src.append(src)
 
 
 class EMAHook(BaseModel, TrainingUpdateHook):
@@ -87,6 +126,11 @@ class EMAHook(BaseModel, TrainingUpdateHook):
 
     _rt: _Runtime = PrivateAttr(default_factory=_Runtime)
 
+    @property
+    def _runtime(self) -> _Runtime:
+        # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
+        return self.__pydantic_private__["_rt"]
+
     # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
         if stage is _AFTER_OPTIMIZER_STEP:
@@ -96,8 +140,10 @@ class EMAHook(BaseModel, TrainingUpdateHook):
                     self._update(ctx)
         elif stage is _SETUP:
             averaged = self._ensure_initialized(ctx)
-            _align(averaged.module, self._source(ctx))
+            source = self._source(ctx)
+            _align(averaged.module, source)
             self._publish(ctx, force=True)
+            self._runtime.plan = None  # devices may have changed: rebuild the tensor lists
         return True, ctx.loss
 
     # ------------------------------------------------------------------ averaging
@@ -125,7 +171,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return averaged
 
     def _ensure_initialized(self, ctx: Any) -> AveragedModel:
-        rt = self._rt
+        rt = self._runtime
         if rt.averaged is not None:
             return rt.averaged
         source = self._source(ctx)
@@ -139,50 +185,55 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             _align(averaged.module, source)
         rt.averaged = averaged
         rt.fast = bool(getattr(averaged, _FAST_MARK, False))
+        rt.plan = None
+        rt.synced_updates = int(averaged.n_averaged) if rt.fast else -1
         return averaged
 
     @torch.no_grad()
     def _update(self, ctx: Any) -> None:
         averaged = self._ensure_initialized(ctx)
         source = self._source(ctx)
-        if self._rt.fast:
+        if self._runtime.fast:
             self._fused_update(averaged, source)
         else:
             averaged.update_parameters(source)
+            self._runtime.synced_updates = self.num_updates + 1
         self.__dict__["num_updates"] += 1
         self._publish(ctx)
 
     def _fused_update(self, averaged: AveragedModel, source: nn.Module) -> None:
-        """``AveragedModel.update_parameters`` with the EMA rule, without its device syncs."""
-        shadow = averaged.module
-        if self.use_buffers:
-            pairs = zip(
-                [*shadow.parameters(), *shadow.buffers()], [*source.parameters(), *source.buffers()]
-            )
-        else:
-            pairs = zip(shadow.parameters(), source.parameters())
-            for b_avg, b_src in zip(shadow.buffers(), source.buffers()):
-                b_avg.copy_(b_src)
-        first = self.num_updates == 0
-        lerp_avg, lerp_src = [], []
-        for p_avg, p_src in pairs:
-            if p_src.device != p_avg.device:  # e.g. the slot was moved to devices[0]
-                p_src = p_src.to(p_avg.device)
-            if first or not p_avg.is_floating_point():
-                p_avg.copy_(p_src)
-            else:
-                lerp_avg.append(p_avg)
-                lerp_src.append(p_src)
-        if lerp_avg:
-            torch._foreach_lerp_(lerp_avg, lerp_src, 1.0 - self.decay)
-        averaged.n_averaged.add_(1)
+        """``AveragedModel.update_parameters`` with the EMA rule, without its device syncs.
+
+        ``averaged.n_averaged`` is brought up to date lazily (:meth:`get_averaged_model`,
+        :meth:`state_dict`), saving a kernel launch per step.
+        """
+        rt = self._runtime
+        plan = rt.plan
+        if plan is None or plan.source_id != id(source):
+            plan = rt.plan = _UpdatePlan(averaged.module, source, self.use_buffers)
+        if self.num_updates == 0:  # the first update copies
+            _copy(plan.lerp_dst, plan.lerp_src)
+        elif plan.lerp_dst:
+            try:
+                torch._foreach_lerp_(plan.lerp_dst, plan.lerp_src, 1.0 - self.decay)
+            except RuntimeError:  # tensors on different devices (e.g. slot moved)
+                for dst, src in zip(plan.lerp_dst, plan.lerp_src):
+                    dst.lerp_(src.to(dst.device), 1.0 - self.decay)
+        if plan.copy_dst:
+            _copy(plan.copy_dst, plan.copy_src)
+
+    def _sync_count(self, averaged: AveragedModel) -> None:
+        rt = self._runtime
+        if rt.fast and rt.synced_updates != self.num_updates:
+            averaged.n_averaged.fill_(self.num_updates)
+            rt.synced_updates = self.num_updates
 
     def _publish(self, ctx: Any, force: bool = False) -> None:
         workflow = ctx.workflow
         setter = getattr(workflow, "set_inference_model", None)
         if not callable(setter):
             return
-        module = self._rt.averaged.module
+        module = self._runtime.averaged.module
         if not force:
             slot = getattr(workflow, "inference_model", None)
             if slot is module or (
@@ -192,23 +243,26 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             ):
                 return
         setter(module, model_key=self.model_key)
+        self._runtime.plan = None  # publishing may move the module (new buffer tensors)
 
     # ------------------------------------------------------------------ public API
     def get_averaged_model(self) -> AveragedModel:
         """The ``AveragedModel`` (``.module`` holds the averaged weights)."""
-        averaged = self._rt.averaged
+        averaged = self._runtime.averaged
         if averaged is None:
             raise RuntimeError(
                 "EMAHook has not initialized an averaged model yet. It is built at the "
                 "strategy's SETUP stage (run() or train_batch()) or at the first update."
             )
+        self._sync_count(averaged)
         return averaged
 
     def state_dict(self) -> dict[str, Any]:
         """The six fields plus ``"averaged_model_state"`` (cloned tensors) when available."""
         state: dict[str, Any] = self.model_dump()
-        rt = self._rt
+        rt = self._runtime
         if rt.averaged is not None:
+            self._sync_count(rt.averaged)
             state["averaged_model_state"] = {
                 k: v.detach().clone() for k, v in rt.averaged.state_dict().items()
             }
@@ -239,15 +293,16 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"EMAHook state num_updates must be an int >= 0; got {value!r}.")
             self.__dict__["num_updates"] = value
-        rt = self._rt
+        rt = self._runtime
         averaged_state = state.get("averaged_model_state")
         if averaged_state is None:
-            rt.averaged, rt.pending, rt.fast = None, None, False
+            rt.averaged, rt.pending, rt.fast, rt.plan = None, None, False, None
             return
         if rt.averaged is None:
             rt.pending = dict(averaged_state)
             return
         rt.averaged.load_state_dict(averaged_state)
+        rt.synced_updates = int(rt.averaged.n_averaged) if rt.fast else -1
 
     def __repr_args__(self) -> Iterator[tuple[str, Any]]:
         for name in (*_CONFIG_FIELDS, "num_updates"):
@@ -307,6 +362,14 @@ def _unwrap(module: nn.Module) -> nn.Module:
         if inner is module:
             return module
         module = inner
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    try:
+        torch._foreach_copy_(dst, src)
+    except RuntimeError:  # mixed devices: copy one by one
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 def _align(shadow: nn.Module, source: nn.Module) -> None:

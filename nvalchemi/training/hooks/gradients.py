@@ -74,10 +74,31 @@ def _grad_params(optimizers: list[Any]) -> list[torch.Tensor]:
     return out
 
 
+def _same_device_and_dtype(tensors: list[torch.Tensor]) -> bool:
+    if not tensors:
+        return False
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    return all(t.device == device and t.dtype == dtype and not t.is_sparse for t in tensors)
+
+
 def _total_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    return torch.nn.utils.get_total_norm(
-        [p.grad for p in params], norm_type, error_if_nonfinite=False
-    )
+    """Total ``norm_type``-norm of the gradients of ``params`` (a device tensor; no sync)."""
+    grads = [p.grad for p in params]
+    if _same_device_and_dtype(grads):  # the common case: skip torch's per-call grouping
+        return torch.linalg.vector_norm(
+            torch.stack(torch._foreach_norm(grads, norm_type)), norm_type
+        )
+    return torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False)
+
+
+def _clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    grads = [p.grad for p in params]
+    if _same_device_and_dtype(grads) and norm.device == grads[0].device:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype)
+        torch._foreach_mul_(grads, coef)
+    elif params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
 
 # ---------------------------------------------------------------------------- accumulation
@@ -111,7 +132,12 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
 
     steps: int = Field(ge=1)
 
-    _state: _AccumulationState = PrivateAttr(default_factory=_AccumulationState)
+    _rt: _AccumulationState = PrivateAttr(default_factory=_AccumulationState)
+
+    @property
+    def _runtime(self) -> _AccumulationState:
+        # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
+        return self.__pydantic_private__["_rt"]
 
     def __init__(self, steps: int | None = None, /, **data: Any) -> None:
         _positional("steps", steps, data, "GradientAccumulationHook")
@@ -120,13 +146,13 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
     @property
     def micro_step(self) -> int:
         """Batches already accumulated in the current window (``0 .. steps - 1``)."""
-        return self._state.micro_step
+        return self._runtime.micro_step
 
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
         n = self.steps
         if n == 1:
             return True, ctx.loss
-        state = self._state
+        state = self._runtime
         if stage is _DO_BACKWARD:
             return True, ctx.loss * (1.0 / n)
         if stage is _BEFORE_BATCH:
@@ -140,7 +166,7 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
     def state_dict(self) -> dict[str, Any]:
         """``{"steps", "micro_step"}``. Gradients of a partly accumulated window are not
         saved: a run resumed mid-window steps with that window's remaining batches only."""
-        return {"steps": self.steps, "micro_step": self._state.micro_step}
+        return {"steps": self.steps, "micro_step": self._runtime.micro_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position in the window (``ValueError`` if ``steps`` differs)."""
@@ -150,7 +176,7 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
             raise ValueError(
                 f"GradientAccumulationHook micro_step must be in [0, {self.steps}); got {micro}."
             )
-        self._state.micro_step = micro
+        self._runtime.micro_step = micro
 
 
 # ---------------------------------------------------------------------------- clipping
@@ -195,7 +221,7 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
                 if self.max_norm is not None:
                     norm = _total_norm(params, self.norm_type)
             if self.max_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+                _clip_with_norm(params, self.max_norm, norm)
         return True, ctx.loss
 
 
@@ -279,7 +305,12 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     max_grad_norm: float | None = Field(default=None, gt=0)
     grad_norm_factor: float | None = Field(default=None, gt=1.0)
 
-    _state: _SpikeState = PrivateAttr(default_factory=_SpikeState)
+    _rt: _SpikeState = PrivateAttr(default_factory=_SpikeState)
+
+    @property
+    def _runtime(self) -> _SpikeState:
+        # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
+        return self.__pydantic_private__["_rt"]
 
     def __init__(self, factor: float | None = None, /, **data: Any) -> None:
         _positional("factor", factor, data, "LossSpikeSkipHook")
@@ -298,16 +329,16 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     @property
     def num_skipped(self) -> int:
         """Optimizer steps this hook has vetoed."""
-        return self._state.skipped
+        return self._runtime.skipped
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the most recent decision vetoed the step."""
-        return self._state.last_skipped
+        return self._runtime.last_skipped
 
     # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
-        state = self._state
+        state = self._runtime
         if stage is _DO_BACKWARD:
             loss = _supervised_loss(ctx).detach()
             if state.loss_count == 0:
@@ -325,7 +356,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     def _decide(self, ctx: Any) -> bool:
         from nvalchemi.distributed.runtime import all_agree
 
-        state = self._state
+        state = self._runtime
         loss = state.loss_sum / state.loss_count
         state.loss_sum, state.loss_count = None, 0
         loss = loss.reshape(())
@@ -361,7 +392,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
 
     # ------------------------------------------------------------------ statistics
     def _statistic(self, value: torch.Tensor, *, grad: bool) -> torch.Tensor:
-        state = self._state
+        state = self._runtime
         if self.statistic == "ema":
             ema = state.grad_ema if grad else state.ema
             return ema.to(value.device)
@@ -369,7 +400,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         return torch.nanmedian(history.to(value.device))
 
     def _record(self, loss: torch.Tensor, norm: torch.Tensor | None) -> None:
-        state = self._state
+        state = self._runtime
         if self.statistic == "ema":
             alpha = 2.0 / (self.window + 1)
             state.ema = _ema(state.ema, loss, alpha)
@@ -385,7 +416,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Configuration, counters and the running statistics (CPU tensors)."""
-        state = self._state
+        state = self._runtime
 
         def cpu(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to("cpu", copy=True)
@@ -405,7 +436,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the statistics (``ValueError`` if ``window``/``statistic`` differ)."""
         _check_config(self, state, ("window", "statistic"))
-        rt = self._state
+        rt = self._runtime
         rt.accepted = int(state.get("accepted", 0))
         rt.skipped = int(state.get("skipped", 0))
         rt.index = int(state.get("index", 0)) % self.window

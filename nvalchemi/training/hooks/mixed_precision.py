@@ -198,6 +198,11 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
 
     _rt: _Runtime = PrivateAttr(default_factory=_Runtime)
 
+    @property
+    def _runtime(self) -> _Runtime:
+        # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
+        return self.__pydantic_private__["_rt"]
+
     def __init__(self, precision: Any = None, /, **data: Any) -> None:
         if precision is not None:
             if "precision" in data:
@@ -219,14 +224,14 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
         """The fp16 ``GradScaler`` (``None`` before the first fp16 batch or for bf16/fp32)."""
-        return self._rt.scaler
+        return self._runtime.scaler
 
     # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
         precision = self.precision
         if precision is torch.float32:
             return True, ctx.loss
-        rt = self._rt
+        rt = self._runtime
         if stage is _BEFORE_BATCH:
             device_type = _device_type(ctx)
             if precision is torch.float16:
@@ -282,14 +287,14 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         return region
 
     def _close_region(self) -> None:
-        rt = self._rt
+        rt = self._runtime
         region, rt.region = rt.region, None
         if region is not None:
             region.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ scaler
     def _ensure_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        rt = self._rt
+        rt = self._runtime
         scaler = rt.scaler
         if scaler is not None and getattr(scaler, "_device", device_type) == device_type:
             return scaler
@@ -309,7 +314,7 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         """Leave any open autocast region; the ``GradScaler`` (and its scale) is kept."""
         self._close_region()
-        self._rt.unscaled = False
+        self._runtime.unscaled = False
 
     def close(self) -> None:
         """Same as ``__exit__``."""
@@ -319,7 +324,7 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     def state_dict(self) -> dict[str, Any]:
         """``{"precision", "autocast_scope", "grad_scaler"}``; the scaler state is ``None``
         unless fp16 scaling has been used (or restored). Reading the scale syncs once."""
-        rt = self._rt
+        rt = self._runtime
         scaler_state = rt.scaler.state_dict() if rt.scaler is not None else rt.pending_scaler_state
         return {
             "precision": self.precision_name,
@@ -355,7 +360,7 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
                 "MixedPrecisionHook state 'grad_scaler' must be a GradScaler.state_dict() "
                 f"mapping; got {type(saved).__name__}."
             )
-        rt = self._rt
+        rt = self._runtime
         if rt.scaler is not None:
             rt.scaler.load_state_dict(dict(saved))
         else:
