@@ -1,0 +1,338 @@
+"""Periodic, crash-safe, asynchronous training checkpoints: :class:`CheckpointHook`.
+
+Example:
+    >>> hook = CheckpointHook("runs/example/checkpoints", epoch_interval=1, keep_last=3)
+    >>> hook.async_save, hook.rank_zero_only
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from nvalchemi.training.stages import TrainingStage
+
+__all__ = ["CheckpointHook"]
+
+_S = TrainingStage
+_MISSING: Any = object()
+
+
+class CheckpointHook(BaseModel):
+    """Save restartable strategy checkpoints every N steps or epochs.
+
+    Cadence: with ``step_interval`` a save is due when an optimizer step that was
+    actually taken brings ``step_count`` to a multiple (vetoed or accumulating batches
+    never re-trigger it); with ``epoch_interval`` when an epoch count reaches a multiple.
+    A due save is written at the next batch boundary (before the next epoch/batch
+    starts, or at the end of training), so it also holds what happens after the batch:
+    the epoch end, validation, metric-driven schedulers and early stopping. Resuming
+    from it continues exactly like the uninterrupted run.
+
+    Best checkpoints: after each validation the ``best_metric`` value is recorded on the
+    checkpoint of that step; with ``keep_best`` a validation that ranks among the best
+    ``keep_best`` triggers a save of its own. ``keep_last`` bounds the number of other
+    checkpoints (``None``: keep all). Load them with ``checkpoint_index="latest"``/``"best"``.
+
+    Saving: the training thread checks the loss record (``strategy.check_nonfinite()``,
+    agreed by all ranks, so a diverged run never overwrites good checkpoints) and copies
+    the state to CPU memory; with ``async_save`` a background thread writes it while
+    training continues (at most one write in flight; the next save waits for it). Rank 0
+    writes (every rank with ``rank_zero_only=False``, e.g. node-local directories);
+    every rank waits until the snapshot is taken. Pending writes are flushed when the
+    strategy's run ends, also on errors.
+
+    Args:
+        checkpoint_dir: the checkpoint root (positional).
+        step_interval / epoch_interval: exactly one, > 0.
+        keep_last / keep_best: retention (``None``: unlimited / no best tracking).
+        best_metric / best_mode: validation summary key and ``"min"``/``"max"``.
+        save_on_train_end: also save when training ends (incl. a requested stop).
+        async_save: write on a background thread.
+        rank_zero_only: only global rank 0 writes.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[Any] = None
+
+    checkpoint_dir: Path
+    step_interval: int | None = Field(default=None, gt=0)
+    epoch_interval: int | None = Field(default=None, gt=0)
+    keep_last: int | None = Field(default=None, ge=1)
+    keep_best: int | None = Field(default=None, ge=1)
+    best_metric: str = Field(default="total_loss", min_length=1)
+    best_mode: Literal["min", "max"] = "min"
+    save_on_train_end: bool = True
+    async_save: bool = True
+    rank_zero_only: bool = True
+    last_checkpoint_index: int | None = Field(default=None, ge=0, exclude=True)
+
+    _writer: Any = PrivateAttr(default=None)
+    _strategy: Any = PrivateAttr(default=None)
+    _pending: tuple[str, Any] | None = PrivateAttr(default=None)
+    _saved_at: tuple[int, int] | None = PrivateAttr(default=None)
+    _last_step: int = PrivateAttr(default=-1)
+    _scores: list[float] = PrivateAttr(default_factory=list)
+
+    def __init__(self, checkpoint_dir: Any = _MISSING, /, **data: Any) -> None:
+        if checkpoint_dir is not _MISSING:
+            if "checkpoint_dir" in data:
+                raise TypeError(
+                    "CheckpointHook got checkpoint_dir both positionally and by keyword."
+                )
+            data["checkpoint_dir"] = checkpoint_dir
+        super().__init__(**data)
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> CheckpointHook:
+        if (self.step_interval is None) == (self.epoch_interval is None):
+            raise ValueError(
+                "CheckpointHook requires exactly one of step_interval or epoch_interval; got "
+                f"step_interval={self.step_interval}, epoch_interval={self.epoch_interval}."
+            )
+        return self
+
+    # ------------------------------------------------------------------ dispatch
+    def _runs_on_stage(self, stage: Any) -> bool:
+        if stage is _S.AFTER_BATCH:
+            return self.step_interval is not None
+        if stage is _S.AFTER_EPOCH:
+            return self.epoch_interval is not None
+        return stage in (
+            _S.SETUP,
+            _S.BEFORE_EPOCH,
+            _S.BEFORE_BATCH,
+            _S.AFTER_VALIDATION,
+            _S.AFTER_TRAINING,
+        )
+
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        if stage is _S.BEFORE_BATCH or stage is _S.BEFORE_EPOCH:
+            if self._pending is not None:
+                self._save_pending(ctx.workflow)
+        elif stage is _S.AFTER_BATCH:
+            step = ctx.step_count
+            if step > self._last_step:  # an optimizer step was taken in this batch
+                self._last_step = step
+                if step % self.step_interval == 0:
+                    self._request("step")
+        elif stage is _S.AFTER_EPOCH:
+            if ctx.epoch > 0 and ctx.epoch % self.epoch_interval == 0:
+                self._request("epoch")
+        elif stage is _S.AFTER_VALIDATION:
+            self._on_validation(ctx)
+        elif stage is _S.AFTER_TRAINING:
+            strategy = ctx.workflow
+            if self._pending is not None:
+                self._save_pending(strategy)
+            elif self.save_on_train_end and not self._is_saved(strategy):
+                self._save(strategy, "train_end", None)
+        elif stage is _S.SETUP:
+            self._setup(ctx.workflow)
+
+    # ------------------------------------------------------------------ public
+    def save(self, strategy: Any, *, reason: str = "manual") -> None:
+        """Save ``strategy`` now unless its current state is already saved (collective)."""
+        if self._pending is not None:
+            self._save_pending(strategy, reason)
+        elif not self._is_saved(strategy):
+            self._save(strategy, reason, None)
+
+    def flush(self) -> int | None:
+        """Wait for the in-flight write; return the latest checkpoint index written."""
+        if self._writer is not None:
+            self._writer.wait()
+        return self.last_checkpoint_index
+
+    def close(self) -> None:
+        """Flush and stop the background writer."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    def __enter__(self) -> CheckpointHook:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None and self._pending is not None and self._strategy is not None:
+                self._save_pending(self._strategy)
+        finally:
+            try:
+                self.close()
+            except Exception:
+                if exc_type is None:
+                    raise
+        if exc_type is None and self._strategy is not None:
+            from nvalchemi.distributed.runtime import barrier
+
+            barrier(self._strategy.distributed_manager)  # nobody reads before the write ends
+
+    # ------------------------------------------------------------------ internals
+    def _setup(self, strategy: Any) -> None:
+        from nvalchemi.training._checkpoint_state import checkpoint_state_of
+
+        self._strategy = strategy
+        self._last_step = strategy.step_count
+        self._pending = None
+        book = checkpoint_state_of(strategy)
+        loaded = book.get("loaded_from") or {}
+        if (
+            loaded.get("root")
+            and Path(loaded["root"]).resolve() == Path(self.checkpoint_dir).resolve()
+        ):
+            self._saved_at = (strategy.step_count, strategy.batch_count)
+            self.last_checkpoint_index = loaded.get("index")
+        self._scores = self._recorded_scores()
+        _check_loader_seed(book.get("dataloader_state"), strategy.active_dataloader)
+
+    def _recorded_scores(self) -> list[float]:
+        from nvalchemi.training._checkpoint_writer import read_manifest
+
+        try:
+            manifest = read_manifest(Path(self.checkpoint_dir))
+        except Exception:
+            return []
+        if manifest is None:
+            return []
+        out = []
+        for entry in manifest.checkpoints:
+            metric = entry.metric or {}
+            if metric.get("name") == self.best_metric and isinstance(metric.get("value"), float):
+                out.append(metric["value"])
+        return out
+
+    def _request(self, reason: str) -> None:
+        if self._pending is None:
+            self._pending = (reason, None)
+
+    def _is_saved(self, strategy: Any) -> bool:
+        return self._saved_at == (strategy.step_count, strategy.batch_count)
+
+    def _save_pending(self, strategy: Any, reason: str | None = None) -> None:
+        pending_reason, metric = self._pending
+        self._save(strategy, reason or pending_reason, metric)
+
+    def _retention(self) -> Any:
+        from nvalchemi.training._checkpoint_writer import Retention
+
+        return Retention(self.keep_last, self.keep_best, self.best_metric, self.best_mode)
+
+    def _ensure_writer(self) -> Any:
+        if self._writer is None:
+            from nvalchemi.training._checkpoint_writer import BackgroundWriter
+
+            self._writer = BackgroundWriter(self.async_save)
+        return self._writer
+
+    def _save(self, strategy: Any, reason: str, metric: dict[str, Any] | None) -> None:
+        from nvalchemi.distributed.runtime import all_agree, get_rank
+        from nvalchemi.training._checkpoint_rng import gather_rng
+        from nvalchemi.training._checkpoint_writer import write_snapshot
+        from nvalchemi.training.checkpoint import agree_finite, prepare_strategy_snapshot
+
+        self._pending = None
+        self._strategy = strategy
+        manager = strategy.distributed_manager
+        agree_finite(strategy)
+        states = gather_rng(manager)
+        error = None
+        if get_rank(manager) == 0 or not self.rank_zero_only:
+            try:
+                writer = self._ensure_writer()
+                writer.wait()  # the previous write first: indices stay ordered
+                root = Path(self.checkpoint_dir)
+                snapshot = prepare_strategy_snapshot(
+                    root, strategy, reason=reason, metric=metric, rng_states=states
+                )
+                writer.submit(
+                    write_snapshot, root, snapshot, self._retention(), on_done=self._written
+                )
+            except Exception as exc:
+                error = exc
+        if all_agree(error is not None, manager):
+            if error is not None:
+                raise error
+            raise RuntimeError("CheckpointHook: saving failed on the writing rank; see its error.")
+        self._saved_at = (strategy.step_count, strategy.batch_count)
+        if metric is not None:
+            self._scores.append(metric["value"])
+
+    def _written(self, index: int) -> None:
+        self.last_checkpoint_index = index
+
+    def _on_validation(self, ctx: Any) -> None:
+        strategy = ctx.workflow
+        summary = ctx.validation or {}
+        if self.best_metric not in summary:
+            if self.keep_best:
+                raise KeyError(
+                    f"CheckpointHook(best_metric={self.best_metric!r}) is not in the validation "
+                    f"summary; available: {sorted(k for k in summary if isinstance(k, str))}."
+                )
+            return
+        value = float(summary[self.best_metric])
+        metric = {"name": self.best_metric, "value": value, "mode": self.best_mode}
+        if self._pending is not None:
+            self._pending = (self._pending[0], metric)
+        elif self._is_saved(strategy):
+            self._attach(strategy, metric)
+        elif self.keep_best and self._qualifies(value, strategy):
+            self._pending = ("best", metric)
+
+    def _attach(self, strategy: Any, metric: dict[str, Any]) -> None:
+        from nvalchemi.distributed.runtime import get_rank
+        from nvalchemi.training._checkpoint_writer import attach_metric
+
+        self._scores.append(metric["value"])
+        if get_rank(strategy.distributed_manager) != 0 and self.rank_zero_only:
+            return
+        writer = self._ensure_writer()
+        writer.wait()  # collects the index of the save this metric belongs to
+        if self.last_checkpoint_index is None:
+            return
+        writer.submit(
+            attach_metric,
+            Path(self.checkpoint_dir),
+            self.last_checkpoint_index,
+            metric,
+            self._retention(),
+        )
+
+    def _qualifies(self, value: float, strategy: Any) -> bool:
+        from nvalchemi.distributed.runtime import broadcast_object
+
+        if not math.isfinite(value):
+            return False
+        scores = sorted(self._scores, reverse=self.best_mode == "max")
+        good = len(scores) < self.keep_best or (
+            value < scores[self.keep_best - 1]
+            if self.best_mode == "min"
+            else value > scores[self.keep_best - 1]
+        )
+        return bool(broadcast_object(good, 0, strategy.distributed_manager))
+
+
+def _check_loader_seed(saved: Any, loader: Any) -> None:
+    """A resumed run must shuffle like the saved one: compare the loader seeds."""
+    if not isinstance(saved, dict) or "seed" not in saved:
+        return
+    state_dict = getattr(loader, "state_dict", None)
+    if not callable(state_dict):
+        return
+    try:
+        current = state_dict()
+    except Exception:
+        return
+    if isinstance(current, dict) and "seed" in current and current["seed"] != saved["seed"]:
+        raise ValueError(
+            f"The checkpoint was saved with a data loader seeded {saved['seed']} but this run's "
+            f"loader has seed={current['seed']}; build it with seed={saved['seed']} to resume "
+            "with the same batch order."
+        )
