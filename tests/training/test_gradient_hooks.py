@@ -352,6 +352,54 @@ def test_all_hooks_composed_in_one_run():
         assert torch.equal(restored["EMAHook"]["averaged_model_state"][key], value)
 
 
+class _SyncDetected(AssertionError):
+    pass
+
+
+def test_per_step_hook_code_never_reads_device_values(monkeypatch):
+    """EMA, AMP (bf16), accumulation and clipping: no .item()/bool()/float()/.cpu() per step."""
+    guarded = {"on": False}
+
+    def forbid(name):
+        original = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if guarded["on"]:
+                raise _SyncDetected(f"Tensor.{name} called inside an update hook")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbid(name))
+
+    def watch(cls):
+        call = cls.__call__
+
+        def wrapped(self, ctx, stage, will_skip):
+            if stage is TrainingStage.SETUP:
+                return call(self, ctx, stage, will_skip)
+            guarded["on"] = True
+            try:
+                return call(self, ctx, stage, will_skip)
+            finally:
+                guarded["on"] = False
+
+        monkeypatch.setattr(cls, "__call__", wrapped)
+
+    for cls in (EMAHook, MixedPrecisionHook, GradientAccumulationHook, GradientClipHook):
+        watch(cls)
+    hooks = [
+        EMAHook(decay=0.9),
+        MixedPrecisionHook("bf16"),
+        GradientAccumulationHook(2),
+        GradientClipHook(max_norm=1.0, max_value=1.0),
+    ]
+    strategy = S.make_strategy(hooks=hooks, num_steps=3, nonfinite_loss="ignore")
+    strategy.run(S.make_batches(6))
+    assert strategy.step_count == 3 and hooks[0].num_updates == 3
+
+
 # ----------------------------------------------------------------------------- distributed
 _CHILD = textwrap.dedent(
     """

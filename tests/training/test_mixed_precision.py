@@ -70,6 +70,13 @@ def test_extra_fields_rejected_and_class_contract():
         TrainingUpdateOrchestrator(MixedPrecisionHook("bf16"), MixedPrecisionHook("fp16"))
 
 
+def test_config_dumps_to_json_and_back():
+    hook = MixedPrecisionHook("bf16", autocast_scope="region")
+    assert hook.model_dump() == {"precision": "bfloat16", "autocast_scope": "region"}
+    again = MixedPrecisionHook.model_validate_json(hook.model_dump_json())
+    assert (again.precision, again.autocast_scope) == (torch.bfloat16, "region")
+
+
 def test_two_hooks_in_one_strategy_rejected():
     strategy = S.make_strategy(hooks=[MixedPrecisionHook("bf16")])
     with pytest.raises(ValueError, match="MixedPrecisionHook"):

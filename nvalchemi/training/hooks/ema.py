@@ -105,7 +105,9 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         num_updates: updates done so far (restored from checkpoints).
 
     Priority 50. :meth:`get_averaged_model` returns the ``AveragedModel``; its
-    ``.module`` is what validation runs.
+    ``.module`` is what validation runs. The lists of tensors to average are collected
+    at ``SETUP`` (each ``run()``/``train_batch`` session); replacing a model's parameter
+    or buffer objects in the middle of a run is not seen until the next ``SETUP``.
 
     Example:
         >>> from nvalchemi.training import TrainingStrategy, ValidationConfig

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer, field_validator
 from torch import nn
 from torch.nn.modules import module as _module_hooks
 
@@ -214,6 +214,10 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     @classmethod
     def _precision(cls, value: Any) -> torch.dtype:
         return _parse_precision(value)
+
+    @field_serializer("precision")
+    def _dump_precision(self, value: torch.dtype) -> str:
+        return str(value).removeprefix("torch.")  # JSON-ready; parsed back by the validator
 
     # ------------------------------------------------------------------ properties
     @property
