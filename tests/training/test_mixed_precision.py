@@ -348,7 +348,11 @@ def test_bf16_training_decreases_the_loss_on_cpu():
     batches = S.make_batches(4, size=4, atoms=4)
     model = S.ForceMLP(hidden=32)
     strategy = S.make_strategy(
-        model, hooks=[MixedPrecisionHook("bf16")], optimizer_configs=S.adam(1e-2), num_steps=40
+        model,
+        hooks=[MixedPrecisionHook("bf16")],
+        optimizer_configs=S.adam(2e-2),
+        loss_fn=EnergyMSELoss(),
+        num_steps=16,
     )
     losses: list[float] = []
     strategy.register_hook(
@@ -369,14 +373,14 @@ def test_bf16_training_of_painn_decreases_the_loss():
     torch.manual_seed(0)
     structures = S.make_structures(8, atoms=4, seed=3)
     model = PaiNN(
-        cutoff=4.0, hidden_channels=16, num_interactions=1, num_rbf=8, elements=[1, 2, 3, 4]
+        cutoff=4.0, hidden_channels=8, num_interactions=1, num_rbf=4, elements=[1, 2, 3, 4]
     )
     batches = [Batch.from_data_list(structures[i : i + 4]) for i in (0, 4)]
     hooks = [
         MixedPrecisionHook("bf16"),
         *model.make_neighbor_hooks(stage=TrainingStage.BEFORE_FORWARD),
     ]
-    strategy = S.make_strategy(model, hooks=hooks, optimizer_configs=S.adam(5e-3), num_steps=30)
+    strategy = S.make_strategy(model, hooks=hooks, optimizer_configs=S.adam(1e-2), num_steps=16)
     losses: list[float] = []
     strategy.register_hook(
         S.StageHook(
