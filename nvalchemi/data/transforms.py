@@ -142,6 +142,11 @@ class Compose:
         self.is_batch = kind == "batch"
         self._with_metadata = tuple(_takes_metadata(fn) for fn in self.transforms)
 
+    @property
+    def kind(self) -> TransformKind | None:
+        """``"sample"`` or ``"batch"`` from the type hints; ``None`` when nothing is typed."""
+        return self._kind
+
     def __len__(self) -> int:
         return len(self.transforms)
 

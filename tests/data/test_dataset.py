@@ -299,3 +299,15 @@ def test_readers_declaring_validated_output_skip_revalidation(items):
         Dataset(plain)[0]
     with pytest.raises(ValueError, match="NaN or inf"):
         Dataset(trusted, skip_validation=False)[0]
+
+
+def test_transforms_do_not_modify_atomic_data_held_by_the_reader(items):
+    class ObjectReader(ListReader):
+        def read_many(self, indices):
+            return [(self.items[i], {}) for i in indices]
+
+    before = items[2].positions.clone()
+    ds = Dataset(ObjectReader(items), transforms=[shift])
+    ds.get_batch([2, 2])
+    ds[2]
+    assert torch.equal(items[2].positions, before)

@@ -36,12 +36,8 @@ from nvalchemi.data.batch import Batch
 from nvalchemi.data.datapipes.reader import ReaderProtocol
 from nvalchemi.data.transforms import Compose
 
-__all__ = [
-    "BatchDatasetProtocol",
-    "Dataset",
-    "InMemoryDataset",
-    "ReaderProtocol",
-]  # ReaderProtocol: re-export
+# ReaderProtocol is re-exported (the reference's import path)
+__all__ = ["BatchDatasetProtocol", "Dataset", "InMemoryDataset", "ReaderProtocol"]
 
 
 @runtime_checkable
@@ -106,7 +102,7 @@ def batch_transforms_of(transforms: Any, owner: str) -> Compose | None:
             f"{type(transforms).__name__}. Wrap a single transform in a list."
         )
     compose = transforms if isinstance(transforms, Compose) else Compose(transforms)
-    if compose.transforms and not compose.is_batch and compose._kind == "sample":
+    if compose.kind == "sample":
         raise TypeError(
             f"{owner}: batch_transforms holds sample transforms (first parameter annotated "
             "AtomicData); pass them as the Dataset's transforms instead."
@@ -251,7 +247,8 @@ class Dataset(torch.utils.data.Dataset):
     # ---------------------------------------------------------------- samples
     def _to_data(self, raw: Any, index: int) -> AtomicData:
         if isinstance(raw, AtomicData):
-            return raw
+            # a new container, so transforms that set fields leave the reader's copy alone
+            return raw.model_copy()
         try:
             return AtomicData(
                 **raw, field_levels=self._field_levels, validate=not self.skip_validation
