@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import math
 import numbers
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -248,12 +249,14 @@ class _PlanFeed(Sampler):
 def _single_threaded() -> Iterator[None]:
     """Run torch ops on one thread, as torch's own loader workers do.
 
-    Loading touches many small tensors; fanning each op out to OpenMP threads costs
-    more than it saves, and milliseconds per op when the other cores are busy (e.g.
-    with loader workers or another job).
+    Loading touches many small tensors; fanning an op out to OpenMP threads costs
+    more than it saves, and milliseconds per op when the other cores are busy
+    (with our workers, other ranks or other jobs). The thread count is global, so
+    it is only changed when loading runs on the main thread (a loader iterated
+    from a helper thread must not slow down a model running on the main one).
     """
     threads = torch.get_num_threads()
-    if threads == 1:
+    if threads == 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
     torch.set_num_threads(1)
