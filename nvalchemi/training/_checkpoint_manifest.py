@@ -236,10 +236,9 @@ class ComponentPaths:
     Every name and relative path read from a manifest is checked to stay inside ``root``.
     """
 
-    def __init__(self, root: Path, entry: CheckpointEntry, latest: int) -> None:
+    def __init__(self, root: Path, entry: CheckpointEntry) -> None:
         self.root = root
         self.entry = entry
-        self.latest = latest
         self.base = (
             safe_relative_path(root, entry.path, "manifest entry path") if entry.path else root
         )

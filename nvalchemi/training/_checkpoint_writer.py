@@ -99,7 +99,7 @@ def check_spec_changes(root: Path, snapshot: Snapshot) -> None:
         latest = manifest.entry("latest")
     except KeyError:
         return
-    paths = ComponentPaths(root, latest, manifest.checkpoint_index)
+    paths = ComponentPaths(root, latest)
     diffs = []
     for key, spec in snapshot.specs.items():
         kind, name = key.split("/", 1)
@@ -170,7 +170,7 @@ def write_snapshot(root: Path, snapshot: Snapshot, retention: Retention | None =
             best_mode=retention.mode,
             history=history,
         )
-        _commit(root, new, retention, extra_drops=replaced, latest_before=manifest)
+        _commit(root, new, retention, extra_drops=replaced)
         return index
 
 
@@ -189,7 +189,7 @@ def attach_metric(root: Path, index: int, metric: dict[str, Any], retention: Ret
         if not found:
             return False
         manifest.best_metric, manifest.best_mode = retention.metric, retention.mode
-        _commit(root, manifest, retention, extra_drops=[], latest_before=manifest)
+        _commit(root, manifest, retention, extra_drops=[])
         return True
 
 
@@ -199,7 +199,6 @@ def _commit(
     retention: Retention,
     *,
     extra_drops: list[Any],
-    latest_before: CheckpointManifest | None,
 ) -> None:
     kept = manifest.retained(
         retention.keep_last, retention.keep_best, retention.metric, retention.mode
@@ -212,7 +211,7 @@ def _commit(
     for entry in [*dropped, *extra_drops]:
         if entry.path and entry.path in live_paths:
             continue
-        for path in ComponentPaths(root, entry, manifest.checkpoint_index).owned_files():
+        for path in ComponentPaths(root, entry).owned_files():
             remove_tree(path)
 
 

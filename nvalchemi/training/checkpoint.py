@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from nvalchemi._serialization import UnsafeImportError
 from nvalchemi.training._checkpoint_files import UnsafeCheckpointError, read_json, safe_torch_load
 from nvalchemi.training._checkpoint_manifest import (
     CURRENT_SCHEMA_VERSION,
@@ -308,7 +309,7 @@ def load_checkpoint(
     root = Path(root_folder)
     manifest = CheckpointManifest.read(root)
     entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry, manifest.checkpoint_index)
+    paths = ComponentPaths(root, entry)
     meta_path = paths.strategy()
     if strategy is not None:
         if model_names is not None:
@@ -374,7 +375,10 @@ def _restore_into(strategy, paths, manifest, map_location, validators, trust, al
     models = strategy.unwrapped_models()
     out_models = {}
     for name in paths.entry.models:
-        spec = load_spec(paths.spec("models", name), trust=True, expect=None)
+        try:
+            spec: Any = load_spec(paths.spec("models", name), trust=trust, expect=None)
+        except UnsafeImportError:  # a user model outside the allow-list: report the JSON
+            spec = read_json(paths.spec("models", name), "spec file")
         out_models[name] = {
             "model": models[name],
             "spec": spec,
@@ -656,7 +660,7 @@ def load_models_from_checkpoint(
     root = Path(root_folder)
     manifest = CheckpointManifest.read(root)
     entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry, manifest.checkpoint_index)
+    paths = ComponentPaths(root, entry)
     names = list(entry.models) if model_names is None else list(model_names)
     unknown = sorted(set(names) - set(entry.models))
     if unknown:
@@ -701,7 +705,7 @@ def read_strategy_metadata(
     """The saved strategy recipe (``to_checkpoint_dict()`` output) or ``None``; loads no tensors."""
     root = Path(root_folder)
     manifest = CheckpointManifest.read(root)
-    paths = ComponentPaths(root, manifest.entry(checkpoint_index), manifest.checkpoint_index)
+    paths = ComponentPaths(root, manifest.entry(checkpoint_index))
     meta = paths.strategy()
     return None if meta is None else read_json(meta, "strategy metadata")
 
@@ -765,12 +769,17 @@ def strategy_load_checkpoint(
     validators: Any = None,
     trust: bool = False,
     overrides: Mapping[str, Any] | None = None,
+    allow_spec_changes: bool = False,
 ) -> Any:
-    """``TrainingStrategy.load_checkpoint``: rebuild the saved strategy and restore its state."""
+    """``TrainingStrategy.load_checkpoint``: rebuild the saved strategy and restore its state.
+
+    See :func:`load_checkpoint` for the arguments; hooks are not saved, so pass the same
+    hooks again (e.g. ``EMAHook``) to restore their state.
+    """
     root = Path(root_folder)
     manifest = CheckpointManifest.read(root)
     entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry, manifest.checkpoint_index)
+    paths = ComponentPaths(root, entry)
     meta_path = paths.strategy()
     if meta_path is None:
         raise ValueError(
@@ -788,5 +797,7 @@ def strategy_load_checkpoint(
         trust,
         overrides,
     )
-    _restore_into(strategy, paths, manifest, map_location, validators, trust, False, approved)
+    _restore_into(
+        strategy, paths, manifest, map_location, validators, trust, allow_spec_changes, approved
+    )
     return strategy

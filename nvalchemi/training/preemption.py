@@ -93,6 +93,7 @@ class PreemptionHandler:
         self._stopping = False
         self._previous: dict[int, Any] = {}
         self._last_step = -1
+        self._world_size = 1
 
     # ------------------------------------------------------------------ signals
     @property
@@ -138,7 +139,7 @@ class PreemptionHandler:
             step = ctx.step_count
             if step > self._last_step:  # only at optimizer-step boundaries
                 self._last_step = step
-                if self._distributed(strategy) and step % self.check_interval:
+                if self._world_size > 1 and step % self.check_interval:
                     return
                 self._maybe_stop(strategy)
         elif stage is _S.AFTER_VALIDATION:
@@ -147,13 +148,19 @@ class PreemptionHandler:
         elif stage is _S.AFTER_TRAINING:
             self._finish(strategy)
         elif stage is _S.SETUP:
+            from nvalchemi.distributed.runtime import get_world_size
+
             self._last_step = strategy.step_count
+            self._world_size = get_world_size(strategy.distributed_manager)
             self._checkpoint_hook(strategy)  # fail early without a destination
 
     def _maybe_stop(self, strategy: Any) -> None:
-        from nvalchemi.distributed.runtime import all_agree
+        received = self._received is not None
+        if self._world_size > 1:
+            from nvalchemi.distributed.runtime import all_agree
 
-        if all_agree(self._received is not None, strategy.distributed_manager):
+            received = all_agree(received, strategy.distributed_manager)
+        if received:
             self._stopping = True
             name = _signal_name(self._received)
             strategy.request_stop(f"preemption: received {name}; checkpointing and exiting")
@@ -192,12 +199,6 @@ class PreemptionHandler:
             "PreemptionHandler needs somewhere to write its checkpoint: register a "
             "CheckpointHook with the strategy or pass PreemptionHandler(preemption_dir=...)."
         )
-
-    @staticmethod
-    def _distributed(strategy: Any) -> bool:
-        from nvalchemi.distributed.runtime import get_world_size
-
-        return get_world_size(strategy.distributed_manager) > 1
 
     def __repr__(self) -> str:
         names = [_signal_name(s) for s in self.signals]

@@ -44,7 +44,6 @@ from nvalchemi.training import (  # noqa: E402
     TrainingStrategy,
     ValidationConfig,
 )
-from nvalchemi.training.checkpoint import strategy_load_checkpoint  # noqa: E402
 from nvalchemi.training.hooks.checkpoint import CheckpointHook  # noqa: E402
 from nvalchemi.training.hooks.early_stopping import EarlyStoppingHook  # noqa: E402
 from nvalchemi.training.preemption import PreemptionHandler  # noqa: E402
@@ -137,8 +136,8 @@ def run_job(job: dict[str, Any]) -> int:
     if job.get("preempt"):
         hooks.append(PreemptionHandler())
     if job.get("resume") and (root / "manifest.json").is_file():
-        strategy = strategy_load_checkpoint(
-            TrainingStrategy, root, hooks=hooks, overrides={"validation_config": validation}
+        strategy = TrainingStrategy.load_checkpoint(
+            root, map_location="cpu", hooks=hooks, overrides={"validation_config": validation}
         )
     else:
         torch.manual_seed(0)

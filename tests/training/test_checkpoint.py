@@ -541,11 +541,22 @@ def test_load_model_from_checkpoint_prefers_ema_weights(tmp_path):
 
 
 def test_seed_resume_pattern_runs_as_written(tmp_path):
-    if not hasattr(TrainingStrategy, "load_checkpoint"):
-        pytest.skip("TrainingStrategy.load_checkpoint is bound by the strategy module (pending)")
     strategy = _trained(num_steps=2)
     strategy.save_checkpoint(tmp_path)
     strategy = TrainingStrategy.load_checkpoint(str(tmp_path), map_location="cpu")
     strategy.num_steps = 3
     strategy.run(C.batches())
     assert strategy.step_count == 3
+
+
+def test_adapter_arguments_are_checked(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"Unsupported checkpoint adapter 'onnx'; supported: \['mace'\]"
+    ):
+        load_checkpoint(tmp_path, adapter="onnx")
+    with pytest.raises(ValueError, match="Unknown adapter_kwargs"):
+        load_checkpoint(tmp_path / "x.model", adapter="mace", adapter_kwargs={"bogus": 1})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_checkpoint(tmp_path / "x.model", adapter="mace")
+    with pytest.raises(ValueError, match="cannot restore into a strategy"):
+        load_checkpoint(tmp_path, adapter="mace", strategy=C.strategy())
