@@ -6,6 +6,7 @@ _EXPORTS = {
     "CheckpointHook": ".checkpoint",
     "DDPHook": ".ddp",
     "EMAHook": ".ema",
+    "EMAValidationHook": ".ema",
     "MixedPrecisionHook": ".mixed_precision",
     "TrainingUpdateHook": ".update",
     "TrainingUpdateOrchestrator": ".update",
