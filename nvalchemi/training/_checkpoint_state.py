@@ -180,6 +180,10 @@ def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
     if loader_state is not None:
         meta["dataloader_state"] = loader_state
     meta["world_size"] = len(rng_states) if rng_states else 1
+    # Hooks and the validation config are runtime objects (not saved); recording what the
+    # run had lets the loader warn when a resume would silently drop them.
+    meta["hook_types"] = hook_types(strategy.hooks)
+    meta["validation_configured"] = strategy.validation_config is not None
     json_files["strategy.json"] = meta
     json_files["associations.json"] = associations
     book = checkpoint_state_of(strategy)
@@ -196,6 +200,14 @@ def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
         history=list(book["history"]),
         approved=tuple(book["approved"]),
     )
+
+
+def hook_types(hooks: list[Any]) -> list[str]:
+    out = []
+    for hook in hooks:
+        children = getattr(hook, "iter_hooks", None)
+        out.extend(type(h).__name__ for h in (children() if callable(children) else [hook]))
+    return out
 
 
 def _loader_state(loader: Any) -> dict[str, Any] | None:

@@ -33,6 +33,7 @@ on every rank; rank 0 writes, every rank waits); load on every rank with its
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -433,7 +434,31 @@ def _build_strategy(cls, paths, meta, map_location, hooks, training_fn, trust, o
         checkpoint_state_of(strategy)["history"].append(
             history_event("resume_overrides", from_index=paths.entry.index, overrides=record)
         )
+    _warn_missing_runtime_parts(meta, strategy)
     return strategy, approved
+
+
+def _warn_missing_runtime_parts(meta: Mapping[str, Any], strategy: Any) -> None:
+    """Hooks and the validation config are not saved: say so when a resume lacks them."""
+    from nvalchemi.training._checkpoint_state import hook_types
+
+    missing = sorted(set(meta.get("hook_types") or []) - set(hook_types(strategy.hooks)))
+    if missing:
+        warnings.warn(
+            f"The saved run used hooks {missing} that were not passed to the resumed strategy "
+            "(hooks are not stored in checkpoints); pass them with hooks=[...] to keep e.g. "
+            "checkpointing, EMA and early stopping going.",
+            UserWarning,
+            stacklevel=4,
+        )
+    if meta.get("validation_configured") and strategy.validation_config is None:
+        warnings.warn(
+            "The saved run validated but the resumed strategy has no validation_config (it is "
+            "not stored in checkpoints); pass overrides={'validation_config': "
+            "ValidationConfig(...)} to validate (and step metric schedulers) as before.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _apply_overrides(meta: dict, overrides: Mapping[str, Any] | None):

@@ -560,3 +560,18 @@ def test_adapter_arguments_are_checked(tmp_path):
         load_checkpoint(tmp_path / "x.model", adapter="mace")
     with pytest.raises(ValueError, match="cannot restore into a strategy"):
         load_checkpoint(tmp_path, adapter="mace", strategy=C.strategy())
+
+
+def test_resuming_without_the_saved_hooks_or_validation_warns(tmp_path):
+    from nvalchemi.training import ValidationConfig
+    from nvalchemi.training.hooks.checkpoint import CheckpointHook
+
+    hook = CheckpointHook(tmp_path, step_interval=10)
+    strategy = C.strategy(num_steps=2, hooks=[hook, EarlyStoppingHook()])
+    strategy.validation_config = ValidationConfig(validation_data=C.batches(1))
+    strategy.run(C.batches())
+    with pytest.warns(UserWarning) as record:
+        TrainingStrategy.load_checkpoint(tmp_path)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "hooks ['CheckpointHook', 'EarlyStoppingHook']" in messages
+    assert "has no validation_config" in messages

@@ -95,6 +95,7 @@ def test_save_on_train_end_writes_the_final_state_once(tmp_path):
     assert [s for _, s, _ in _entries(tmp_path / "q")] == [2]
 
 
+@pytest.mark.filterwarnings("ignore:The saved run used hooks")
 def test_async_writes_hold_the_state_of_their_step_and_are_flushed_at_exit(tmp_path, monkeypatch):
     monkeypatch.setenv("NVALCHEMI_CHECKPOINT_SLOW_WRITES", "0.01")
     weights = {}
@@ -142,6 +143,7 @@ def test_best_and_last_retention_follow_validation(tmp_path):
     assert len(list((tmp_path / "checkpoints").iterdir())) == 3
 
 
+@pytest.mark.filterwarnings("ignore:The saved run used hooks")
 def test_resume_reproduces_uninterrupted_ema_training_in_process(tmp_path):
     reference_ema = EMAHook(decay=0.5)
     reference = C.strategy(num_steps=6, hooks=[reference_ema])
@@ -240,6 +242,7 @@ class _SignalAt:
             os.kill(os.getpid(), self.signum)
 
 
+@pytest.mark.filterwarnings("ignore:The saved run used hooks")
 def test_preemption_signal_checkpoints_after_the_step_and_exits_75(tmp_path):
     before = signal.getsignal(signal.SIGUSR1)
     handler = PreemptionHandler()
@@ -267,3 +270,36 @@ def test_preemption_needs_a_checkpoint_destination():
     strategy = C.strategy(num_steps=1, hooks=[PreemptionHandler()])
     with pytest.raises(ValueError, match="register a CheckpointHook"):
         strategy.run(C.batches())
+
+
+def _flat(value):
+    if isinstance(value, dict):
+        return {k: _flat(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.cpu().numpy().tobytes())
+    return value
+
+
+def test_update_hook_states_grad_scaler_spike_statistics_and_accumulation_round_trip(tmp_path):
+    from nvalchemi.training.hooks.gradients import GradientAccumulationHook, LossSpikeSkipHook
+    from nvalchemi.training.hooks.mixed_precision import MixedPrecisionHook
+
+    def hooks():
+        return [
+            MixedPrecisionHook(precision="float16"),
+            LossSpikeSkipHook(factor=10.0, window=4, warmup_steps=1),
+            GradientAccumulationHook(2),
+            EMAHook(decay=0.5),
+        ]
+
+    first = hooks()
+    strategy = C.strategy(num_steps=3, hooks=first)
+    strategy.run(C.batches(7))
+    strategy.save_checkpoint(tmp_path)
+    saved = _flat(strategy._orchestrator().state_dict())
+    assert saved["MixedPrecisionHook"]["grad_scaler"] is not None
+    assert saved["LossSpikeSkipHook"]["accepted"] == 3
+
+    second = hooks()
+    loaded = TrainingStrategy.load_checkpoint(tmp_path, hooks=second)
+    assert _flat(loaded._orchestrator().state_dict()) == saved

@@ -160,19 +160,28 @@ class CheckpointHook(BaseModel):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        error: BaseException | None = None
         try:
             if exc_type is None and self._pending is not None and self._strategy is not None:
                 self._save_pending(self._strategy)
-        finally:
-            try:
-                self.close()
-            except Exception:
-                if exc_type is None:
-                    raise
-        if exc_type is None and self._strategy is not None:
-            from nvalchemi.distributed.runtime import barrier
+        except Exception as caught:
+            error = caught
+        try:
+            self.close()  # always finish the in-flight write, also when the run failed
+        except Exception as caught:
+            error = error or caught
+        if exc_type is not None:
+            return  # the run's own error wins; other ranks may be gone: no collectives
+        if self._strategy is not None:
+            from nvalchemi.distributed.runtime import all_agree
 
-            barrier(self._strategy.distributed_manager)  # nobody reads before the write ends
+            # Also the barrier: no rank goes on (e.g. reads the checkpoint) before the write ends.
+            if all_agree(error is not None, self._strategy.distributed_manager) and error is None:
+                raise RuntimeError(
+                    "CheckpointHook: the final checkpoint write failed on another rank."
+                )
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ internals
     def _setup(self, strategy: Any) -> None:
