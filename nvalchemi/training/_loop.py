@@ -121,7 +121,7 @@ class _TrainingLoop(_LoopSetup):
         batch = _to_device(batch, plan.device)
         d["_last_batch"] = batch
         with self._mode_context():
-            self._train_step(batch, plan)
+            (self._train_step_lean if plan.lean else self._train_step)(batch, plan)
         ctx = plan.ctx
         loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
         return loss.detach() if isinstance(loss, torch.Tensor) else loss
@@ -262,6 +262,7 @@ class _TrainingLoop(_LoopSetup):
     def _epoch_loop(self, loader: Any, per_epoch: int | None, target: int, plan: _Plan) -> bool:
         d = self.__dict__
         started = False
+        train_step = self._train_step_lean if plan.lean else self._train_step
         while True:
             _set_sampler_epoch(loader, d["epoch_count"])
             skip = self._seek(loader)
@@ -283,7 +284,10 @@ class _TrainingLoop(_LoopSetup):
                     continue
                 if d["_hooks_version"] != plan.hooks_version:
                     plan = self._current_plan()
-                batch = _to_device(batch, plan.device)
+                    train_step = self._train_step_lean if plan.lean else self._train_step
+                current = getattr(batch, "device", None)
+                if current is None or current != plan.device:
+                    batch = _to_device(batch, plan.device)
                 d["_last_batch"] = batch
                 if not started:
                     started = True
@@ -295,7 +299,7 @@ class _TrainingLoop(_LoopSetup):
                     self._sync_ctx(plan.ctx)
                     plan.ctx.batch = batch
                     _fire(S.BEFORE_EPOCH, plan.before_epoch, plan.ctx, d["epoch_count"] + 1)
-                ran = self._train_step(batch, plan)
+                ran = train_step(batch, plan)
                 processed += 1
                 every = plan.val_every_steps
                 if every and ran and d["step_count"] % every == 0:
@@ -329,6 +333,70 @@ class _TrainingLoop(_LoopSetup):
             self._validation_checkpoint()
 
     # ------------------------------------------------------------------ the hot path
+    def _train_step_lean(self, batch: Any, p: _Plan) -> bool:
+        """:meth:`_train_step` for a strategy without hooks: no context, no update hooks.
+
+        The same work with none of the hook bookkeeping; kept in step with
+        :meth:`_train_step` (the tests run both paths).
+        """
+        d = self.__dict__
+        stage = "zeroing gradients"
+        try:
+            optimizers = p.optimizers
+            zero_gradients(optimizers)
+            if p.zero_filtered is not None:
+                p.zero_filtered(optimizers)
+            stage = "the forward pass (training_fn)"
+            predictions = p.fn(p.model_arg, batch)
+            stage = "the loss computation"
+            step = d["step_count"]
+            out = compute_supervised_loss(
+                p.loss_fn,
+                predictions,
+                batch,
+                step=step,
+                epoch=d["epoch_count"],
+                workflow=self,
+                target_assembler=p.assembler,
+                target_keys=p.target_keys,
+            )
+            loss = out["total_loss"]
+            d["_last_loss"] = loss
+            mode = p.nonfinite
+            if mode == _RAISE:  # inline _record_loss
+                record = d["_nonfinite_record"]
+                record.losses.append(loss.detach())
+                components = out["per_component_unweighted"]
+                record.meta.append(
+                    (
+                        step,
+                        d["epoch_count"],
+                        d["epoch_step_count"],
+                        d["batch_count"],
+                        [(k, v.detach()) for k, v in components.items()],
+                    )
+                )
+            elif mode == _SKIP and self._skip_nonfinite(loss, p):
+                return self._skip_batch(p, out)
+            stage = "the backward pass"
+            loss.backward()
+            stage = "the optimizer step"
+            step_optimizers(optimizers)
+            for scheduler in p.time_schedulers:
+                scheduler.step()
+            d["batch_count"] += 1
+            d["epoch_step_count"] += 1
+            d["step_count"] = step + 1
+            d["global_step_count"] += p.world_size
+            d["_consecutive_skips"] = 0
+            if mode == _RAISE and len(record.losses) >= p.nonfinite_capacity:
+                stage = "the periodic non-finite loss check"
+                self.check_nonfinite()
+            return True
+        except Exception as exc:
+            self._annotate(exc, stage)
+            raise
+
     def _train_step(self, batch: Any, p: _Plan) -> bool:
         """One batch: forward, loss, backward, optimizer step, counters. Returns whether it stepped."""
         d = self.__dict__

@@ -63,6 +63,7 @@ class _Plan:
         "fn",
         "hooks_version",
         "key",
+        "lean",
         "loss_fn",
         "model_arg",
         "nonfinite",
@@ -315,6 +316,7 @@ class _LoopSetup:
         # Seam for fine-tuning strategies: clear gradients of trainable parameters that no
         # optimizer owns (the orchestrator calls the same method when it zeroes).
         p.zero_filtered = getattr(self, "_zero_optimizer_filtered_gradients", None)
+        p.lean = p.ctx is None and p.orchestrator is None and not (p.do_backward or p.do_step)
         return p
 
     def _context(self) -> TrainContext:
