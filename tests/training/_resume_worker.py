@@ -15,7 +15,8 @@ shuffling, EMA (if ``EMAHook`` exists), a StepLR scheduler, validation and a
 ``loss_file`` and writes the final weights to ``final_file``. Job keys: ``root``,
 ``loss_file``, ``final_file``, ``mode`` (``"steps"``/``"epochs"``), ``resume``,
 ``pause_at_step`` (flush checkpoints, then sleep until killed), ``slow_writes`` (seconds),
-``preempt`` (register a ``PreemptionHandler``), ``async_save``.
+``preempt`` (register a ``PreemptionHandler``), ``step_delay`` (seconds of sleep after
+each step), ``async_save``.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ class LossLog:
     frequency = 1
     stage = TrainingStage.AFTER_BATCH
 
-    def __init__(self, path: str, pause_at_step: int | None) -> None:
+    def __init__(self, path: str, pause_at_step: int | None, step_delay: float = 0.0) -> None:
         self.handle = open(path, "a")  # noqa: SIM115 - lives as long as the process
         self.pause_at_step = pause_at_step
+        self.step_delay = step_delay
         self.last = -1
 
     def __call__(self, ctx: Any, stage: Any) -> None:
@@ -103,6 +105,8 @@ class LossLog:
         self.last = ctx.step_count
         self.handle.write(f"{ctx.step_count} {float(ctx.loss).hex()}\n")
         self.handle.flush()
+        if self.step_delay:
+            time.sleep(self.step_delay)  # leaves a signal time to arrive mid-run
         if ctx.step_count == self.pause_at_step:
             for hook in ctx.workflow.hooks:
                 if isinstance(hook, CheckpointHook):
@@ -125,7 +129,7 @@ def run_job(job: dict[str, Any]) -> int:
     validation = ValidationConfig(validation_data=val, **every)
     cadence = {"step_interval": 3} if mode == "steps" else {"epoch_interval": 1}
     hooks: list[Any] = [
-        LossLog(job["loss_file"], job.get("pause_at_step")),
+        LossLog(job["loss_file"], job.get("pause_at_step"), job.get("step_delay", 0.0)),
         CheckpointHook(
             root, keep_last=2, keep_best=1, async_save=job.get("async_save", True), **cadence
         ),
