@@ -123,6 +123,16 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
 
     Counters ``step_count``, ``global_step_count``, ``batch_count``, ``epoch_count``
     (alias ``epoch``) and ``epoch_step_count`` may be given to resume.
+
+    Hook ``frequency=N``: at the batch stages a hook fires on the batches that build
+    optimizer step ``k`` (1-based) with ``k % N == 0`` (at ``AFTER_OPTIMIZER_STEP`` and
+    ``AFTER_BATCH`` only if that step was taken); epoch stages count epochs the same
+    way; ``SETUP``, ``BEFORE_TRAINING``, ``AFTER_TRAINING``, ``AFTER_VALIDATION``, the
+    ``DO_*`` slots and validation forwards always fire.
+
+    Optimizers and schedulers are built once and kept across ``run()``/``train_batch()``
+    calls (rebuilt only when the configs or the trainable parameters change). Call
+    :meth:`request_stop` (from a hook or a signal handler) to end a run cleanly.
     """
 
     model_config = ConfigDict(
