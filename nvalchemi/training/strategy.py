@@ -116,8 +116,10 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         nonfinite_loss: ``"raise"`` (default) records losses on the device and raises
             :class:`NonFiniteLossError` at the next check (every ``nonfinite_check_interval``
             steps, before validation, epoch/training-end hooks and checkpoints) naming the
-            step; ``"skip"`` reads the loss every batch (one device sync) and skips
-            backward/step of non-finite batches; ``"ignore"`` does nothing.
+            step; ``"skip"`` reads the loss every batch and skips backward/step of
+            non-finite batches (the read costs about a microsecond on CPU; on a GPU it
+            waits for the forward pass every batch, and under DDP it adds one small
+            all-reduce so every rank skips together); ``"ignore"`` does nothing.
         max_consecutive_skips: raise :class:`TrainingStalledError` after this many batches
             in a row without an optimizer step (skipped or vetoed); ``None`` disables.
 
