@@ -18,6 +18,10 @@ _EXPORTS = {
     "MultiDatasetSampler": ".samplers",
     "MultiDatasetBatchSampler": ".samplers",
     "DataLoader": ".dataloader",
+    "ShuffleSampler": ".samplers",
+    "EpochPolicy": ".samplers",
+    "epoch_generator": ".samplers",
+    "DATASET_INDEX_METADATA_KEY": ".multidataset",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
