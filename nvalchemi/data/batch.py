@@ -99,11 +99,22 @@ def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
 
+def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``values[i]`` repeated ``counts[i]`` times (both 1-D int64).
+
+    On CPU this goes through numpy: ``torch.repeat_interleave`` opens an OpenMP
+    region even for a few hundred elements, which stalls for milliseconds on a busy
+    machine (data-loading workers).
+    """
+    if values.device.type == "cpu" and counts.device.type == "cpu":
+        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
+    return torch.repeat_interleave(values, counts)
+
+
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Concatenation of ``arange(s, s + c)`` for every pair, without a Python loop."""
-    total = int(counts.sum())
-    offsets = torch.repeat_interleave(starts - _exclusive_cumsum(counts), counts, output_size=total)
-    return offsets + torch.arange(total, dtype=torch.int64)
+    offsets = _repeat(starts - _exclusive_cumsum(counts), counts)
+    return offsets + torch.arange(offsets.shape[0], dtype=torch.int64)
 
 
 def _missing_fill(name: str, like: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -211,9 +222,7 @@ class Batch:
         edge_counts: torch.Tensor,
         device: torch.device,
     ) -> Batch:
-        batch_idx = torch.repeat_interleave(
-            torch.arange(len(node_counts)), node_counts, output_size=int(node_counts.sum())
-        )
+        batch_idx = _repeat(torch.arange(len(node_counts)), node_counts)
         index = {
             "batch_idx": batch_idx,
             "ptr": torch.cat([torch.zeros(1, dtype=torch.int64), node_counts.cumsum(0)]),
@@ -295,9 +304,7 @@ class Batch:
         """System index of every atom, int64 ``[V]``."""
         return self._cached(
             "batch_idx",
-            lambda: torch.repeat_interleave(
-                torch.arange(self.num_graphs), self._node_counts, output_size=self.num_nodes
-            ),
+            lambda: _repeat(torch.arange(self.num_graphs), self._node_counts),
         )
 
     @property
@@ -315,9 +322,7 @@ class Batch:
         """System index of every edge, int64 ``[E]``."""
         return self._cached(
             "edge_batch_idx",
-            lambda: torch.repeat_interleave(
-                torch.arange(self.num_graphs), self._edge_counts, output_size=self.num_edges
-            ),
+            lambda: _repeat(torch.arange(self.num_graphs), self._edge_counts),
         )
 
     @property
@@ -565,11 +570,9 @@ class Batch:
         edge_rows = _ranges(_exclusive_cumsum(self._edge_counts)[graphs], edge_counts).to(
             self.device
         )
-        shift = torch.repeat_interleave(
-            _exclusive_cumsum(node_counts) - old_node_start,
-            edge_counts,
-            output_size=int(edge_counts.sum()),
-        ).to(self.device)
+        shift = _repeat(_exclusive_cumsum(node_counts) - old_node_start, edge_counts).to(
+            self.device
+        )
         graph_rows = graphs.to(self.device)
         data = {}
         for key, value in self._data.items():
@@ -744,25 +747,23 @@ def _collate(
                 )
             for i in missing:
                 tensors[i] = _missing_fill(key, present, fill_rows[i])
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            first = tensors[0].dtype
+        first = tensors[0].dtype
+        if any(t.dtype != first for t in tensors):
             bad = next(i for i, t in enumerate(tensors) if t.dtype != first)
             raise ValueError(
                 f"Field {key!r} has dtype {first} in structure 0 but {tensors[bad].dtype} in "
                 f"structure {bad}; cast the structures to one dtype (e.g. data.to(dtype=...))."
             )
-        trailing = {t.shape[1:] for t in tensors}
-        if len(trailing) > 1:
+        try:
+            value = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+        except RuntimeError as exc:
+            shapes = sorted({tuple(t.shape[1:]) for t in tensors})
             raise ValueError(
-                f"Field {key!r} has different trailing shapes across structures: "
-                f"{sorted(list(s) for s in trailing)}."
-            )
-        device = present.device
-        value = torch.cat([t.to(device) for t in tensors]) if len(tensors) > 1 else tensors[0]
+                f"Cannot concatenate field {key!r}: trailing shapes {shapes} or devices differ "
+                f"across structures ({exc})."
+            ) from None
         if key == "neighbor_list" and len(tensors) > 1:
-            offsets = _exclusive_cumsum(part_nodes)
-            per_edge = torch.repeat_interleave(offsets, part_edges, output_size=value.shape[0])
-            value = value + per_edge.to(device).unsqueeze(1)
+            per_edge = _repeat(_exclusive_cumsum(part_nodes), part_edges)
+            value = value + per_edge.to(value.device).unsqueeze(1)
         out[key] = value
     return out, levels
