@@ -161,14 +161,14 @@ def test_step_runs_optimizer_and_scheduler_when_allowed():
 def test_do_backward_threads_the_loss_and_backpropagates_once():
     log = []
     orchestrator = TrainingUpdateOrchestrator(
-        Logged("half", log, 10, loss_factor=0.5), Logged("double", log, 20, loss_factor=2.0)
+        Logged("half", log, 10, loss_factor=0.5), Logged("triple", log, 20, loss_factor=3.0)
     )
     p = Param()
     ctx = p.ctx()
-    original = float(ctx.loss.detach())
+    original = ctx.loss
     orchestrator(ctx, S.DO_BACKWARD)
-    assert float(ctx.loss.detach()) == pytest.approx(original)
-    assert float(p.w.grad) == pytest.approx(8.0)  # d(4 w^2)/dw at w = 1, backward ran once
+    assert ctx.loss is original  # restored: later stages see the loss that came in
+    assert float(p.w.grad) == pytest.approx(8.0 * 1.5)  # d(1.5 * 4 w^2)/dw at w = 1, once
 
 
 def test_do_backward_requires_a_tensor_and_gated_stages_a_strict_bool():

@@ -10,7 +10,8 @@ first) and performs the gated operation once:
 stage                    a hook returns ``(proceed, loss)``   the orchestrator then
 =======================  ===================================  =====================================
 ``BEFORE_BATCH``         ``proceed=False`` vetoes             zeroes gradients unless vetoed
-``DO_BACKWARD``          ``loss`` (a tensor) is threaded on   calls ``backward()`` once on it
+``DO_BACKWARD``          ``loss`` (a tensor) is threaded on   calls ``backward()`` once on it,
+                                                              then restores ``ctx.loss``
 ``DO_OPTIMIZER_STEP``    ``proceed=False`` vetoes             steps optimizers and schedulers
 ``AFTER_OPTIMIZER_STEP`` ignored                              (``will_skip`` says if it stepped)
 =======================  ===================================  =====================================
@@ -214,6 +215,9 @@ class TrainingUpdateOrchestrator:
         return not will_skip
 
     def _backward(self, ctx: Any) -> None:
+        # Hooks thread a loss for backward only (scaled for accumulation or fp16); hooks
+        # after backward, reporters and train_batch() see the loss that came in.
+        original = ctx.loss
         for hook in self._hooks:
             result = hook(ctx, _DO_BACKWARD, False)
             loss = result[1] if isinstance(result, tuple) and len(result) == 2 else None
@@ -223,7 +227,10 @@ class TrainingUpdateOrchestrator:
                     f"{type(loss).__name__}. Return (True, ctx.loss) to pass the loss on."
                 )
             ctx.loss = loss
-        ctx.loss.backward()
+        try:
+            ctx.loss.backward()
+        finally:
+            ctx.loss = original
 
     def _step_optimizers_with_context(self, ctx: Any) -> bool:
         """Step optimizers and time-based schedulers; return whether the step ran.
