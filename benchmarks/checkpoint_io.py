@@ -10,8 +10,9 @@ JSON line per model and device:
 * ``size_mb``: bytes on disk of one checkpoint;
 * ``async_stall_s``: time the training thread spends in an asynchronous
   ``CheckpointHook`` save (checks, CPU snapshot, submit) -- the only stall;
-* ``copy_state_s``: time to copy the same tensors (weights, Adam moments, EMA) to CPU
-  memory, the floor of that stall; ``copy_weights_s``: the weights alone;
+* ``copy_state_s``: time to copy the same tensors (weights, Adam moments, EMA) into the
+  reused CPU buffers the hook keeps, the floor of that stall; ``copy_weights_s``: the
+  weights alone; ``copy_state_fresh_s``: the same copy into freshly allocated memory;
 * ``async_write_s``: time the background write then takes.
 
 Usage: ``python benchmarks/checkpoint_io.py [--repeats 3] [--device cpu|cuda|all]``
@@ -32,7 +33,7 @@ import torch
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.models.painn import PaiNN
 from nvalchemi.training import EnergyMSELoss, ForceMSELoss, OptimizerConfig, TrainingStrategy
-from nvalchemi.training._checkpoint_files import cpu_snapshot
+from nvalchemi.training._checkpoint_files import SnapshotBuffers, cpu_snapshot
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, save_checkpoint
 from nvalchemi.training.hooks.checkpoint import CheckpointHook
 from nvalchemi.training.hooks.ema import EMAHook
@@ -118,8 +119,18 @@ def measure(name: str, kwargs: dict, device: torch.device, repeats: int, scratch
         "optimizer": strategy._optimizers[0].state_dict(),
         "ema": ema.get_averaged_model().state_dict(),
     }
-    copy_weights_s, _ = timed(lambda: cpu_snapshot(model.state_dict(), "model"), device, repeats)
-    copy_state_s, _ = timed(lambda: cpu_snapshot(state, "state"), device, repeats)
+    buffers = SnapshotBuffers()
+
+    def copy_into_buffers(value: dict, where: str) -> None:
+        cpu_snapshot(value, where, buffers)
+        buffers.finish()
+
+    copy_into_buffers(state, "state")  # allocate once, as the hook does on its first save
+    copy_weights_s, _ = timed(
+        lambda: copy_into_buffers(model.state_dict(), "model"), device, repeats
+    )
+    copy_state_s, _ = timed(lambda: copy_into_buffers(state, "state"), device, repeats)
+    fresh_copy_s, _ = timed(lambda: cpu_snapshot(state, "state"), device, repeats)
 
     hook = CheckpointHook(scratch / f"{name}-{device.type}-async", step_interval=1, keep_last=1)
     stalls, writes = [], []
@@ -144,6 +155,7 @@ def measure(name: str, kwargs: dict, device: torch.device, repeats: int, scratch
         "load_model_s": round(load_model_s, 4),
         "async_stall_s": round(statistics.median(stalls[1:]), 4),
         "copy_state_s": round(copy_state_s, 4),
+        "copy_state_fresh_s": round(fresh_copy_s, 4),
         "copy_weights_s": round(copy_weights_s, 4),
         "async_write_s": round(statistics.median(writes[1:]), 4),
     }

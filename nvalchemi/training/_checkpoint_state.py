@@ -23,6 +23,7 @@ from torch import nn
 
 from nvalchemi._serialization import encode_value
 from nvalchemi.training._checkpoint_files import (
+    SnapshotBuffers,
     cpu_snapshot,
     read_json,
     safe_component_name,
@@ -105,16 +106,21 @@ def capture_strategy(
     reason: str = "manual",
     metric: dict[str, Any] | None = None,
     rng_states: list[dict[str, Any]] | None = None,
+    buffers: SnapshotBuffers | None = None,
 ) -> Snapshot:
     """A :class:`Snapshot` of ``strategy`` (raises ``NonFiniteLossError`` for a diverged run).
 
-    Runs on the training thread; the RNG states are left untouched.
+    Runs on the training thread; the RNG states are left untouched. ``buffers`` are
+    reused CPU buffers (see :class:`SnapshotBuffers`); device copies are complete on return.
     """
     with preserved_rng():
-        return _capture_strategy(strategy, reason, metric, rng_states)
+        snapshot = _capture_strategy(strategy, reason, metric, rng_states, buffers)
+    if buffers is not None:
+        buffers.finish()
+    return snapshot
 
 
-def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
+def _capture_strategy(strategy, reason, metric, rng_states, buffers) -> Snapshot:
     _reject_sharded(strategy.models)
     meta = strategy.to_checkpoint_dict()  # checks the non-finite record first
     models = strategy.unwrapped_models()
@@ -139,7 +145,7 @@ def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
         safe_component_name(name, "model")
         specs[f"models/{name}"] = meta["model_specs"][name]
         tensors[f"models/{name}/weights.pt"] = cpu_snapshot(
-            model.state_dict(), f"model {name!r} state_dict"
+            model.state_dict(), f"model {name!r} state_dict", buffers
         )
     param_names = {id(p): f"{k}.{n}" for k, m in models.items() for n, p in m.named_parameters()}
     associations: dict[str, Any] = {k: {"optimizers": [], "schedulers": []} for k in models}
@@ -152,7 +158,7 @@ def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
         assoc["optimizers"].append(opt_name)
         specs[f"optimizers/{opt_name}"] = _optimizer_spec(config)
         tensors[f"optimizers/{opt_name}/state.pt"] = cpu_snapshot(
-            optimizer.state_dict(), f"optimizer {opt_name!r} state_dict"
+            optimizer.state_dict(), f"optimizer {opt_name!r} state_dict", buffers
         )
         groups = [
             [param_names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups
@@ -166,10 +172,10 @@ def _capture_strategy(strategy, reason, metric, rng_states) -> Snapshot:
             assoc.setdefault("scheduler_optimizers", {})[sched_name] = opt_name
             specs[f"schedulers/{sched_name}"] = _scheduler_spec(config)
             tensors[f"schedulers/{sched_name}/state.pt"] = cpu_snapshot(
-                scheduler.state_dict(), f"scheduler {sched_name!r} state_dict"
+                scheduler.state_dict(), f"scheduler {sched_name!r} state_dict", buffers
             )
     hooks = {
-        key: cpu_snapshot(hook.state_dict(), f"hook {key!r} state_dict")
+        key: cpu_snapshot(hook.state_dict(), f"hook {key!r} state_dict", buffers)
         for key, hook in strategy.iter_checkpointable_hooks()
     }
     if hooks:

@@ -237,9 +237,12 @@ def prepare_strategy_snapshot(
     metric: Mapping[str, Any] | None,
     rng_states: list[dict[str, Any]] | None,
     allow: bool = False,
+    buffers: Any = None,
 ) -> Any:
     """Capture ``strategy`` and check it against the root's latest specs (training thread)."""
-    snapshot = capture_strategy(strategy, reason=reason, metric=metric, rng_states=rng_states)
+    snapshot = capture_strategy(
+        strategy, reason=reason, metric=metric, rng_states=rng_states, buffers=buffers
+    )
     if allow:
         snapshot.approved = (*snapshot.approved, "*")
     check_spec_changes(root, snapshot)

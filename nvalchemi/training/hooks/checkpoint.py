@@ -74,6 +74,7 @@ class CheckpointHook(BaseModel):
     last_checkpoint_index: int | None = Field(default=None, ge=0, exclude=True)
 
     _writer: Any = PrivateAttr(default=None)
+    _buffers: Any = PrivateAttr(default=None)
     _strategy: Any = PrivateAttr(default=None)
     _pending: tuple[str, Any] | None = PrivateAttr(default=None)
     _saved_at: tuple[int, int] | None = PrivateAttr(default=None)
@@ -151,10 +152,13 @@ class CheckpointHook(BaseModel):
         return self.last_checkpoint_index
 
     def close(self) -> None:
-        """Flush and stop the background writer."""
+        """Flush and stop the background writer (and release the snapshot buffers)."""
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            self._buffers = None
 
     def __enter__(self) -> CheckpointHook:
         return self
@@ -255,10 +259,19 @@ class CheckpointHook(BaseModel):
         if get_rank(manager) == 0 or not self.rank_zero_only:
             try:
                 writer = self._ensure_writer()
-                writer.wait()  # the previous write first: indices stay ordered
+                writer.wait()  # the previous write first: indices stay ordered, buffers free
                 root = Path(self.checkpoint_dir)
+                if self._buffers is None:
+                    from nvalchemi.training._checkpoint_files import SnapshotBuffers
+
+                    self._buffers = SnapshotBuffers()
                 snapshot = prepare_strategy_snapshot(
-                    root, strategy, reason=reason, metric=metric, rng_states=states
+                    root,
+                    strategy,
+                    reason=reason,
+                    metric=metric,
+                    rng_states=states,
+                    buffers=self._buffers,
                 )
                 writer.submit(
                     write_snapshot, root, snapshot, self._retention(), on_done=self._written
