@@ -48,6 +48,9 @@ _EXPORTS = {
     # strategy and friends
     "TrainingStage": ".stages",
     "TrainingStrategy": ".strategy",
+    "NonFiniteLossError": ".errors",
+    "TrainingStalledError": ".errors",
+    "model_spec_for": ".model_spec",
     "default_training_fn": ".strategy",
     "FineTuningStrategy": ".finetune",
     "OptimizerConfig": ".optimizers",

@@ -106,11 +106,6 @@ def test_parked_steps_do_not_refire_step_cadence():
     assert every_two == [2, 4]
 
 
-@pytest.mark.xfail(
-    reason="needs the orchestrator to restore ctx.loss after DO_BACKWARD (see the update-hooks "
-    "report): hooks after backward and train_batch() currently see the loss scaled by 1/N",
-    strict=False,
-)
 def test_loss_published_after_backward_is_the_unscaled_loss():
     strategy = S.make_strategy(hooks=[GradientAccumulationHook(2)], num_steps=10)
     seen = _record(
