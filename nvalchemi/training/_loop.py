@@ -161,6 +161,15 @@ class _TrainingLoop(_LoopSetup):
         if d["_stop_reason"] is None:
             d["_stop_reason"] = str(reason)
 
+    def discard_recent_losses(self, count: int) -> None:
+        """Tell the non-finite check that the last ``count`` batches' losses were discarded.
+
+        Update hooks that veto a step AND drop its gradients (e.g. ``LossSpikeSkipHook``
+        skipping a NaN window) call this, so a deliberately skipped non-finite loss does
+        not raise at the next check of ``nonfinite_loss="raise"``.
+        """
+        self.__dict__["_nonfinite_record"].forget_last(int(count))
+
     @property
     def stop_reason(self) -> str | None:
         """Why the last (or current) run was asked to stop, or ``None``."""

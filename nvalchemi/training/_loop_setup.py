@@ -91,6 +91,11 @@ class _NonFiniteRecord:
         # (step, epoch, epoch_step, batch_count, [(component, detached value)] | None)
         self.meta: list[tuple[int, int, int, int, Any]] = []
 
+    def forget_last(self, count: int) -> None:
+        """Drop the ``count`` most recent losses (their gradients never reached the weights)."""
+        if count > 0:
+            del self.losses[-count:], self.meta[-count:]
+
     def first_bad(self) -> tuple[int, int, int, int, Any] | None:
         """Metadata of the first non-finite loss since the last check (one sync), then clear."""
         if not self.losses:

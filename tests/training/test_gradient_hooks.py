@@ -225,7 +225,9 @@ def test_ema_statistic_skips_the_spike():
     assert hook.state_dict()["ema"] is not None
 
 
-def test_nonfinite_gradients_are_skipped():
+@pytest.mark.parametrize("nonfinite_loss", ["ignore", "raise"])
+def test_nonfinite_gradients_are_skipped(nonfinite_loss):
+    # With "raise", a NaN the hook skipped must not raise at the strategy's next check.
     model = S.ForceMLP()
     hook = LossSpikeSkipHook(warmup_steps=1)
 
@@ -233,7 +235,7 @@ def test_nonfinite_gradients_are_skipped():
         if ctx.batch_count == 2:
             ctx.loss = ctx.loss * float("nan")
 
-    strategy = S.make_strategy(model, hooks=[hook], num_steps=3, nonfinite_loss="ignore")
+    strategy = S.make_strategy(model, hooks=[hook], num_steps=3, nonfinite_loss=nonfinite_loss)
     strategy.register_hook(S.StageHook(TrainingStage.AFTER_LOSS, poison))
     strategy.run(S.make_batches(4))
     assert hook.num_skipped == 1 and strategy.step_count == 3

@@ -274,9 +274,8 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     (:func:`nvalchemi.distributed.runtime.all_agree`), so every rank skips together.
     Spikes do not enter the statistics.
 
-    Pair it with ``TrainingStrategy(nonfinite_loss="ignore")`` if non-finite losses
-    should be skipped rather than raise (the strategy's default ``"raise"`` records
-    every loss).
+    A skipped window's losses are discarded from the strategy's non-finite record, so
+    the default ``nonfinite_loss="raise"`` does not raise for a NaN this hook skipped.
 
     Args:
         factor: spike threshold relative to the running statistic (``> 1``).
@@ -357,7 +356,8 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         from nvalchemi.distributed.runtime import all_agree
 
         state = self._runtime
-        loss = state.loss_sum / state.loss_count
+        window = state.loss_count
+        loss = state.loss_sum / window
         state.loss_sum, state.loss_count = None, 0
         loss = loss.reshape(())
         bad = ~torch.isfinite(loss)
@@ -386,6 +386,9 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         state.last_skipped = skip
         if skip:
             state.skipped += 1
+            discard = getattr(ctx.workflow, "discard_recent_losses", None)
+            if callable(discard):
+                discard(window)
         else:
             self._record(loss, norm)
         return skip
