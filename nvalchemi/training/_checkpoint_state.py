@@ -1,10 +1,11 @@
-"""What goes into a checkpoint and back: snapshots of strategies and components, and restore.
+"""What goes into a checkpoint: snapshots of strategies and of components.
 
 :func:`capture_strategy` takes, on the training thread, a CPU copy of everything a run
 needs to continue exactly (weights, optimizer and scheduler states, counters,
 checkpointable hook states such as EMA weights and GradScaler state, per-rank RNG states,
 the loader position, the strategy recipe) into a :class:`Snapshot` that a background
-thread can write. :func:`restore_strategy` loads a checkpoint entry into a live strategy.
+thread can write (:mod:`nvalchemi.training._checkpoint_writer`); loading is in
+:mod:`nvalchemi.training._checkpoint_restore`.
 
 Component names of strategy checkpoints: the model keys, ``<model>_optimizer`` and
 ``<model>_scheduler`` (``_<i>`` suffixes when a model has several optimizer configs).
@@ -12,43 +13,37 @@ Component names of strategy checkpoints: the model keys, ``<model>_optimizer`` a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from nvalchemi._serialization import encode_value
 from nvalchemi.training._checkpoint_files import (
     SnapshotBuffers,
     cpu_snapshot,
-    read_json,
     safe_component_name,
-    safe_torch_load,
 )
 from nvalchemi.training._checkpoint_manifest import (
     KINDS,
     CheckpointEntry,
-    ComponentPaths,
-    format_differences,
-    spec_differences,
-    unapproved,
     utc_now,
 )
-from nvalchemi.training._checkpoint_rng import capture_rng, preserved_rng, restore_rng
-from nvalchemi.training.spec import BaseSpec, create_model_spec, create_model_spec_from_json
+from nvalchemi.training._checkpoint_rng import capture_rng, preserved_rng
+from nvalchemi.training.spec import BaseSpec, create_model_spec
 
 __all__ = [
     "Snapshot",
     "capture_components",
     "capture_strategy",
     "checkpoint_state_of",
-    "load_spec",
+    "entry_from_snapshot",
+    "history_event",
+    "hook_types",
     "optimizer_names",
-    "restore_strategy",
+    "optimizer_spec",
+    "scheduler_spec",
 ]
 
 _COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
@@ -91,11 +86,11 @@ def optimizer_names(strategy: Any) -> list[tuple[str, str | None, str, Any]]:
     return out
 
 
-def _optimizer_spec(config: Any) -> dict[str, Any]:
+def optimizer_spec(config: Any) -> dict[str, Any]:
     return create_model_spec(config.optimizer_cls, **config.optimizer_kwargs).model_dump()
 
 
-def _scheduler_spec(config: Any) -> dict[str, Any]:
+def scheduler_spec(config: Any) -> dict[str, Any]:
     return create_model_spec(config.scheduler_cls, **config.scheduler_kwargs).model_dump()
 
 
@@ -156,7 +151,7 @@ def _capture_strategy(strategy, reason, metric, rng_states, buffers) -> Snapshot
         assoc = associations[key]
         names["optimizers"].append(opt_name)
         assoc["optimizers"].append(opt_name)
-        specs[f"optimizers/{opt_name}"] = _optimizer_spec(config)
+        specs[f"optimizers/{opt_name}"] = optimizer_spec(config)
         tensors[f"optimizers/{opt_name}/state.pt"] = cpu_snapshot(
             optimizer.state_dict(), f"optimizer {opt_name!r} state_dict", buffers
         )
@@ -170,7 +165,7 @@ def _capture_strategy(strategy, reason, metric, rng_states, buffers) -> Snapshot
             names["schedulers"].append(sched_name)
             assoc["schedulers"].append(sched_name)
             assoc.setdefault("scheduler_optimizers", {})[sched_name] = opt_name
-            specs[f"schedulers/{sched_name}"] = _scheduler_spec(config)
+            specs[f"schedulers/{sched_name}"] = scheduler_spec(config)
             tensors[f"schedulers/{sched_name}/state.pt"] = cpu_snapshot(
                 scheduler.state_dict(), f"scheduler {sched_name!r} state_dict", buffers
             )
@@ -332,292 +327,6 @@ def _associations(objects: dict[str, dict[str, Any]], given: Mapping[str, Any] |
                     assoc["schedulers"].append(sched_name)
                 assoc.setdefault("scheduler_optimizers", {})[sched_name] = opt_name
     return out
-
-
-# ---------------------------------------------------------------------------- loading
-def load_spec(path: Path, *, trust: bool, expect: type | tuple[type, ...] | None) -> BaseSpec:
-    """Read and rehydrate a ``spec.json``; refuse targets of the wrong kind unless trusted.
-
-    Besides the import allow-list, an untrusted model spec must name an ``nn.Module``
-    subclass (or a classmethod factory of one), an optimizer spec an optimizer class,
-    and nested specs must name classes: so a checkpoint cannot make the loader call an
-    arbitrary allow-listed function.
-    """
-    data = read_json(path, "spec file")
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path} must hold a JSON object (a BaseSpec dump).")
-    spec = create_model_spec_from_json(data, trust=trust)
-    if not trust:
-        _check_targets(spec, expect, path)
-    return spec
-
-
-# Allow-listed factories that unpickle files: never callable from an untrusted spec.
-_REQUIRES_TRUST = {"nvalchemi.models.mace.MACEWrapper.from_checkpoint"}
-
-
-def _check_targets(spec: BaseSpec, expect: Any, path: Path, top: bool = True) -> None:
-    target = spec.target()
-    if spec.cls_path in _REQUIRES_TRUST or getattr(target, "__nvalchemi_requires_trust__", False):
-        raise ValueError(
-            f"{path}: cls_path {spec.cls_path!r} loads pickled files, which can run code; "
-            "pass trust=True only if you trust this checkpoint and the files it names."
-        )
-    owner = getattr(target, "__self__", None)  # classmethod factories
-    cls = target if isinstance(target, type) else owner if isinstance(owner, type) else None
-    if cls is None or (top and expect is not None and not issubclass(cls, expect)):
-        wanted = "a class" if expect is None or not top else f"a subclass of {_names(expect)}"
-        raise ValueError(
-            f"{path}: cls_path {spec.cls_path!r} is not {wanted}; an untrusted checkpoint may "
-            "only name such classes. Pass trust=True if you trust this checkpoint."
-        )
-    for value in spec.kwargs.values():
-        for nested in _nested_specs(value):
-            _check_targets(nested, None, path, top=False)
-
-
-def _nested_specs(value: Any) -> list[BaseSpec]:
-    if isinstance(value, BaseSpec):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _nested_specs(v)]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _nested_specs(v)]
-    return []
-
-
-def _names(expect: Any) -> str:
-    items = expect if isinstance(expect, tuple) else (expect,)
-    return " or ".join(t.__name__ for t in items)
-
-
-SCHEDULER_BASES: tuple[type, ...] = (
-    torch.optim.lr_scheduler.LRScheduler,
-    torch.optim.lr_scheduler.ReduceLROnPlateau,
-)
-
-
-def restore_strategy(
-    strategy: Any,
-    paths: ComponentPaths,
-    *,
-    map_location: Any,
-    trust: bool,
-    allow_spec_changes: bool,
-    approved: tuple[str, ...] = (),
-    rank: int = 0,
-) -> dict[str, Any]:
-    """Load checkpoint ``paths.entry`` into ``strategy`` in place; return what was loaded.
-
-    Spec differences between the checkpoint and the live strategy (models, optimizer
-    and scheduler classes and kwargs) raise ``ValueError`` naming the fields unless
-    they match ``approved`` patterns or ``allow_spec_changes``; approved changes keep
-    the live settings (e.g. a new learning rate) after the saved state is loaded and
-    are recorded in the manifest history at the next save.
-    """
-    from nvalchemi.training.model_spec import model_spec_for
-    from nvalchemi.training.runtime import move_to_devices
-
-    entry = paths.entry
-    live = strategy.unwrapped_models()
-    unknown = sorted(set(entry.models) - set(live))
-    if unknown:
-        raise KeyError(
-            f"Checkpoint models {unknown} are not in the strategy (models: {sorted(live)}); "
-            "build the strategy with the same model keys."
-        )
-    records = optimizer_names(strategy)
-    live_specs: dict[str, dict[str, Any]] = {}
-    for name in entry.models:
-        spec = model_spec_for(live[name])
-        if spec is not None:
-            live_specs[f"models/{name}"] = spec.model_dump()
-    for opt_name, sched_name, _, config in records:
-        live_specs[f"optimizers/{opt_name}"] = _optimizer_spec(config)
-        if sched_name is not None:
-            live_specs[f"schedulers/{sched_name}"] = _scheduler_spec(config)
-    saved_specs = {
-        f"{kind}/{name}": read_json(paths.spec(kind, name), "spec file")
-        for kind in KINDS
-        for name in getattr(entry, kind)
-    }
-    diffs = [
-        d
-        for key in sorted(set(saved_specs) & set(live_specs))
-        for d in spec_differences(saved_specs[key], live_specs[key], key)
-    ]
-    patterns = ("*",) if allow_spec_changes else tuple(approved)
-    refused = unapproved(diffs, patterns)
-    if refused:
-        raise ValueError(
-            f"Checkpoint {entry.index} in {paths.root} was saved with other settings than this "
-            f"strategy. Differing fields: {format_differences(refused)}. To change them on "
-            "resume pass overrides={'optimizer_kwargs': {...}} to "
-            "TrainingStrategy.load_checkpoint, or allow_spec_changes=True (recorded in the "
-            "manifest history)."
-        )
-    for name in entry.models:
-        state = safe_torch_load(paths.state("models", name), map_location)
-        live[name].load_state_dict(state, strict=True)
-    move_to_devices(strategy.models, strategy.devices)
-    optimizers, schedulers = strategy.ensure_optimizers()
-    by_name = {}
-    for (opt_name, sched_name, _, config), opt, sched in zip(records, optimizers, schedulers):
-        by_name[opt_name] = (opt, config, None)
-        if sched_name is not None:
-            by_name[sched_name] = (sched, config, opt)
-    for kind in ("optimizers", "schedulers"):
-        for name in getattr(entry, kind):
-            if name not in by_name:
-                raise KeyError(
-                    f"Checkpoint {kind[:-1]} {name!r} has no counterpart in the strategy (live: "
-                    f"{sorted(by_name)}); configure the same optimizers and schedulers."
-                )
-            obj, config, _ = by_name[name]
-            obj.load_state_dict(safe_torch_load(paths.state(kind, name), map_location))
-    for opt_name, sched_name, _, config in records:
-        key = f"optimizers/{opt_name}"
-        if key in saved_specs:
-            sched = by_name[sched_name][0] if sched_name is not None else None
-            _keep_live_optimizer_settings(
-                by_name[opt_name][0], sched, config, saved_specs[key], live_specs[key]
-            )
-        if sched_name is not None and f"schedulers/{sched_name}" in saved_specs:
-            _keep_live_scheduler_settings(
-                by_name[sched_name][0],
-                saved_specs[f"schedulers/{sched_name}"],
-                live_specs[f"schedulers/{sched_name}"],
-            )
-    meta = None
-    meta_path = paths.strategy()
-    if meta_path is not None:
-        meta = read_json(meta_path, "strategy metadata")
-        strategy.load_runtime_state(meta.get("runtime_state") or {})
-    _load_hook_states(strategy, paths, map_location)
-    rng_file = paths.rng(rank)
-    if entry.layout == 2 and rng_file.is_file():
-        restore_rng(safe_torch_load(rng_file, "cpu"))
-    book = checkpoint_state_of(strategy)
-    if diffs:
-        book["approved"] = sorted(set(book["approved"]) | set(patterns))
-    if meta is not None and meta.get("dataloader_state") is not None:
-        book["dataloader_state"] = meta["dataloader_state"]
-    book["loaded_from"] = {"root": str(paths.root), "index": entry.index}
-    return {"metadata": meta, "spec_changes": diffs}
-
-
-def _keep_live_optimizer_settings(
-    optimizer: Any, scheduler: Any, config: Any, saved: dict, live: dict
-) -> None:
-    """After ``load_state_dict`` (which restores saved hyperparameters) re-apply live ones."""
-    changed = {
-        k: v
-        for k, v in config.optimizer_kwargs.items()
-        if encode_value(v) != saved.get(k, object())
-    }
-    if not changed:
-        return
-    explicit = list(config.param_groups or [])
-    for i, group in enumerate(optimizer.param_groups):
-        own = explicit[i] if i < len(explicit) else {}
-        for key, value in changed.items():
-            if key in own:
-                continue
-            if key == "lr" and "initial_lr" in group:
-                ratio = group["lr"] / group["initial_lr"] if group["initial_lr"] else 1.0
-                group["initial_lr"] = value
-                group["lr"] = value * ratio
-            elif isinstance(group.get(key), tuple):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
-    if scheduler is not None and "lr" in changed and hasattr(scheduler, "base_lrs"):
-        scheduler.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
-        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
-
-def _keep_live_scheduler_settings(scheduler: Any, saved: dict, live: dict) -> None:
-    for key, value in live.items():
-        if key in ("cls_path", "timestamp") or saved.get(key, object()) == value:
-            continue
-        if hasattr(scheduler, key):
-            current = getattr(scheduler, key)
-            setattr(scheduler, key, tuple(value) if isinstance(current, tuple) else value)
-
-
-def _load_hook_states(strategy: Any, paths: ComponentPaths, map_location: Any) -> None:
-    path = paths.hooks()
-    if not path.is_file():
-        return
-    saved = safe_torch_load(path, map_location)
-    if paths.entry.layout == 1:
-        saved = _v1_hook_keys(saved)
-    live = dict(strategy.iter_checkpointable_hooks())
-    children: dict[str, Any] = {}
-    for hook in live.values():
-        lister = getattr(hook, "checkpointable_children", None)
-        if callable(lister):
-            children.update(dict(lister()))
-    dropped = []
-    for key, state in saved.items():
-        hook = live.get(key)
-        if hook is not None:
-            _load_one(hook, state)
-        elif key in children:
-            children[key].load_state_dict(state)
-        else:
-            dropped.append(key)
-    if dropped:
-        warnings.warn(
-            f"Checkpoint {paths.entry.index} holds state for hooks {dropped} that are not "
-            "registered; that state (e.g. EMA weights) was not restored. Pass the same hooks "
-            "(hooks=[...]) to resume exactly.",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def _load_one(hook: Any, state: Any) -> None:
-    lister = getattr(hook, "checkpointable_children", None)
-    if callable(lister) and isinstance(state, Mapping):
-        children = dict(lister())
-        dropped = sorted(set(state) - set(children))
-        if dropped:
-            warnings.warn(
-                f"Checkpoint update-hook state for {dropped} has no registered hook; not "
-                "restored. Register the same update hooks (e.g. EMAHook) to resume exactly.",
-                UserWarning,
-                stacklevel=5,
-            )
-        for key, child in children.items():
-            if key in state:
-                child.load_state_dict(state[key])
-        return
-    hook.load_state_dict(state)
-
-
-def _v1_hook_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """``"module.QualName:k"`` (reference) -> ``"QualName"`` / ``"QualName#k"``."""
-    out = {}
-    for key, state in saved.items():
-        path, _, occurrence = str(key).rpartition(":")
-        name = (path or str(key)).rsplit(".", 1)[-1]
-        n = int(occurrence) if occurrence.isdigit() else 0
-        out[name if n == 0 else f"{name}#{n}"] = state
-    return out
-
-
-def build_model(spec: BaseSpec, device: Any) -> nn.Module:
-    """Build a model from ``spec`` (on ``device`` if the factory takes one)."""
-    if device is not None and spec.accepts_kwarg("device"):
-        model = spec.build(device=device)
-    else:
-        model = spec.build()
-    if not isinstance(model, nn.Module):
-        raise RuntimeError(
-            f"Spec {spec.cls_path} built {type(model).__name__}; expected nn.Module."
-        )
-    return model.to(device) if device is not None else model
 
 
 def history_event(event: str, **fields: Any) -> dict[str, Any]:

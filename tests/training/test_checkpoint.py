@@ -496,6 +496,8 @@ _MODULES = [
     "_checkpoint_manifest.py",
     "_checkpoint_rng.py",
     "_checkpoint_state.py",
+    "_checkpoint_restore.py",
+    "_checkpoint_load.py",
     "_checkpoint_writer.py",
     "preemption.py",
     "hooks/checkpoint.py",
