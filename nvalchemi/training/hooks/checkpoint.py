@@ -31,7 +31,10 @@ class CheckpointHook(BaseModel):
     A due save is written at the next batch boundary (before the next epoch/batch
     starts, or at the end of training), so it also holds what happens after the batch:
     the epoch end, validation, metric-driven schedulers and early stopping. Resuming
-    from it continues exactly like the uninterrupted run.
+    from it continues exactly like the uninterrupted run. (The save runs in the
+    ``BEFORE_EPOCH``/``BEFORE_BATCH`` dispatch; a hook registered before this one that
+    changed checkpointed state at those stages would see that change twice on resume --
+    none of the bundled hooks does.)
 
     Best checkpoints: after each validation the ``best_metric`` value is recorded on the
     checkpoint of that step; with ``keep_best`` a validation that ranks among the best
@@ -41,7 +44,9 @@ class CheckpointHook(BaseModel):
     Saving: the training thread checks the loss record (``strategy.check_nonfinite()``,
     agreed by all ranks, so a diverged run never overwrites good checkpoints) and copies
     the state to CPU memory; with ``async_save`` a background thread writes it while
-    training continues (at most one write in flight; the next save waits for it). Rank 0
+    training continues (at most one write in flight; the next save waits for it). The
+    CPU copy goes into buffers kept between saves (pinned for GPU tensors), so the
+    training thread stalls for about the time of the copy. Rank 0
     writes (every rank with ``rank_zero_only=False``, e.g. node-local directories);
     every rank waits until the snapshot is taken. Pending writes are flushed when the
     strategy's run ends, also on errors.
