@@ -40,6 +40,12 @@ _EXPORTS = {
     "CheckpointValidator": ".checkpoint",
     "load_checkpoint": ".checkpoint",
     "save_checkpoint": ".checkpoint",
+    "load_model_from_checkpoint": ".checkpoint",
+    "load_models_from_checkpoint": ".checkpoint",
+    "read_strategy_metadata": ".checkpoint",
+    "UnsafeCheckpointError": ".checkpoint",
+    "PreemptionHandler": ".preemption",
+    "PREEMPTION_EXIT_CODE": ".preemption",
     # hooks
     "CheckpointHook": ".hooks.checkpoint",
     "DDPHook": ".hooks.ddp",
