@@ -95,7 +95,8 @@ class _TrainingLoop(_LoopSetup):
         d["_stop_reason"] = None
         with self:
             try:
-                self._train_run(dataloader)
+                with self._parameter_flags():  # fine-tuning filters, undone on exit
+                    self._train_run(dataloader)
             finally:
                 d["_batch_session_ready"] = False
 
@@ -112,16 +113,17 @@ class _TrainingLoop(_LoopSetup):
         if d["_context_depth"] == 0:
             self.__enter__()
             d["_auto_session"] = True
-        if not d["_batch_session_ready"]:
-            self._begin(None)
-            d["_batch_session_ready"] = True
-        else:
-            self._ensure_optimizers()
-        plan = self._current_plan()
-        batch = _to_device(batch, plan.device)
-        d["_last_batch"] = batch
-        with self._mode_context():
-            (self._train_step_lean if plan.lean else self._train_step)(batch, plan)
+        with self._parameter_flags():  # fine-tuning filters, undone on return
+            if not d["_batch_session_ready"]:
+                self._begin(None)
+                d["_batch_session_ready"] = True
+            else:
+                self._ensure_optimizers()
+            plan = self._current_plan()
+            batch = _to_device(batch, plan.device)
+            d["_last_batch"] = batch
+            with self._mode_context():
+                (self._train_step_lean if plan.lean else self._train_step)(batch, plan)
         ctx = plan.ctx
         loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
         return loss.detach() if isinstance(loss, torch.Tensor) else loss

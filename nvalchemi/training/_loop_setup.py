@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from nvalchemi.hooks.context import TrainContext
 from nvalchemi.training.errors import add_note
 from nvalchemi.training.optimizers import (
     is_metric_scheduler,
+    iter_qualified_named_parameters,
     setup_optimizers,
     step_metric_schedulers,
 )
@@ -150,23 +152,28 @@ class _LoopSetup:
         """Build optimizers/schedulers unless the trainable parameters are unchanged.
 
         Kept across ``run()``/``train_batch()`` calls (Adam moments and schedule position
-        survive); rebuilt when the configs or the set of trainable parameters change.
-        Wrappers such as DDP share their module's parameters, so wrapping keeps them.
+        survive); rebuilt when the configs, the parameter filters or the set of trainable
+        parameters change. Wrappers such as DDP share their module's parameters, so
+        wrapping keeps them.
         """
         d = self.__dict__
-        key = self._optimizer_key()
-        if key == d["_optimizer_signature"]:
-            return
-        allowed = d.get("_optimizer_parameter_names")
-        pairs = setup_optimizers(
-            self.models, self.optimizer_configs, allowed_parameter_names=allowed
-        )
-        optimizers, schedulers, records = [], [], []
-        for model_key, configs in self.optimizer_configs.items():
-            for config, (optimizer, scheduler) in zip(configs, pairs[model_key]):
-                optimizers.append(optimizer)
-                schedulers.append(scheduler)
-                records.append((optimizer, scheduler, config.scheduler_metric_adapter))
+        with self._parameter_flags():  # optimizers see the flags the run trains with
+            key = self._optimizer_key()
+            if key == d["_optimizer_signature"]:
+                return
+            allowed = d.get("_optimizer_parameter_names")
+            pairs = setup_optimizers(
+                self.models, self.optimizer_configs, allowed_parameter_names=allowed
+            )
+            optimizers, schedulers, records = [], [], []
+            for model_key, configs in self.optimizer_configs.items():
+                for config, (optimizer, scheduler) in zip(configs, pairs[model_key]):
+                    optimizers.append(optimizer)
+                    schedulers.append(scheduler)
+                    records.append((optimizer, scheduler, config.scheduler_metric_adapter))
+            d["_filtered_grad_params"] = (
+                () if allowed is None else _unoptimized_trainable(self, optimizers)
+            )
         # Mutate in place: contexts and hooks hold these list objects.
         self._optimizers[:] = optimizers
         self._lr_schedulers[:] = schedulers
@@ -175,7 +182,15 @@ class _LoopSetup:
         d["_optimizer_version"] += 1
 
     def _optimizer_key(self) -> tuple[Any, ...]:
-        parts: list[Any] = [id(self.__dict__.get("_optimizer_parameter_names"))]
+        d = self.__dict__
+        parts: list[Any] = [
+            id(d.get(name))
+            for name in (
+                "_optimizer_parameter_names",
+                "_trainable_parameter_names",
+                "_force_trainable_parameter_names",
+            )
+        ]
         for key, configs in self.optimizer_configs.items():
             model = self.models.get(key)
             params = () if model is None else model.parameters()
@@ -183,6 +198,49 @@ class _LoopSetup:
                 (key, tuple(map(id, configs)), tuple(id(p) for p in params if p.requires_grad))
             )
         return tuple(parts)
+
+    # ------------------------------------------------------------------ parameter filters
+    def set_optimizer_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """Let only these parameters enter optimizers (``None``: no filter).
+
+        Names are qualified ``"<model key>.<parameter name>"`` without wrapper prefixes
+        (``"main.model.projection.weight"``), so a filter set before ``DDPHook`` wraps
+        a model still matches afterwards. Optimizers are rebuilt at their next use.
+        Trainable parameters left out still receive gradients (unless also frozen by
+        :meth:`set_trainable_parameter_filter`); those are cleared at every zeroing
+        point so they never accumulate.
+        """
+        self.__dict__["_optimizer_parameter_names"] = _name_set(names, "optimizer")
+
+    def set_trainable_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """During ``run``/``train_batch`` set ``requires_grad=False`` on every other parameter.
+
+        Applied before ``prepare_strategy`` and ``SETUP`` hooks (so DDP registers only
+        the trainable parameters) and undone when the call returns, also after an error.
+        """
+        self.__dict__["_trainable_parameter_names"] = _name_set(names, "trainable")
+
+    def set_force_trainable_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """During ``run``/``train_batch`` set ``requires_grad=True`` on these parameters.
+
+        Wins over the trainable filter and over a model's own frozen flags; undone when
+        the call returns.
+        """
+        self.__dict__["_force_trainable_parameter_names"] = _name_set(names, "force-trainable")
+
+    def _parameter_flags(self) -> Any:
+        """Context applying the trainable/force filters to ``requires_grad`` (then restoring)."""
+        d = self.__dict__
+        trainable = d.get("_trainable_parameter_names")
+        force = d.get("_force_trainable_parameter_names")
+        if trainable is None and force is None:
+            return contextlib.nullcontext()
+        return _filtered_requires_grad(self.models, trainable, force)
+
+    def _zero_optimizer_filtered_gradients(self, optimizers: Any = None) -> None:
+        """Clear gradients of trainable parameters that no optimizer owns (zeroing seam)."""
+        for param in self.__dict__.get("_filtered_grad_params", ()):
+            param.grad = None
 
     def _mode_context(self) -> Any:
         stack = contextlib.ExitStack()
@@ -318,9 +376,12 @@ class _LoopSetup:
         p.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
         p.device = self.devices[0]
         p.world_size = get_world_size(self.distributed_manager)
-        # Seam for fine-tuning strategies: clear gradients of trainable parameters that no
-        # optimizer owns (the orchestrator calls the same method when it zeroes).
-        p.zero_filtered = getattr(self, "_zero_optimizer_filtered_gradients", None)
+        # Gradients of trainable parameters that no optimizer owns (optimizer filter
+        # without freezing) are cleared where optimizers zero theirs; the orchestrator
+        # calls the same method when it zeroes.
+        p.zero_filtered = (
+            self._zero_optimizer_filtered_gradients if d.get("_filtered_grad_params") else None
+        )
         p.lean = p.ctx is None and p.orchestrator is None and not (p.do_backward or p.do_step)
         return p
 
@@ -374,6 +435,54 @@ class _LoopSetup:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _name_set(names: Iterable[str] | None, what: str) -> frozenset[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise TypeError(
+            f"The {what} parameter filter takes an iterable of qualified names, not one string "
+            f"({names!r}); wrap it in a list."
+        )
+    values = frozenset(names)
+    bad = sorted(repr(n) for n in values if not isinstance(n, str))
+    if bad:
+        raise TypeError(f"The {what} parameter filter must contain str names; got {bad[:5]}.")
+    return values
+
+
+@contextlib.contextmanager
+def _filtered_requires_grad(
+    models: Mapping[str, Any], trainable: frozenset[str] | None, force: frozenset[str] | None
+) -> Iterator[None]:
+    changed: list[tuple[Any, bool]] = []
+    try:
+        for name, param in iter_qualified_named_parameters(models):
+            wanted = param.requires_grad
+            if trainable is not None and name not in trainable:
+                wanted = False
+            if force is not None and name in force:
+                wanted = True
+            if wanted != param.requires_grad:
+                changed.append((param, param.requires_grad))
+                param.requires_grad_(wanted)
+        yield
+    finally:
+        for param, flag in reversed(changed):
+            param.requires_grad_(flag)
+
+
+def _unoptimized_trainable(strategy: Any, optimizers: list[Any]) -> tuple[Any, ...]:
+    owned = {id(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]}
+    configured = {k: m for k, m in strategy.models.items() if k in strategy.optimizer_configs}
+    seen: set[int] = set()
+    out = []
+    for _, param in iter_qualified_named_parameters(configured):
+        if param.requires_grad and id(param) not in owned and id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return tuple(out)
+
+
 def _sized(loader: Any) -> int | None:
     try:
         return len(loader)
