@@ -1,0 +1,429 @@
+"""``FineTuningStrategy``: a new training run that starts from pretrained weights.
+
+A :class:`~nvalchemi.training.TrainingStrategy` with four more fields: ``module_patches``
+(fresh heads, see :class:`~nvalchemi.training.hooks.ModulePatchHook`) and
+``freeze_patterns`` / ``trainable_patterns`` / ``freeze_mode`` (which parameters train,
+see :class:`~nvalchemi.training.hooks.TrainableParameterHook`). The hooks for them are
+generated and put first, so the user's hooks see the patched models and the filtered
+parameter set.
+
+Entry points, each starting at step 0 (``load_checkpoint`` resumes instead):
+
+* :meth:`FineTuningStrategy.from_pretrained_checkpoint`: weights of a native
+  checkpoint (optionally its loss and optimizer recipe);
+* :meth:`FineTuningStrategy.from_pretrained_weights`: a plain ``state_dict`` file or
+  mapping loaded into a model you built;
+* :meth:`FineTuningStrategy.from_mace`: a mace-torch model (file or object).
+
+Example:
+    >>> strategy = FineTuningStrategy.from_pretrained_checkpoint(  # doctest: +SKIP
+    ...     "runs/pretrain/checkpoints",
+    ...     use_original_loss=True, use_original_opt_class=True, optimizer_lr=1e-5,
+    ...     trainable_patterns=("main.readout.*",), num_steps=500,
+    ... )
+    >>> strategy.run(finetune_loader)  # doctest: +SKIP
+
+Keyword arguments of the entry points may also be a job file's ``strategy`` payload
+(:meth:`FineTuningStrategy.to_spec_dict` shape): ``loss_fn_spec``, serialized
+``optimizer_configs`` and ``module_patches`` are rehydrated (through the import
+allow-list unless ``trust=True``), ``training_fn`` may be a dotted path, an empty
+``model_specs`` and ``single_model_input`` are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+from torch import nn
+
+from nvalchemi.training._finetune_support import (
+    apply_reuse,
+    load_patches,
+    load_plain_weights,
+    pattern_tuple,
+    rehydrate_payload,
+    reject_new_run_conflicts,
+    run_validators,
+)
+from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
+from nvalchemi.training.spec import BaseSpec
+from nvalchemi.training.strategy import TrainingStrategy
+
+__all__ = ["FineTuningStrategy"]
+
+
+class FineTuningStrategy(TrainingStrategy):
+    """A training strategy for fine-tuning: module patches and parameter freezing.
+
+    Args (besides those of :class:`~nvalchemi.training.TrainingStrategy`):
+        module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; applied at
+            construction, before optimizers exist (``ModulePatchHook``). Only
+            :class:`BaseSpec` values can be written to specs and checkpoints.
+        freeze_patterns: ``fnmatch`` patterns of qualified parameter names to freeze
+            (``"main.model.joint_mlp.*"``).
+        trainable_patterns: patterns to train; alone an allow-list, with
+            ``freeze_patterns`` exceptions to them; matches train even if frozen before.
+        freeze_mode: ``"requires_grad"`` (frozen parameters get ``requires_grad=False``
+            during runs, restored afterwards) or ``"optimizer_only"`` (they still get
+            gradients but no optimizer updates them).
+
+    Names never include DDP's ``module.`` prefix, so the patterns keep matching when
+    ``DDPHook`` wraps the models. The fields are read at construction; the generated
+    hooks (``ModulePatchHook`` then ``TrainableParameterHook``) come before ``hooks``.
+
+    Example:
+        >>> import torch
+        >>> from nvalchemi.models.demo import DemoModel, DemoModelWrapper
+        >>> from nvalchemi.training import EnergyMSELoss, OptimizerConfig
+        >>> strategy = FineTuningStrategy(
+        ...     models=DemoModelWrapper(DemoModel(hidden_dim=8)),
+        ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
+        ...     loss_fn=EnergyMSELoss(),
+        ...     num_steps=10,
+        ...     trainable_patterns=("main.model.projection.*",),
+        ... )
+        >>> [type(h).__name__ for h in strategy.hooks]
+        ['TrainableParameterHook']
+    """
+
+    module_patches: dict[str, Any] = Field(default_factory=dict)
+    freeze_patterns: tuple[str, ...] = ()
+    trainable_patterns: tuple[str, ...] = ()
+    freeze_mode: Literal["requires_grad", "optimizer_only"] = "requires_grad"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prepend_generated_hooks(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        generated: list[Any] = []
+        patches = data.get("module_patches") or {}
+        if patches:
+            patch_hook = ModulePatchHook(patches=patches)
+            data["module_patches"] = dict(patch_hook.patches)
+            generated.append(patch_hook)
+        freeze = pattern_tuple(data.get("freeze_patterns"), "freeze_patterns")
+        trainable = pattern_tuple(data.get("trainable_patterns"), "trainable_patterns")
+        data["freeze_patterns"], data["trainable_patterns"] = freeze, trainable
+        if freeze or trainable:
+            generated.append(
+                TrainableParameterHook(
+                    freeze_patterns=freeze,
+                    trainable_patterns=trainable,
+                    freeze_mode=data.get("freeze_mode", "requires_grad"),
+                )
+            )
+        hooks = data.get("hooks")
+        if generated and (hooks is None or isinstance(hooks, (list, tuple))):
+            data["hooks"] = [*generated, *(hooks or [])]
+        return data
+
+    @field_validator("module_patches", mode="before")
+    @classmethod
+    def _patches_or_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    # ------------------------------------------------------------------ specs
+    def to_spec_dict(self) -> dict[str, Any]:
+        """The base spec plus ``module_patches`` (spec dumps), the patterns and ``freeze_mode``.
+
+        Raises:
+            TypeError: a module patch is an ``nn.Module`` instance (pass a BaseSpec).
+        """
+        spec = super().to_spec_dict()
+        spec.update(self._fine_tuning_spec())
+        return spec
+
+    def to_checkpoint_dict(self) -> dict[str, Any]:
+        """:meth:`to_spec_dict` + ``strategy_cls`` + ``runtime_state``."""
+        spec = super().to_checkpoint_dict()
+        spec.update(self._fine_tuning_spec())
+        return spec
+
+    def _fine_tuning_spec(self) -> dict[str, Any]:
+        patches = {}
+        for target, patch in self.module_patches.items():
+            if not isinstance(patch, BaseSpec):
+                raise TypeError(
+                    f"module_patches[{target!r}] is a {type(patch).__name__} instance, which "
+                    "cannot be serialized; pass a BaseSpec (create_model_spec(cls, **kwargs)) "
+                    "to make the strategy restartable."
+                )
+            patches[target] = patch.model_dump()
+        return {
+            "module_patches": patches,
+            "freeze_patterns": list(self.freeze_patterns),
+            "trainable_patterns": list(self.trainable_patterns),
+            "freeze_mode": self.freeze_mode,
+        }
+
+    @classmethod
+    def from_spec_dict(
+        cls,
+        spec: Mapping[str, Any],
+        *,
+        models: Any = None,
+        hooks: list[Any] | None = None,
+        training_fn: Any = None,
+        trust: bool = False,
+        **overrides: Any,
+    ) -> FineTuningStrategy:
+        """Rebuild from :meth:`to_spec_dict` (fine-tuning keys default when absent).
+
+        ``models``/``hooks``/``training_fn`` and ``overrides`` win over the spec.
+        """
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"from_spec_dict: spec must be a mapping; got {type(spec).__name__}.")
+        extra: dict[str, Any] = {
+            "module_patches": load_patches(spec.get("module_patches"), trust),
+            "freeze_patterns": pattern_tuple(spec.get("freeze_patterns"), "freeze_patterns"),
+            "trainable_patterns": pattern_tuple(
+                spec.get("trainable_patterns"), "trainable_patterns"
+            ),
+            "freeze_mode": spec.get("freeze_mode", "requires_grad"),
+        }
+        extra.update(overrides)
+        return super().from_spec_dict(
+            spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **extra
+        )
+
+    @classmethod
+    def load_checkpoint(
+        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
+    ) -> FineTuningStrategy:
+        """Resume a fine-tuning run (``TypeError`` for a checkpoint of another strategy class).
+
+        To start fine-tuning from a plain training checkpoint use
+        :meth:`from_pretrained_checkpoint`.
+        """
+        from nvalchemi._serialization import import_path
+        from nvalchemi.training.checkpoint import read_strategy_metadata
+
+        meta = read_strategy_metadata(root_folder, checkpoint_index)
+        path = (meta or {}).get("strategy_cls")
+        if isinstance(path, str):
+            saved = import_path(path, trust=kwargs.get("trust", False))
+            if not (isinstance(saved, type) and issubclass(saved, cls)):
+                raise TypeError(
+                    f"{cls.__name__}.load_checkpoint: checkpoint in {root_folder} was saved by "
+                    f"{path}, not a {cls.__name__}. Resume it with that class, or start a new "
+                    f"fine-tuning run from its weights with {cls.__name__}."
+                    "from_pretrained_checkpoint(...)."
+                )
+        return super().load_checkpoint(root_folder, checkpoint_index, map_location, **kwargs)
+
+    # ------------------------------------------------------------------ entry points
+    @classmethod
+    def from_pretrained_checkpoint(
+        cls,
+        checkpoint_dir: str | Path,
+        *,
+        checkpoint_index: int | str = -1,
+        map_location: Any = None,
+        validators: Any = None,
+        use_original_loss: bool = False,
+        use_original_opt_class: bool = False,
+        optimizer_lr: float | None = 1e-5,
+        use_ema_weights: bool = False,
+        trust: bool = False,
+        **strategy_kwargs: Any,
+    ) -> FineTuningStrategy:
+        """A NEW run (counters at 0) from the model weights of a native checkpoint.
+
+        Models are rebuilt from their saved specs and loaded with their weights (EMA
+        weights with ``use_ema_weights=True`` where saved) onto ``map_location``, or the
+        CPU when it is ``None`` (never onto the device the source run used). The saved
+        optimizer/scheduler states, counters, hooks and validation settings are not used.
+        ``validators`` (:class:`~nvalchemi.training.checkpoint.CheckpointValidator`) check
+        each model after loading. One model saved as ``"main"`` is passed as a single
+        model, several as a named mapping (keys kept, e.g. ``student``/``teacher``).
+
+        Precedence of the loss and optimizer recipe:
+
+        * ``use_original_loss=True``: the checkpoint's loss is used. A ``loss_fn`` or
+          ``loss_fn_spec`` passed as well is ignored with a warning: the flag wins, so
+          a job file's template loss cannot silently cancel it.
+        * ``use_original_opt_class=True``: the checkpoint's optimizer configs (classes,
+          kwargs, schedulers, parameter groups) are used with ``lr`` set to
+          ``optimizer_lr`` (per-group learning rates scaled by the same factor; ``None``
+          keeps the saved rates). Passed ``optimizer_configs`` are ignored with a warning.
+        * Without the flags, ``loss_fn`` (or ``loss_fn_spec``) and ``optimizer_configs``
+          are required.
+
+        Args:
+            checkpoint_dir: checkpoint root written by ``save_checkpoint``/``CheckpointHook``.
+            checkpoint_index: an index, ``-1``/``"latest"`` or ``"best"``.
+            trust: allow specs outside the import allow-list (trusted checkpoints only).
+            **strategy_kwargs: :class:`FineTuningStrategy` fields (``num_steps``,
+                ``trainable_patterns``, ``hooks``, ``devices``, ``distributed_manager``,
+                ...) or a job payload (see the module docstring). Training devices default
+                to ``[map_location]`` when it is given.
+
+        Raises:
+            ValueError: ``models`` (or a non-empty ``model_specs``) or counters were
+                passed; the checkpoint has no models; a reuse flag without strategy
+                metadata; no loss or optimizer configs.
+        """
+        from nvalchemi.training._checkpoint_files import read_json
+        from nvalchemi.training._checkpoint_manifest import CheckpointManifest, ComponentPaths
+        from nvalchemi.training.checkpoint import (
+            load_models_from_checkpoint,
+            read_strategy_metadata,
+        )
+
+        kwargs = dict(strategy_kwargs)
+        if "models" in kwargs:
+            raise ValueError(
+                "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
+                "models=... (use from_pretrained_weights(model, weights) for your own model)."
+            )
+        reject_new_run_conflicts(kwargs, "from_pretrained_checkpoint")
+        root = Path(checkpoint_dir)
+        manifest = CheckpointManifest.read(root)
+        entry = manifest.entry(checkpoint_index)
+        names = list(entry.models)
+        if not names:
+            raise ValueError(
+                f"Checkpoint {entry.index} in {root} holds no models to fine-tune from."
+            )
+        meta = read_strategy_metadata(root, entry.index)
+        apply_reuse(kwargs, meta, use_original_loss, use_original_opt_class, optimizer_lr, trust)
+        kwargs = rehydrate_payload(kwargs, trust, "from_pretrained_checkpoint")
+        device = torch.device(map_location) if map_location is not None else torch.device("cpu")
+        loaded = load_models_from_checkpoint(
+            root, entry.index, device, names, use_ema=use_ema_weights, trust=trust
+        )
+        missing = sorted(set(names) - set(loaded))
+        if missing:
+            raise ValueError(f"Checkpoint {entry.index} in {root}: models {missing} not loaded.")
+        if validators:
+            paths = ComponentPaths(root, entry)
+            run_validators(
+                validators,
+                {
+                    name: {
+                        "model": model,
+                        "spec": read_json(paths.spec("models", name), "spec file"),
+                        "optimizers": {},
+                        "schedulers": {},
+                        "metadata": {"associations": manifest.associations.get(name, {})},
+                    }
+                    for name, model in loaded.items()
+                },
+                root,
+            )
+        for model in loaded.values():
+            model.train()
+        single = names == ["main"] and bool((meta or {}).get("single_model_input", True))
+        if map_location is not None:
+            kwargs.setdefault("devices", [device])
+        return cls(models=loaded["main"] if single else loaded, **kwargs)
+
+    @classmethod
+    def from_pretrained_weights(
+        cls,
+        model: nn.Module | Mapping[str, nn.Module],
+        weights: str | os.PathLike | Mapping[str, Any],
+        *,
+        strict: bool = True,
+        key_map: Mapping[str, str] | None = None,
+        model_key: str | None = None,
+        trust: bool = False,
+        **strategy_kwargs: Any,
+    ) -> FineTuningStrategy:
+        """A new run with ``weights`` (a ``state_dict``) loaded into ``model``.
+
+        ``weights`` is a file read with ``torch.load(weights_only=True)`` (no pickled
+        code runs) or a mapping. A container holding the state dict under
+        ``"state_dict"``, ``"model_state_dict"`` or ``"model"`` is unpacked; keys all
+        starting with DDP's ``"module."`` are stripped. ``key_map`` renames key prefixes
+        first (``{"backbone.": "model."}``; ``{"": "model."}`` adds a prefix, an empty
+        value removes one; the longest matching prefix wins).
+
+        Args:
+            model: the model to fine-tune, built by you with the architecture the
+                weights belong to; or a mapping of models, ``model_key`` naming the one
+                that receives the weights (default ``"main"`` or the only one).
+            strict: every model key must be loaded and every weight used (``ValueError``
+                listing the differences); ``False`` loads the matching keys and warns.
+            **strategy_kwargs: as for :meth:`from_pretrained_checkpoint` (a loss and
+                optimizer configs are required).
+
+        Example:
+            >>> strategy = FineTuningStrategy.from_pretrained_weights(  # doctest: +SKIP
+            ...     PaiNN(cutoff=5.0, hidden_channels=64), "painn_weights.pt",
+            ...     loss_fn=EnergyMSELoss() + ForceMSELoss(),
+            ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
+            ...     trainable_patterns=("main.readout.*",), num_steps=200)
+        """
+        if "models" in strategy_kwargs:
+            raise ValueError(
+                "from_pretrained_weights takes the model as its first argument; do not also "
+                "pass models=...."
+            )
+        reject_new_run_conflicts(strategy_kwargs, "from_pretrained_weights")
+        load_plain_weights(model, weights, strict=strict, key_map=key_map, model_key=model_key)
+        kwargs = rehydrate_payload(strategy_kwargs, trust, "from_pretrained_weights")
+        return cls(models=model, **kwargs)
+
+    @classmethod
+    def from_mace(
+        cls,
+        source: Any,
+        *,
+        map_location: Any = "cpu",
+        dtype: str | torch.dtype | None = None,
+        atomic_energies: Mapping[int | str, float] | None = None,
+        trust: bool = False,
+        **strategy_kwargs: Any,
+    ) -> FineTuningStrategy:
+        """A new run from a mace-torch model: a model file, a MACE module or a ``MACEWrapper``.
+
+        Model files are loaded with :meth:`MACEWrapper.from_checkpoint
+        <nvalchemi.models.mace.MACEWrapper.from_checkpoint>`, which unpickles them:
+        only load files you trust. ``atomic_energies`` overrides the reference
+        energies ``E0`` (files only). Qualified names start with ``"main.model."``
+        (the readout heads are ``"main.model.readouts.*"``). A wrapper around a MACE
+        module object (not a file or ``from_mace_kwargs``) cannot be rebuilt from a
+        checkpoint, so strategy checkpoints of it fail; pass the file instead.
+
+        Example:
+            >>> strategy = FineTuningStrategy.from_mace(  # doctest: +SKIP
+            ...     "mace-small.model", trainable_patterns=("main.model.readouts.*",),
+            ...     loss_fn=EnergyMSELoss() + ForceMSELoss(),
+            ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-5}),
+            ...     num_steps=200)
+        """
+        from nvalchemi.models.mace import MACEWrapper
+
+        if "models" in strategy_kwargs:
+            raise ValueError("from_mace builds the model from `source`; do not pass models=....")
+        reject_new_run_conflicts(strategy_kwargs, "from_mace")
+        if isinstance(source, (str, os.PathLike)):
+            wrapper = MACEWrapper.from_checkpoint(
+                source, map_location=map_location, dtype=dtype, atomic_energies=atomic_energies
+            )
+        elif isinstance(source, nn.Module):
+            if atomic_energies:
+                raise ValueError(
+                    "from_mace: atomic_energies applies to model files only; set the E0 of a "
+                    "model object before passing it."
+                )
+            wrapper = source if isinstance(source, MACEWrapper) else MACEWrapper(source)
+            if dtype is not None:
+                wrapper = wrapper.to(getattr(torch, str(dtype).removeprefix("torch.")))
+            if map_location is not None:
+                wrapper = wrapper.to(map_location)
+        else:
+            raise TypeError(
+                "from_mace: source must be a MACE model file path, a mace-torch model or a "
+                f"MACEWrapper; got {type(source).__name__}."
+            )
+        kwargs = rehydrate_payload(strategy_kwargs, trust, "from_mace")
+        return cls(models=wrapper.train(), **kwargs)

@@ -1,0 +1,523 @@
+"""Fine-tuning hooks: replace submodules, and choose which parameters train.
+
+Both hooks do their work once, when registered with a strategy, and never fire at a
+training stage:
+
+* :class:`ModulePatchHook` adds or replaces submodules (a fresh readout head, say)
+  before optimizers exist;
+* :class:`TrainableParameterHook` freezes parameters by name pattern, or trains only
+  those matching ``trainable_patterns``.
+
+Parameter names are qualified by the model key and never contain wrapper prefixes:
+``"main.model.projection.weight"`` is the same name before and after ``DDPHook`` wraps
+the model in ``DistributedDataParallel`` (where ``named_parameters()`` would say
+``"module.model.projection.weight"``), so filters computed at registration keep
+matching when optimizers are built after setup.
+
+Example:
+    >>> import torch
+    >>> from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStrategy
+    >>> strategy = TrainingStrategy(  # doctest: +SKIP
+    ...     models=model,
+    ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
+    ...     loss_fn=EnergyMSELoss(),
+    ...     num_steps=100,
+    ...     hooks=[
+    ...         ModulePatchHook(patches={"main.readout": torch.nn.Linear(16, 1)}),
+    ...         TrainableParameterHook(trainable_patterns=("main.readout.*",)),
+    ...     ],
+    ... )
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+from torch import nn
+
+from nvalchemi.training.model_spec import model_spec_for
+from nvalchemi.training.optimizers import iter_qualified_named_parameters
+from nvalchemi.training.spec import BaseSpec, create_model_spec, create_model_spec_from_json
+
+__all__ = ["ModulePatchHook", "PatchedModule", "TrainableParameterHook", "apply_module_patches"]
+
+
+# ---------------------------------------------------------------------------- module patches
+class ModulePatchHook(BaseModel):
+    """Add or replace submodules of the strategy's models when registered.
+
+    Args:
+        patches: ``{"<model key>.<path>.<child>": module_or_spec}`` in application
+            order. A value is an ``nn.Module`` or a :class:`BaseSpec` (or its JSON dict)
+            that builds one. An existing ``child`` is replaced, a missing one is added;
+            every parent on the path must exist.
+
+    Registration resolves every target first and changes nothing if any fails
+    (``KeyError`` for an unknown model key, ``AttributeError`` naming a missing parent,
+    ``TypeError`` for a non-module on the path or a spec that does not build a module),
+    then installs the modules in order. A new module takes the device and floating
+    dtype of the module it replaces (else of its parent). Registering after optimizers
+    were built raises ``RuntimeError``; using one module instance for several targets
+    warns (its parameters are shared). Registration applies the patches once: a later
+    registration of other hooks never re-applies them (so no fresh random modules
+    replace trained ones).
+
+    A patched model remembers how to rebuild itself (its original spec plus the
+    patches, see :class:`PatchedModule`), so checkpoints of it reload with
+    ``load_model_from_checkpoint`` and the fine-tuning entry points.
+
+    Example:
+        >>> import torch
+        >>> hook = ModulePatchHook(patches={"main.model.projection": torch.nn.Linear(64, 1)})
+        >>> list(hook.patches)
+        ['main.model.projection']
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[Any] = None
+
+    patches: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("patches", mode="before")
+    @classmethod
+    def _check_patches(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"patches must map 'model_key.path.child' targets to modules or specs; got "
+                f"{type(value).__name__}."
+            )
+        out: dict[str, Any] = {}
+        for target, patch in value.items():
+            if not isinstance(target, str):
+                raise TypeError(f"patch targets must be strings; got {target!r}.")
+            out[target] = _as_patch_value(target, patch)
+        return out
+
+    # target -> the module this hook installed there (to recognise its own work)
+    _installed: dict[str, nn.Module] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, patches: Mapping[str, Any] | None = None, **data: Any) -> None:
+        super().__init__(patches=patches, **data)
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return False
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        """Never called: the patches are applied in :meth:`on_register`."""
+
+    def on_register(self, workflow: Any) -> None:
+        """Apply the patches to ``workflow.models`` (all targets resolved first)."""
+        models = getattr(workflow, "models", None)
+        if not isinstance(models, Mapping):
+            raise TypeError(
+                "ModulePatchHook needs a workflow whose models are a mapping of names to "
+                f"modules (a TrainingStrategy); got {type(models).__name__}."
+            )
+        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+            raise RuntimeError(
+                "ModulePatchHook must be registered before optimizers are built; the new "
+                "modules would not be optimized. Pass it in hooks=[...] when constructing the "
+                "strategy (or use FineTuningStrategy(module_patches=...))."
+            )
+        installed = self._installed
+        pending = {
+            target: patch
+            for target, patch in self.patches.items()
+            if not _still_installed(models, target, installed.get(target))
+        }
+        if not pending:
+            return
+        _warn_shared(pending)
+        by_model: dict[str, dict[str, Any]] = {}
+        for target, patch in pending.items():
+            key, _, path = target.partition(".")
+            _check_target(target)
+            if key not in models:
+                raise KeyError(
+                    f"ModulePatchHook target {target!r}: unknown model key {key!r}; available "
+                    f"model keys: {sorted(models)}."
+                )
+            by_model.setdefault(key, {})[path] = patch
+        applied = {}
+        for key, patches in by_model.items():
+            root = _patchable_root(models[key], key)
+            applied[key] = (root, _resolve_all(root, patches, prefix=f"{key}."))
+        for key, (root, resolved) in applied.items():
+            base, recorded = _spec_before_patching(root)
+            for (parent, child, module), path in zip(resolved, by_model[key]):
+                setattr(parent, child, module)
+                installed[f"{key}.{path}"] = module
+                patch = by_model[key][path]
+                recorded[path] = patch if isinstance(patch, BaseSpec) else module
+            _record_rebuild_spec(root, base, recorded)
+        for hook in getattr(workflow, "hooks", None) or ():
+            if isinstance(hook, TrainableParameterHook):
+                hook.apply(workflow)  # its name filters predate the new parameters
+
+
+def apply_module_patches(module: nn.Module, patches: Mapping[str, Any]) -> nn.Module:
+    """Install ``{"path.child": module_or_spec}`` into ``module`` (all resolved first); return it.
+
+    Paths are relative to ``module`` (no model key). Used by :class:`ModulePatchHook`
+    and to rebuild patched models from checkpoints.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> _ = apply_module_patches(net, {"1": torch.nn.Linear(4, 2)})
+        >>> net[1].out_features
+        2
+    """
+    values = {path: _as_patch_value(path, patch) for path, patch in patches.items()}
+    for path in values:
+        _check_target(path, relative=True)
+    for parent, child, new in _resolve_all(module, values, prefix=""):
+        setattr(parent, child, new)
+    return module
+
+
+class PatchedModule(nn.Module):
+    """Rebuilds a model that :class:`ModulePatchHook` patched: :meth:`from_patches`.
+
+    Only a namespace for that factory (it is never instantiated). It subclasses
+    ``nn.Module`` because untrusted checkpoint specs may only name model classes and
+    their classmethod factories.
+    """
+
+    def __init__(self) -> None:  # pragma: no cover - guard
+        raise TypeError("PatchedModule is a factory namespace; call PatchedModule.from_patches.")
+
+    @classmethod
+    def from_patches(
+        cls, model: BaseSpec, paths: list[str], modules: list[BaseSpec], device: Any = None
+    ) -> nn.Module:
+        """Build ``model`` (on ``device`` when its factory takes one), then install
+        ``modules[i]`` at ``paths[i]`` in order."""
+        if len(paths) != len(modules):
+            raise ValueError(
+                f"PatchedModule.from_patches: {len(paths)} paths for {len(modules)} modules."
+            )
+        if device is not None and model.accepts_kwarg("device"):
+            base = model.build(device=device)
+        else:
+            base = model.build()
+        if not isinstance(base, nn.Module):
+            raise TypeError(f"PatchedModule: {model.cls_path} built {type(base).__name__}.")
+        patches = dict(zip(paths, modules))
+        apply_module_patches(base, patches)
+        _record_rebuild_spec(base, model, patches)
+        return base if device is None else base.to(device)
+
+
+class _RebuildSpec:
+    """A patched model's ``checkpoint_spec``: its original spec plus the patches (picklable)."""
+
+    def __init__(self, base: BaseSpec, patches: dict[str, Any]) -> None:
+        self.base = base
+        self.patches = patches
+
+    def __call__(self) -> BaseSpec:
+        specs = []
+        for path, patch in self.patches.items():
+            spec = patch if isinstance(patch, BaseSpec) else model_spec_for(patch)
+            if spec is None:
+                raise ValueError(
+                    f"the module patched in at {path!r} ({type(patch).__name__}) cannot be "
+                    "described for a checkpoint; pass the patch as a BaseSpec "
+                    "(create_model_spec(cls, **kwargs)) instead of a module instance."
+                )
+            specs.append(spec)
+        return create_model_spec(
+            PatchedModule.from_patches, model=self.base, paths=list(self.patches), modules=specs
+        )
+
+
+def _spec_before_patching(root: nn.Module) -> tuple[BaseSpec | None, dict[str, Any]]:
+    """The unpatched model's spec and the patches recorded so far (none for a plain model)."""
+    current = root.__dict__.get("checkpoint_spec")
+    if isinstance(current, _RebuildSpec):
+        return current.base, dict(current.patches)
+    try:
+        return model_spec_for(root), {}
+    except (TypeError, ValueError):
+        return None, {}
+
+
+def _record_rebuild_spec(root: nn.Module, base: BaseSpec | None, patches: dict[str, Any]) -> None:
+    """Give ``root`` a ``checkpoint_spec`` (read by ``model_spec_for``) for its patched form.
+
+    Without a spec of the unpatched model nothing is recorded: saving then fails as it
+    would have before patching, naming the model.
+    """
+    if base is not None:
+        # An instance attribute shadows any checkpoint_spec() of the model class.
+        object.__setattr__(root, "checkpoint_spec", _RebuildSpec(base, patches))
+
+
+def _as_patch_value(target: str, patch: Any) -> Any:
+    if isinstance(patch, (nn.Module, BaseSpec)):
+        return patch
+    if isinstance(patch, Mapping) and "cls_path" in patch:
+        return create_model_spec_from_json(patch)
+    raise TypeError(
+        f"patch {target!r} must be an nn.Module, a BaseSpec or a spec JSON dict; got "
+        f"{type(patch).__name__}."
+    )
+
+
+def _check_target(target: str, relative: bool = False) -> None:
+    parts = target.split(".")
+    if len(parts) < (1 if relative else 2) or not all(parts):
+        what = "'path.child'" if relative else "'<model_key>.<path>.<child>'"
+        raise ValueError(
+            f"ModulePatchHook target {target!r} must have the form {what} with non-empty "
+            "dot-separated parts, e.g. 'main.model.readout'."
+        )
+
+
+def _patchable_root(model: nn.Module, key: str) -> nn.Module:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise RuntimeError(
+            f"ModulePatchHook: model {key!r} is already wrapped in DistributedDataParallel, "
+            "which has registered its parameters; register the hook before DDPHook wraps it "
+            "(patches address the unwrapped names, e.g. 'main.model.readout')."
+        )
+    while True:
+        if isinstance(model, nn.DataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _resolve_all(
+    root: nn.Module, patches: Mapping[str, Any], prefix: str
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    resolved = []
+    for path, patch in patches.items():
+        *parents, child = path.split(".")
+        parent = root
+        walked = prefix.rstrip(".") or type(root).__name__
+        for part in parents:
+            if not hasattr(parent, part):
+                raise AttributeError(
+                    f"ModulePatchHook target {prefix}{path!r}: {walked!r} has missing parent "
+                    f"component {part!r}."
+                )
+            parent = getattr(parent, part)
+            walked = f"{walked}.{part}"
+            if not isinstance(parent, nn.Module):
+                raise TypeError(
+                    f"ModulePatchHook target {prefix}{path!r}: {walked!r} is a "
+                    f"{type(parent).__name__}, not an nn.Module."
+                )
+        existing = getattr(parent, child, None)
+        if existing is not None and not isinstance(existing, nn.Module):
+            raise TypeError(
+                f"ModulePatchHook target {prefix}{path!r}: existing attribute {child!r} is a "
+                f"{type(existing).__name__}, not an nn.Module; only modules can be replaced."
+            )
+        module = patch.build() if isinstance(patch, BaseSpec) else patch
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"ModulePatchHook target {prefix}{path!r}: the spec built "
+                f"{type(module).__name__}, not an nn.Module."
+            )
+        _match_placement(module, existing if existing is not None else parent)
+        resolved.append((parent, child, module))
+    return resolved
+
+
+def _match_placement(module: nn.Module, reference: nn.Module) -> None:
+    like = next((t for t in reference.parameters() if t.is_floating_point()), None)
+    if like is None:
+        like = next((t for t in reference.buffers() if t.is_floating_point()), None)
+    if like is None:
+        return
+    for tensor in module.parameters():
+        if tensor.is_floating_point() and (tensor.dtype, tensor.device) != (
+            like.dtype,
+            like.device,
+        ):
+            module.to(device=like.device, dtype=like.dtype)
+            return
+
+
+def _still_installed(models: Mapping[str, Any], target: str, module: Any) -> bool:
+    """Whether ``module`` (installed by this hook earlier) still sits at ``target``."""
+    if module is None:
+        return False
+    key, _, path = target.partition(".")
+    current = models.get(key)
+    if current is None:
+        return False
+    try:
+        current = _patchable_root(current, key)
+    except RuntimeError:
+        current = current.module
+    for part in path.split("."):
+        current = getattr(current, part, None)
+        if current is None:
+            return False
+    return current is module
+
+
+def _warn_shared(patches: Mapping[str, Any]) -> None:
+    owners: dict[int, list[str]] = {}
+    for target, patch in patches.items():
+        if isinstance(patch, nn.Module):
+            owners.setdefault(id(patch), []).append(target)
+    for targets in owners.values():
+        if len(targets) > 1:
+            warnings.warn(
+                f"ModulePatchHook uses the same module instance for targets {targets}; their "
+                "parameters will be shared. Pass separate instances (or specs) to train them "
+                "independently.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
+# ---------------------------------------------------------------------------- parameter filters
+class TrainableParameterHook(BaseModel):
+    """Choose the trained parameters by qualified-name patterns, when registered.
+
+    Args:
+        freeze_patterns: ``fnmatch`` patterns of parameters to freeze.
+        trainable_patterns: patterns of parameters to train. Alone, they are an
+            allow-list (everything else is frozen); with ``freeze_patterns`` they
+            re-enable matches of the freeze patterns. Matches are trained even when the
+            model had them frozen (``requires_grad=False``) before the run.
+        freeze_mode: ``"requires_grad"`` (default) sets ``requires_grad=False`` on frozen
+            parameters during ``run``/``train_batch`` (restored afterwards; no gradients
+            are computed for them); ``"optimizer_only"`` only keeps them out of the
+            optimizers (they still receive gradients, visible at ``AFTER_BACKWARD``, which
+            are cleared at every zeroing point so they never accumulate).
+
+    Patterns match qualified names ``"<model key>.<parameter name>"`` without wrapper
+    prefixes (``"main.model.projection.weight"``, ``"main.model.joint_mlp.*"``), which
+    keep matching after DDP wraps the model. Every pattern must match at least one
+    parameter (``ValueError`` naming it and showing example names). Registering after
+    optimizers were built warns: the optimizers are rebuilt (losing their state).
+
+    Example:
+        >>> hook = TrainableParameterHook(trainable_patterns=("main.model.projection.*",))
+        >>> hook.freeze_mode
+        'requires_grad'
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[Any] = None
+
+    freeze_patterns: tuple[str, ...] = ()
+    trainable_patterns: tuple[str, ...] = ()
+    freeze_mode: Literal["requires_grad", "optimizer_only"] = "requires_grad"
+
+    @field_validator("freeze_patterns", "trainable_patterns", mode="before")
+    @classmethod
+    def _one_pattern(cls, value: Any) -> Any:
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _some_pattern(self) -> TrainableParameterHook:
+        if not self.freeze_patterns and not self.trainable_patterns:
+            raise ValueError(
+                "TrainableParameterHook requires freeze_patterns, trainable_patterns, or both."
+            )
+        return self
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return False
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        """Never called: the filters are set in :meth:`on_register`."""
+
+    def on_register(self, workflow: Any) -> None:
+        """Resolve the patterns against the workflow's parameters and set its filters."""
+        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+            warnings.warn(
+                "TrainableParameterHook registered after optimizers were built; they will be "
+                "rebuilt with the new parameter filter (their state, e.g. Adam moments, is "
+                "lost). Register it before the first run.",
+                UserWarning,
+                stacklevel=3,
+            )
+        self.apply(workflow)
+
+    def apply(self, workflow: Any) -> frozenset[str]:
+        """Set the workflow's parameter filters from the patterns; return the trained names."""
+        models = getattr(workflow, "models", None)
+        if models is None:
+            raise TypeError("TrainableParameterHook needs a workflow with models.")
+        names = [name for name, _ in iter_qualified_named_parameters(models)]
+        frozen = self._matches(names, self.freeze_patterns, "freeze_patterns")
+        forced = self._matches(names, self.trainable_patterns, "trainable_patterns")
+        if self.freeze_patterns:
+            allowed = frozenset((set(names) - frozen) | forced)
+        else:
+            allowed = frozenset(forced)
+        setters = {}
+        for name in (
+            "set_optimizer_parameter_filter",
+            "set_trainable_parameter_filter",
+            "set_force_trainable_parameter_filter",
+        ):
+            setter = getattr(workflow, name, None)
+            if not callable(setter):
+                raise TypeError(
+                    f"TrainableParameterHook needs a workflow with {name}(names); "
+                    f"{type(workflow).__name__} has none (use a TrainingStrategy)."
+                )
+            setters[name] = setter
+        setters["set_optimizer_parameter_filter"](allowed)
+        setters["set_trainable_parameter_filter"](
+            allowed if self.freeze_mode == "requires_grad" else None
+        )
+        setters["set_force_trainable_parameter_filter"](
+            frozenset(forced) if self.trainable_patterns else None
+        )
+        return allowed
+
+    @staticmethod
+    def _matches(names: list[str], patterns: tuple[str, ...], field: str) -> set[str]:
+        matched: set[str] = set()
+        for pattern in patterns:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                hint = ""
+                if any(fnmatch.fnmatchcase(n, f"{pattern}.*") for n in names):
+                    hint = f" To match every parameter of that module use '{pattern}.*'."
+                raise ValueError(
+                    f"{field} pattern {pattern!r} did not match any parameter. Patterns are "
+                    "matched against fully qualified names like 'main.model.projection.weight' "
+                    f"(no DDP 'module.' prefix); this strategy has e.g. {_examples(names)}.{hint}"
+                )
+            matched.update(hits)
+        return matched
+
+
+def _examples(names: list[str], limit: int = 6) -> list[str]:
+    if len(names) <= limit:
+        return names
+    step = len(names) / limit
+    return [names[int(i * step)] for i in range(limit)]
