@@ -1,0 +1,35 @@
+"""examples/finetune_from_checkpoint.py runs end to end with small settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "finetune_from_checkpoint.py"
+
+
+def test_finetune_example_trains_only_the_readout(tmp_path):
+    args = {
+        "--pretrain-steps": 6,
+        "--finetune-steps": 4,
+        "--pretrain-size": 24,
+        "--finetune-size": 12,
+        "--val-size": 6,
+        "--batch-size": 4,
+        "--hidden": 8,
+        "--interactions": 1,
+        "--out": tmp_path,
+    }
+    command = [sys.executable, str(EXAMPLE)] + [str(x) for kv in args.items() for x in kv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env=env, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["pretrain_steps"] == 6 and summary["finetune_steps"] == 4
+    assert summary["readout_changed"] and summary["body_unchanged"]
+    assert (tmp_path / "pretrain_checkpoints" / "manifest.json").is_file()
