@@ -72,6 +72,7 @@ class DistributedManager:
 
     _state: ClassVar[_State] = _State()
     _atexit_registered: ClassVar[bool] = False
+    _generation: ClassVar[int] = 0  # process groups this process has created so far
 
     def __init__(self) -> None:
         if not self._state.initialized and _process_group_ready():
@@ -339,7 +340,10 @@ class DistributedManager:
                 # Binding the communicator to the GPU is only meaningful (and only
                 # safe: torch 2.13 rejects a CPU device_id) for CUDA devices.
                 kwargs["device_id"] = device
+            if cls._generation:
+                _fresh_rendezvous(kwargs, cls._generation)
             dist.init_process_group(**kwargs)
+            DistributedManager._generation += 1
             state.backend = dist.get_backend()
             state.distributed = True
             state.owns_process_group = True
@@ -386,6 +390,24 @@ def _cleanup_at_exit() -> None:
 
 def _process_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _fresh_rendezvous(kwargs: dict[str, Any], generation: int) -> None:
+    """Re-initialising after cleanup: rendezvous under keys of this generation.
+
+    ``env://`` reuses the (multi-tenant) store of the previous group, whose keys
+    (e.g. the peers' old addresses) would otherwise be read again and make the new
+    group hang or fail to connect. Every rank creates its groups in the same order,
+    so the generation numbers agree.
+    """
+    from torch.distributed import PrefixStore, rendezvous
+    from torch.distributed.constants import default_pg_timeout
+
+    timeout = kwargs.get("timeout") or default_pg_timeout
+    store, _, _ = next(
+        rendezvous(kwargs.pop("init_method"), kwargs["rank"], kwargs["world_size"], timeout=timeout)
+    )
+    kwargs["store"] = PrefixStore(f"nvalchemi_generation_{generation}", store)
 
 
 def _default_device(local_rank: int) -> torch.device:
