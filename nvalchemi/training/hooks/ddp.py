@@ -1,0 +1,488 @@
+"""Data-parallel training on ``torch.distributed``: :class:`DDPHook`.
+
+Drop ``DDPHook()`` into a strategy's ``hooks`` and launch the script with ``torchrun``
+(or ``srun``); the same script runs unchanged as one process, where the hook does
+nothing.
+
+Example:
+    >>> hook = DDPHook(model_keys=("main",), backend="gloo", broadcast_buffers=False)
+    >>> hook.stage.name, hook.find_unused_parameters
+    ('SETUP', None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from torch import nn
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+from nvalchemi.distributed.runtime import (
+    barrier,
+    destroy_distributed,
+    distributed_device,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_distributed_initialized,
+)
+from nvalchemi.training.stages import TrainingStage
+
+__all__ = ["DDPHook"]
+
+_DEFAULT_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
+# torch.utils.data.DataLoader options copied when the loader is rebuilt around a new sampler
+_COPIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "generator")
+
+
+class DDPHook(BaseModel):
+    """Wrap training models in ``DistributedDataParallel`` and shard the data, at ``SETUP``.
+
+    Before device placement (``prepare_strategy``) the hook initialises
+    ``torch.distributed`` when ``auto_init`` is set, the launcher says ``WORLD_SIZE > 1``
+    and nothing is initialised yet (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, or
+    Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/node list), and on CUDA pins this rank's
+    GPU (``strategy.devices = [cuda:<local rank>]``). At ``SETUP`` it
+
+    * wraps the models ``model_keys`` (default: every model with optimizer configs) in
+      ``torch.nn.parallel.DistributedDataParallel``, forwarding ``find_unused_parameters``,
+      ``broadcast_buffers``, ``static_graph`` and ``process_group`` (``device_ids`` only
+      for CUDA models). Parameters keep their identity, so optimizers built before keep
+      working and parameter names (optimizer patterns, checkpoints) do not change;
+    * injects a distributed sampler into ``strategy.active_dataloader`` so each rank sees
+      a disjoint shard (see :meth:`prepare_dataloader`).
+
+    With a world size of one the hook does nothing. On teardown (end of ``run()``, or
+    of a ``train_batch`` session) it puts the unwrapped models back and destroys the
+    process group if it created it; register it first in ``hooks=[...]`` then, so it
+    is torn down after hooks that still communicate (e.g. ``CheckpointHook``).
+
+    Force and stress training (forces from ``autograd.grad(create_graph=True)`` inside
+    ``forward``) works without ``find_unused_parameters=True``: the inner gradient only
+    differentiates with respect to positions, so each parameter's gradient is reduced
+    exactly once, in ``loss.backward()``.
+
+    Args:
+        model_keys: models to wrap; ``None``: all models with optimizer configs.
+        find_unused_parameters / broadcast_buffers: forwarded; ``None`` uses the
+            distributed manager's attribute of that name when it has one, else False.
+        static_graph: forwarded.
+        process_group: explicit group; ``None``: the manager's ``process_group`` /
+            ``group`` / ``get_process_group()``, else the default group.
+        backend: backend when the hook initialises the process group (``None``: nccl on
+            CUDA, gloo otherwise).
+        auto_init: initialise ``torch.distributed`` from the launcher's variables.
+        sampler_cls: sampler class or factory, called ``sampler_cls(dataset, **kwargs)``.
+        sampler_kwargs: keywords for ``sampler_cls``; they override the inferred
+            ``num_replicas``, ``rank``, ``shuffle``, ``seed`` and ``drop_last``.
+
+    Raises (at ``SETUP``):
+        RuntimeError: world size > 1 but no process group (``auto_init=False`` and no
+            initialised manager).
+        KeyError: ``model_keys`` names a model the strategy does not have.
+        ValueError: a dataloader whose sampler cannot be replaced (see
+            :meth:`prepare_dataloader`).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", arbitrary_types_allowed=True, validate_assignment=False
+    )
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[TrainingStage] = TrainingStage.SETUP
+
+    model_keys: tuple[str, ...] | None = None
+    find_unused_parameters: bool | None = None
+    broadcast_buffers: bool | None = None
+    static_graph: bool = False
+    process_group: Any | None = None
+    backend: str | None = None
+    auto_init: bool = True
+    sampler_cls: Callable[..., Any] = DistributedSampler
+    sampler_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    _original_models: dict[str, nn.Module] = PrivateAttr(default_factory=dict)
+    _initialized_process_group: bool = PrivateAttr(default=False)
+    _manager: Any = PrivateAttr(default=None)
+    _strategy: Any = PrivateAttr(default=None)
+    _is_wrapped: bool = PrivateAttr(default=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    def prepare_strategy(self, strategy: Any) -> None:
+        """Initialise communication if needed and pin this rank's GPU (before device placement)."""
+        self._strategy = strategy
+        self._manager = strategy.distributed_manager
+        created = self.auto_init and init_distributed(self._manager, backend=self.backend)
+        if self._world_size() <= 1:
+            return  # nothing to tear down either: one process has no group to destroy
+        if created:
+            self._initialized_process_group = True
+            self._warn_if_torn_down_early(strategy)
+        device = distributed_device(
+            self._manager, strategy.devices[0], prefer_cuda=self.backend != "gloo"
+        )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            strategy.devices = [device]
+
+    def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        if stage is not TrainingStage.SETUP:
+            return
+        strategy = getattr(ctx, "workflow", None)
+        if strategy is None:
+            raise RuntimeError(
+                "DDPHook needs ctx.workflow (the TrainingStrategy) at SETUP; register it with "
+                "a TrainingStrategy instead of calling it directly."
+            )
+        self._strategy = strategy
+        if self._manager is None:
+            self._manager = strategy.distributed_manager
+        self.wrap_models(strategy)
+        strategy.active_dataloader = self.prepare_dataloader(strategy.active_dataloader)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(failed=exc_type is not None)
+
+    def close(self, failed: bool = False) -> None:
+        """Put the unwrapped models back; destroy the process group if this hook created it."""
+        strategy = self._strategy
+        if strategy is not None:
+            for key, original in self._original_models.items():
+                current = strategy.models.get(key)
+                if current is not original and getattr(current, "module", None) is original:
+                    strategy.models[key] = original
+        self._original_models = {}
+        self._is_wrapped = False
+        self._strategy = None
+        created, self._initialized_process_group = self._initialized_process_group, False
+        manager, self._manager = self._manager, None
+        if not created:
+            return
+        if failed:
+            # Other ranks may be gone: tear down locally, never raise over the run's error.
+            with contextlib.suppress(Exception):
+                destroy_distributed(manager)
+            return
+        barrier(manager)  # nobody leaves the group while another rank still uses it
+        destroy_distributed(manager)
+
+    # ------------------------------------------------------------------ models
+    def wrap_models(self, strategy: Any) -> None:
+        """Replace the selected models in ``strategy.models`` by DDP wrappers (once)."""
+        if self._is_wrapped or self._world_size() <= 1:
+            return
+        manager = self._manager
+        if not is_distributed_initialized(manager):
+            raise RuntimeError(
+                "DDPHook requires initialized distributed communication when world_size > 1. "
+                "Set auto_init=True (the default) so the hook initialises torch.distributed, "
+                "launch under torchrun/srun, or pass an initialised distributed_manager "
+                "(DistributedManager.initialize())."
+            )
+        keys = tuple(strategy.optimizer_configs) if self.model_keys is None else self.model_keys
+        unknown = [k for k in keys if k not in strategy.models]
+        if unknown:
+            raise KeyError(
+                f"DDPHook model_keys include unknown model(s) {unknown}; available model keys: "
+                f"{sorted(strategy.models)}."
+            )
+        ddp_cls = torch.nn.parallel.DistributedDataParallel  # looked up now: tests patch it
+        options = {
+            "find_unused_parameters": self._option("find_unused_parameters"),
+            "broadcast_buffers": self._option("broadcast_buffers"),
+            "static_graph": self.static_graph,
+        }
+        group = self._process_group()
+        for key in keys:
+            model = strategy.models[key]
+            if _is_ddp(model, ddp_cls):
+                continue
+            if not any(p.requires_grad for p in model.parameters()):
+                continue  # nothing to synchronise (and DDP refuses such modules)
+            kwargs = dict(options)
+            if group is not None:
+                kwargs["process_group"] = group
+            first = next(model.parameters())
+            if first.device.type == "cuda":
+                kwargs["device_ids"] = [first.device.index]
+                kwargs["output_device"] = first.device.index
+            self._original_models[key] = model
+            with warnings.catch_warnings():
+                # torch >= 2.13 deprecates broadcast_buffers in favour of forward_sync_buffers,
+                # whose False still syncs buffers at construction: we keep the documented option.
+                warnings.filterwarnings(
+                    "ignore", "`broadcast_buffers` is deprecated", FutureWarning
+                )
+                strategy.models[key] = ddp_cls(model, **kwargs)
+        self._is_wrapped = True
+
+    def _option(self, name: str) -> bool:
+        value = getattr(self, name)
+        if value is None and self._manager is not None:
+            value = getattr(self._manager, name, None)
+        return bool(value) if value is not None else False
+
+    def _process_group(self) -> Any:
+        if self.process_group is not None:
+            return self.process_group
+        manager = self._manager
+        if manager is None:
+            return None
+        for name in ("process_group", "group", "get_process_group"):
+            value = getattr(manager, name, None)
+            if callable(value):
+                try:
+                    value = value()
+                except TypeError:
+                    continue
+            if value is not None:
+                return value
+        return None
+
+    # ------------------------------------------------------------------ data
+    def prepare_dataloader(self, loader: Any) -> Any:
+        """Return ``loader`` (or a rebuilt copy) drawing a disjoint shard on this rank.
+
+        Rules, in order:
+
+        1. ``None``, a world size of one, or an object without a ``sampler`` attribute
+           (a list of batches, any iterable): returned unchanged (caller-managed), as is
+           a loader over an ``IterableDataset``.
+        2. A loader whose ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` is
+           already distributed (has ``num_replicas``, ``rank`` and ``set_epoch``, or is a
+           ``sampler_cls`` instance) is left untouched (a warning if its
+           ``num_replicas`` differs from the world size).
+        3. nvalchemi ``DataLoader`` with a ``DistributedSampler``-family ``sampler_cls``:
+           a batch-level sampler is installed in place: ``MultiDatasetBatchSampler``
+           for a ``MultiDataset`` with the default class, otherwise
+           ``BatchSampler(sampler_cls(dataset, **kwargs), batch_size, drop_last)`` (a
+           subclass given as ``sampler_cls`` is used as given). A non-distributed
+           ``batch_sampler`` already on the loader raises ``ValueError``.
+        4. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to
+           ``loader.sampler``; a ``torch.utils.data.DataLoader`` (which forbids that)
+           is rebuilt with the same options (``ValueError`` if it was built with a
+           ``batch_sampler``).
+
+        ``kwargs``: ``num_replicas`` (world size), ``rank``, ``shuffle`` (the loader's
+        sampler's or loader's ``shuffle``, else whether it samples randomly), ``seed``
+        (the loader's or its sampler's ``seed``, else 0) and ``drop_last`` (the batch
+        sampler's or loader's), passed only if the factory accepts them, then
+        ``sampler_kwargs`` on top.
+        """
+        if loader is None or self._world_size() <= 1 or not hasattr(loader, "sampler"):
+            return loader
+        if not hasattr(loader, "dataset"):
+            raise ValueError(
+                "DDPHook cannot inject a distributed sampler into a dataloader with no dataset "
+                "attribute. Give the loader a .dataset, or shard the data yourself and pass "
+                "a loader without a .sampler attribute."
+            )
+        dataset = loader.dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            return loader  # a stream shards itself (e.g. by get_worker_info / rank)
+        sampler = getattr(loader, "sampler", None)
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        for candidate in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+            if candidate is not None and self._is_distributed(candidate):
+                self._check_replicas(candidate)
+                return loader
+        drop_last = _infer_drop_last(loader, batch_sampler)
+        ours = _is_nvalchemi_loader(loader)
+        if ours and batch_sampler is not None:
+            raise ValueError(
+                "DDPHook cannot replace a non-distributed batch_sampler on "
+                f"nvalchemi.data.datapipes.DataLoader ({type(batch_sampler).__name__}). Give "
+                "it a distributed batch sampler (num_replicas/rank/set_epoch, e.g. "
+                "MultiDatasetBatchSampler(..., num_replicas=world_size, rank=rank)) or drop "
+                "batch_sampler and let the hook install one."
+            )
+        defaults = self._default_kwargs(loader, sampler, drop_last)
+        if ours and _is_distributed_sampler_class(self.sampler_cls):
+            return self._install_batch_sampler(loader, dataset, defaults, drop_last)
+        kwargs = {**_accepted(self.sampler_cls, defaults), **self.sampler_kwargs}
+        new_sampler = self.sampler_cls(dataset, **kwargs)
+        try:
+            loader.sampler = new_sampler
+            assigned = loader.sampler is new_sampler
+        except (AttributeError, ValueError):
+            assigned = False
+        if assigned:
+            return loader
+        return _rebuild(loader, new_sampler, drop_last)
+
+    def _install_batch_sampler(
+        self, loader: Any, dataset: Any, defaults: dict[str, Any], drop_last: bool
+    ) -> Any:
+        from nvalchemi.data.datapipes.multidataset import MultiDataset
+        from nvalchemi.data.datapipes.samplers import MultiDatasetBatchSampler
+
+        kwargs = {**defaults, **self.sampler_kwargs}
+        if isinstance(dataset, MultiDataset) and self.sampler_cls is DistributedSampler:
+            batch_sampler = MultiDatasetBatchSampler(
+                dataset, batch_size=loader.batch_size, **kwargs
+            )
+        else:
+            try:
+                len(dataset)
+            except TypeError:
+                raise TypeError(
+                    f"DDPHook needs a sized dataset to shard; {type(dataset).__name__} has no "
+                    "__len__."
+                ) from None
+            drop = bool(kwargs.get("drop_last", drop_last))
+            batch_sampler = BatchSampler(
+                self.sampler_cls(dataset, **kwargs), loader.batch_size, drop
+            )
+        loader.batch_sampler = batch_sampler
+        loader.sampler = None
+        return loader
+
+    def _default_kwargs(self, loader: Any, sampler: Any, drop_last: bool) -> dict[str, Any]:
+        shuffle = self.sampler_kwargs.get("shuffle")
+        if shuffle is None:
+            shuffle = _infer_shuffle(loader, sampler)
+        return {
+            "num_replicas": self._world_size(),
+            "rank": get_rank(self._manager),
+            "shuffle": bool(shuffle),
+            "seed": _infer_seed(loader, sampler),
+            "drop_last": drop_last,
+        }
+
+    def _is_distributed(self, sampler: Any) -> bool:
+        if isinstance(self.sampler_cls, type) and isinstance(sampler, self.sampler_cls):
+            return True
+        return (
+            hasattr(sampler, "num_replicas")
+            and hasattr(sampler, "rank")
+            and callable(getattr(sampler, "set_epoch", None))
+        )
+
+    def _check_replicas(self, sampler: Any) -> None:
+        replicas, world = getattr(sampler, "num_replicas", None), self._world_size()
+        if isinstance(replicas, int) and replicas != world:
+            warnings.warn(
+                f"DDPHook keeps the dataloader's distributed sampler {type(sampler).__name__}, "
+                f"but it shards over num_replicas={replicas} while the world size is {world}; "
+                "ranks may see overlapping data. Build it with num_replicas=world_size (or "
+                "leave the sampler to the hook).",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _world_size(self) -> int:
+        return get_world_size(self._manager)
+
+    def _warn_if_torn_down_early(self, strategy: Any) -> None:
+        # Hooks exit in reverse registration order: one registered before this hook that
+        # still communicates at exit would find the process group already destroyed.
+        for hook in strategy.hooks:
+            if hook is self:
+                return
+            if callable(getattr(hook, "__exit__", None)):
+                warnings.warn(
+                    f"DDPHook created the process group and will destroy it at teardown, "
+                    f"before {type(hook).__name__} (registered earlier) exits; register "
+                    "DDPHook first in hooks=[...] so collectives at exit still work.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                return
+
+
+# ---------------------------------------------------------------------------- module helpers
+def _is_ddp(model: Any, ddp_cls: Any) -> bool:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    return isinstance(ddp_cls, type) and isinstance(model, ddp_cls)
+
+
+def _is_nvalchemi_loader(loader: Any) -> bool:
+    from nvalchemi.data.datapipes.dataloader import DataLoader
+
+    return isinstance(loader, DataLoader)
+
+
+def _is_distributed_sampler_class(factory: Any) -> bool:
+    return isinstance(factory, type) and issubclass(factory, DistributedSampler)
+
+
+def _accepted(factory: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The inferred defaults ``factory`` takes: all for the DistributedSampler family or
+    ``**kwargs``, those it names if it has both ``num_replicas`` and ``rank``, else none."""
+    if _is_distributed_sampler_class(factory):
+        return dict(defaults)
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    if "num_replicas" in params and "rank" in params:
+        return {k: v for k, v in defaults.items() if k in params}
+    return {}
+
+
+def _infer_drop_last(loader: Any, batch_sampler: Any) -> bool:
+    value = getattr(batch_sampler, "drop_last", None)
+    if value is None:
+        value = getattr(loader, "drop_last", None)
+    return bool(value) if value is not None else False
+
+
+def _infer_shuffle(loader: Any, sampler: Any) -> bool:
+    # Ours: ShuffleSampler.shuffle / DataLoader.shuffle; torch's: a RandomSampler.
+    for value in (getattr(sampler, "shuffle", None), getattr(loader, "shuffle", None)):
+        if isinstance(value, bool):
+            return value
+    return isinstance(sampler, RandomSampler)
+
+
+def _infer_seed(loader: Any, sampler: Any) -> int:
+    for value in (getattr(loader, "seed", None), getattr(sampler, "seed", None)):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
+    """A new loader of ``type(loader)`` with ``sampler`` and the same options."""
+    if getattr(loader, "batch_size", None) is None:
+        raise ValueError(
+            "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
+            "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
+            "yourself, or build the DataLoader with batch_size= so the hook can add one."
+        )
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "drop_last": drop_last,
+    }
+    for name in _COPIED:
+        if hasattr(loader, name):
+            kwargs[name] = getattr(loader, name)
+    if hasattr(loader, "persistent_workers"):
+        kwargs["persistent_workers"] = loader.persistent_workers
+    if getattr(loader, "multiprocessing_context", None) is not None:
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "prefetch_factor", None):
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if getattr(loader, "pin_memory_device", None):
+        kwargs["pin_memory_device"] = loader.pin_memory_device
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    try:
+        return type(loader)(loader.dataset, **kwargs)
+    except TypeError as exc:
+        raise ValueError(
+            "DDPHook could not assign dataloader.sampler and could not rebuild the dataloader "
+            f"with the configured sampler ({exc}). Build the loader with a distributed sampler "
+            "yourself."
+        ) from exc
