@@ -136,8 +136,10 @@ def test_from_mace_kwargs_spec_rebuilds_the_architecture(wrapper, helpers):
 def test_from_checkpoint_warns_and_records_its_path(wrapper, helpers, tmp_path):
     path = tmp_path / "tiny.model"
     wrapper.export_model(path)
-    with pytest.warns(UserWarning, match="pickle"):
-        loaded = MACEWrapper.from_checkpoint(path, atomic_energies={29: -1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # e3nn's torch.jit use
+        with pytest.warns(UserWarning, match="pickle"):
+            loaded = MACEWrapper.from_checkpoint(path, atomic_energies={29: -1.0})
     assert not loaded.training
     spec = loaded.checkpoint_spec()
     assert spec.kwargs["checkpoint_path"] == str(path.resolve())
@@ -147,7 +149,12 @@ def test_from_checkpoint_warns_and_records_its_path(wrapper, helpers, tmp_path):
     with pytest.raises(FileNotFoundError):
         MACEWrapper.from_checkpoint(tmp_path / "missing.model")
     torch.save(wrapper.model.state_dict(), tmp_path / "sd.pt")
-    with pytest.warns(UserWarning), pytest.raises(TypeError, match="not a mace-torch model"):
+    with (
+        warnings.catch_warnings(),
+        pytest.warns(UserWarning),
+        pytest.raises(TypeError, match="not a mace-torch model"),
+    ):
+        warnings.simplefilter("ignore", DeprecationWarning)
         MACEWrapper.from_checkpoint(tmp_path / "sd.pt")
 
 
