@@ -147,6 +147,8 @@ class DDPHook(BaseModel):
         strategy.active_dataloader = self.prepare_dataloader(strategy.active_dataloader)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None and self._is_wrapped and _is_communication_error(exc):
+            _explain_peer_failure(exc, self._manager)
         self.close(failed=exc_type is not None)
 
     def close(self, failed: bool = False) -> None:
@@ -398,6 +400,30 @@ class DDPHook(BaseModel):
 
 
 # ---------------------------------------------------------------------------- module helpers
+_COMMUNICATION_HINTS = ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(hint in text for hint in _COMMUNICATION_HINTS)
+
+
+def _explain_peer_failure(exc: BaseException, manager: Any) -> None:
+    from nvalchemi.distributed.manager import TIMEOUT_ENV
+    from nvalchemi.training.errors import add_note
+
+    add_note(
+        exc,
+        f"DDPHook: rank {get_rank(manager)} of {get_world_size(manager)} lost contact with "
+        "the other ranks during data-parallel training. Another rank most likely exited, "
+        "crashed or stalled: check its log first. Waits are bounded by the process-group "
+        f"timeout ({TIMEOUT_ENV} or DistributedManager.initialize(timeout_s=...)).",
+    )
+
+
 def _is_ddp(model: Any, ddp_cls: Any) -> bool:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return True
