@@ -43,6 +43,7 @@ _STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
 
 def pattern_tuple(value: Any, field: str) -> tuple[str, ...]:
+    """Patterns as a tuple (``None`` -> ``()``, one string -> 1-tuple); ``ValueError`` otherwise."""
     if value is None:
         return ()
     if isinstance(value, str):
@@ -53,6 +54,7 @@ def pattern_tuple(value: Any, field: str) -> tuple[str, ...]:
 
 
 def load_patches(value: Any, trust: bool) -> dict[str, Any]:
+    """``module_patches`` with spec JSON dicts rehydrated (allow-listed unless ``trust``)."""
     if not value:
         return {}
     if not isinstance(value, Mapping):
@@ -71,6 +73,7 @@ def load_patches(value: Any, trust: bool) -> dict[str, Any]:
 
 
 def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str) -> None:
+    """``ValueError`` for counters or a non-empty ``model_specs`` in a new run's kwargs."""
     counters = sorted(k for k in _COUNTERS if k in kwargs)
     if counters:
         raise ValueError(
@@ -190,6 +193,7 @@ def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[
 
 
 def run_validators(validators: Any, per_model: Mapping[str, Any], root: Path) -> None:
+    """Call each checkpoint validator on each loaded model; re-raise as ``ValueError``."""
     items = (
         list(validators.items())
         if isinstance(validators, Mapping)

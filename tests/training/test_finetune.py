@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from _training_support import StageHook, make_batches
 from torch import nn
 
 from nvalchemi.models.demo import DemoModel, DemoModelWrapper
@@ -32,6 +31,18 @@ from nvalchemi.training.finetune import FineTuningStrategy
 from nvalchemi.training.hooks import GradientClipHook
 from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
 
+
+def _support():
+    name = "_nvalchemi_training_support"
+    if name not in sys.modules:
+        path = Path(__file__).with_name("_training_support.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+StageHook, make_batches = _support().StageHook, _support().make_batches
 H = 8
 BODY = ("species_embedding", "coord_embedding", "joint_mlp")
 
@@ -649,7 +660,8 @@ _RANK = textwrap.dedent(
     from nvalchemi.models.demo import DemoModel, DemoModelWrapper
     from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStage
     from nvalchemi.training.finetune import FineTuningStrategy
-    dist.init_process_group("gloo")
+    rank = int(sys.argv[2])
+    dist.init_process_group("gloo", init_method=sys.argv[3], rank=rank, world_size=2)
     torch.manual_seed(0)
     model = DemoModelWrapper(DemoModel(num_atom_types=10, hidden_dim=8))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -664,7 +676,6 @@ _RANK = textwrap.dedent(
         models=model, loss_fn=EnergyMSELoss(), num_steps=3,
         optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-2}),
         trainable_patterns=("main.model.projection.*",), hooks=[Wrap()])
-    rank = dist.get_rank()
     strategy.run(make_batches(6)[rank::2])
     moved = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
     weight = model.model.projection.weight.detach().flatten()[:3].tolist()
@@ -674,44 +685,35 @@ _RANK = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_trainable_patterns_under_two_ddp_ranks(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(Path(__file__).parent)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+    init = f"file://{tmp_path / 'rendezvous'}"  # no TCP port to race for
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(Path(__file__).parent), str(rank), init],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
+        for rank in range(2)
+    ]
     results = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out
+            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+            results.append(json.loads(line[len("RESULT ") :]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for result in results:
         assert result["moved"] == ["model.projection.bias", "model.projection.weight"]
     assert results[0]["weight"] == results[1]["weight"]  # gradients were all-reduced

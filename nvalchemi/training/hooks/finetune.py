@@ -128,12 +128,6 @@ class ModulePatchHook(BaseModel):
                 "ModulePatchHook needs a workflow whose models are a mapping of names to "
                 f"modules (a TrainingStrategy); got {type(models).__name__}."
             )
-        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
-            raise RuntimeError(
-                "ModulePatchHook must be registered before optimizers are built; the new "
-                "modules would not be optimized. Pass it in hooks=[...] when constructing the "
-                "strategy (or use FineTuningStrategy(module_patches=...))."
-            )
         installed = self._installed
         pending = {
             target: patch
@@ -141,7 +135,13 @@ class ModulePatchHook(BaseModel):
             if not _still_installed(models, target, installed.get(target))
         }
         if not pending:
-            return
+            return  # already applied by this hook: never replace trained modules
+        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+            raise RuntimeError(
+                "ModulePatchHook must be registered before optimizers are built; the new "
+                "modules would not be optimized. Pass it in hooks=[...] when constructing the "
+                "strategy (or use FineTuningStrategy(module_patches=...))."
+            )
         _warn_shared(pending)
         by_model: dict[str, dict[str, Any]] = {}
         for target, patch in pending.items():
