@@ -221,7 +221,7 @@ class BaseModelMixin(abc.ABC):
             else:
                 keys |= {"neighbor_matrix", "num_neighbors"}
         if cfg.needs_pbc:
-            keys.add("pbc")
+            keys |= {"pbc", "cell"}
         return keys | set(cfg.required_inputs)
 
     def output_data(self) -> set[str]:

@@ -152,7 +152,7 @@ def test_extra_repr_describes_the_config():
         ),
         (
             ModelConfig(supports_pbc=True, needs_pbc=True, required_inputs={"charge"}),
-            {"positions", "atomic_numbers", "pbc", "charge"},
+            {"positions", "atomic_numbers", "pbc", "cell", "charge"},
         ),
     ],
 )
@@ -207,6 +207,12 @@ def test_adapt_input_gradient_keys_and_errors():
                 "info_flag": 3,
             }
         )
+
+
+def test_a_model_that_needs_pbc_rejects_a_structure_without_a_cell():
+    model = Quadratic(ModelConfig(supports_pbc=True, needs_pbc=True))
+    with pytest.raises(KeyError, match=r"\['cell', 'pbc'\]"):
+        model.adapt_input(_data())
 
 
 def test_missing_neighbor_list_error_says_how_to_compute_it():
