@@ -659,24 +659,30 @@ _RANK = textwrap.dedent(
     from _training_support import make_batches
     from nvalchemi.models.demo import DemoModel, DemoModelWrapper
     from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStage
+
+    class StageHookLike:  # records whether the model is DDP-wrapped while training
+        frequency, stage = 1, TrainingStage.AFTER_BATCH
+        def __init__(self, out):
+            self.out = out
+        def __call__(self, ctx, stage):
+            self.out.append(
+                isinstance(ctx.models["main"], torch.nn.parallel.DistributedDataParallel))
     from nvalchemi.training.finetune import FineTuningStrategy
+    from nvalchemi.training.hooks import DDPHook
     rank = int(sys.argv[2])
     dist.init_process_group("gloo", init_method=sys.argv[3], rank=rank, world_size=2)
     torch.manual_seed(0)
     model = DemoModelWrapper(DemoModel(num_atom_types=10, hidden_dim=8))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    class Wrap:  # what DDPHook does at SETUP
-        frequency, stage = 1, TrainingStage.SETUP
-        def __call__(self, ctx, stage):
-            ctx.workflow.models["main"] = torch.nn.parallel.DistributedDataParallel(
-                ctx.workflow.models["main"])
-
+    wrapped = []
     strategy = FineTuningStrategy(
         models=model, loss_fn=EnergyMSELoss(), num_steps=3,
         optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-2}),
-        trainable_patterns=("main.model.projection.*",), hooks=[Wrap()])
-    strategy.run(make_batches(6)[rank::2])
+        trainable_patterns=("main.model.projection.*",),
+        freeze_patterns=("main.model.*",),
+        hooks=[DDPHook(), StageHookLike(wrapped)])
+    strategy.run(make_batches(6)[rank::2])  # a list: each rank passes its own shard
+    assert wrapped == [True, True, True], wrapped
     moved = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
     weight = model.model.projection.weight.detach().flatten()[:3].tolist()
     print("RESULT " + json.dumps({"rank": rank, "moved": moved, "weight": weight}), flush=True)
