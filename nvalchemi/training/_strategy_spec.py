@@ -60,8 +60,11 @@ def to_spec_dict(strategy: Any) -> dict[str, Any]:
 
 
 def to_checkpoint_dict(strategy: Any) -> dict[str, Any]:
-    """:func:`to_spec_dict` plus ``strategy_cls`` and ``runtime_state`` (no file I/O)."""
-    spec = to_spec_dict(strategy)
+    """``strategy.to_spec_dict()`` plus ``strategy_cls`` and ``runtime_state`` (no file I/O).
+
+    Calls the method so subclasses (``FineTuningStrategy``) contribute their fields.
+    """
+    spec = strategy.to_spec_dict()
     spec["strategy_cls"] = object_to_path(type(strategy))
     spec["runtime_state"] = strategy.runtime_state()
     return spec

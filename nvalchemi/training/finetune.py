@@ -140,12 +140,6 @@ class FineTuningStrategy(TrainingStrategy):
         spec.update(self._fine_tuning_spec())
         return spec
 
-    def to_checkpoint_dict(self) -> dict[str, Any]:
-        """:meth:`to_spec_dict` + ``strategy_cls`` + ``runtime_state``."""
-        spec = super().to_checkpoint_dict()
-        spec.update(self._fine_tuning_spec())
-        return spec
-
     def _fine_tuning_spec(self) -> dict[str, Any]:
         patches = {}
         for target, patch in self.module_patches.items():
