@@ -1,0 +1,92 @@
+"""User-facing errors: one paragraph naming the field and the fix, never a traceback.
+
+Commands raise :class:`CLIError` for problems they detect themselves. Anything else
+that escapes a command (a ``ValueError`` from a spec, a pydantic ``ValidationError``
+from a job file, an ``UnsafeImportError`` from the import allow-list, a missing file)
+is turned into the same kind of message by :func:`user_message`. ``--debug`` (or
+``NVALCHEMI_DEBUG=1``) re-raises instead, so the traceback is shown.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from typing import Any
+
+import click
+
+__all__ = ["CLIError", "debug_enabled", "enable_debug", "user_message"]
+
+
+class CLIError(click.ClickException):
+    """A user error: what is wrong (``field`` when there is one) and how to fix it.
+
+    Example:
+        >>> str(CLIError("must be >= 1; got 0", field="dataset.batch_size", fix="set it to 8"))
+        'dataset.batch_size: must be >= 1; got 0. Fix: set it to 8.'
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, field: str | None = None, fix: str | None = None):
+        text = message.rstrip()
+        if field:
+            text = f"{field}: {text}"
+        if fix:
+            text = f"{text.rstrip('.')}. Fix: {fix.rstrip('.')}."
+        super().__init__(text)
+        self.field = field
+        self.fix = fix
+
+
+def enable_debug(ctx: click.Context | None = None) -> None:
+    """Remember that ``--debug`` was given (for the whole command line)."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.find_root().meta["nvalchemi_debug"] = True
+
+
+def debug_enabled(ctx: click.Context | None = None) -> bool:
+    """Whether tracebacks should be shown instead of one-paragraph messages."""
+    if os.environ.get("NVALCHEMI_DEBUG", "").lower() in ("1", "true", "yes"):
+        return True
+    ctx = ctx or click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.find_root().meta.get("nvalchemi_debug"))
+
+
+def _validation_lines(exc: Any) -> list[str]:
+    lines = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        value = error.get("input")
+        shown = ""
+        if error.get("type") not in ("missing", "model_type") and not isinstance(value, dict):
+            shown = f" (got {value!r})" if len(repr(value)) < 80 else ""
+        lines.append(f"{where}: {message}{shown}" if where else f"{message}{shown}")
+    return lines
+
+
+def user_message(exc: BaseException) -> str:
+    """One paragraph describing ``exc`` for a person at a terminal."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        lines = _validation_lines(exc)
+        title = exc.title or "input"
+        text = f"invalid {title}: " + "; ".join(lines)
+    elif isinstance(exc, FileNotFoundError):
+        text = str(exc) if exc.filename is None else f"{exc.filename}: no such file or directory"
+    elif isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        text = exc.args[0]
+    elif isinstance(exc, (ValueError, TypeError, KeyError, PermissionError, IsADirectoryError)):
+        text = str(exc) or type(exc).__name__
+    elif isinstance(exc, ImportError):
+        text = f"{exc}. Install the missing package (see the README's install section)"
+    else:
+        text = (
+            f"unexpected {type(exc).__name__}: {exc}. This may be a bug; re-run with --debug "
+            "to see the traceback and report it"
+        )
+    text = " ".join(text.split())
+    return textwrap.shorten(text, width=4000, placeholder=" ...")

@@ -1,0 +1,235 @@
+"""Build the strategy of a job (``spec run``), by workflow and model source.
+
+* ``train``: models are built from ``strategy.model_specs`` (fitted to the training
+  data first when ``source.fit_to_data`` is set and the class has ``from_data``). A job
+  with freeze/trainable patterns or module patches becomes a ``FineTuningStrategy``
+  (which applies them; a plain ``TrainingStrategy`` would ignore them), otherwise a
+  ``TrainingStrategy``.
+* ``finetune`` from a ``native-checkpoint``: ``FineTuningStrategy.from_pretrained_checkpoint``
+  with the job's ``use_original_loss`` / ``use_original_opt_class`` / ``optimizer_lr``;
+  the flags win over the payload's loss and optimizer configs.
+* ``finetune`` of a ``mace`` model file: ``FineTuningStrategy.from_mace`` (a pickle:
+  needs ``--trust``).
+* ``finetune`` of a ``custom`` model: built from ``strategy.model_specs``, weights read
+  from ``source.checkpoint_path`` (a state dict, no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nvalchemi.training.cli._errors import CLIError
+from nvalchemi.training.cli.job_spec import FINETUNE_KEYS, TrainingJobSpec
+from nvalchemi.training.cli.payload import parse_spec
+
+__all__ = ["build_models", "build_strategy"]
+
+_FIT_BATCH = 64
+DEFAULT_TRAINING_FN = "nvalchemi.training.strategy.default_training_fn"
+
+
+def _fit_data(readers: list[Any]) -> Any:
+    from nvalchemi.training.cli.data_sources import ChainedBatches
+
+    return ChainedBatches(readers, batch_size=_FIT_BATCH)
+
+
+def build_models(
+    model_specs: Mapping[str, Any],
+    *,
+    trust: bool,
+    fit_readers: list[Any] | None = None,
+    element_readers: list[Any] | None = None,
+) -> dict[str, Any]:
+    """``{key: model}`` from serialized specs.
+
+    With ``fit_readers``, classes with ``from_data`` are built as
+    ``cls.from_data(training data, **kwargs)``; their ``elements`` default to every element
+    in ``fit_readers`` and ``element_readers`` (e.g. the validation data), so validation
+    structures with an element the training split lacks still run.
+    """
+    from nvalchemi.models.statistics import data_elements
+    from nvalchemi.training.spec import BaseSpec
+
+    models = {}
+    for key, data in model_specs.items():
+        where = f"strategy.model_specs.{key}"
+        spec = parse_spec(data, where, trust)
+        target = spec.target()
+        try:
+            if fit_readers is not None and callable(getattr(target, "from_data", None)):
+                kwargs = {
+                    k: v.build() if isinstance(v, BaseSpec) else v for k, v in spec.kwargs.items()
+                }
+                if kwargs.get("elements") is None and element_readers:
+                    zs = set(data_elements(_fit_data(fit_readers)))
+                    zs |= set(data_elements(_fit_data(element_readers)))
+                    kwargs["elements"] = sorted(zs)
+                models[key] = target.from_data(_fit_data(fit_readers), **kwargs)
+            else:
+                models[key] = spec.build()
+        except CLIError:
+            raise
+        except Exception as exc:
+            message = " ".join(str(exc).split())
+            fix = "check the model's keyword arguments" if isinstance(exc, TypeError) else None
+            raise CLIError(
+                f"building {spec.cls_path} failed: {message}", field=where, fix=fix
+            ) from None
+    return models
+
+
+def _single_or_mapping(models: dict[str, Any], payload: Mapping[str, Any]) -> Any:
+    if set(models) == {"main"} and payload.get("single_model_input", True):
+        return models["main"]
+    return models
+
+
+def _runtime_payload(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The payload as entry-point keywords (models come separately)."""
+    return {k: v for k, v in payload.items() if k not in ("model_specs", "single_model_input")}
+
+
+def _train(job: TrainingJobSpec, sources: Any, hooks: list[Any], trust: bool, extra: dict) -> Any:
+    payload = job.strategy
+    if not payload.get("model_specs"):
+        raise CLIError(
+            "is empty, so there is no model to train (training-from-scratch jobs must name "
+            "their model)",
+            field="strategy.model_specs",
+            fix="scaffold with `nvalchemi-training train init --model painn`, or add "
+            "create_model_spec(MyModel, ...).model_dump() under strategy.model_specs.main",
+        )
+    fit = sources.train if job.source.fit_to_data else None
+    models = build_models(
+        payload["model_specs"], trust=trust, fit_readers=fit, element_readers=sources.validation
+    )
+    finetuning = job.uses_finetuning_features
+    if finetuning:
+        from nvalchemi.training.finetune import FineTuningStrategy as cls
+    else:
+        from nvalchemi.training.strategy import TrainingStrategy as cls
+    spec = {k: v for k, v in payload.items() if finetuning or k not in FINETUNE_KEYS}
+    spec["model_specs"] = {}
+    spec.setdefault("training_fn", DEFAULT_TRAINING_FN)
+    return cls.from_spec_dict(
+        spec, models=_single_or_mapping(models, payload), hooks=hooks, trust=trust, **extra
+    )
+
+
+def _mace_energies(job: TrainingJobSpec) -> dict[str, float] | None:
+    options = job.source.mace
+    if options is None:
+        return None
+    if options.atomic_energies is not None:
+        return dict(options.atomic_energies)
+    if options.atomic_energies_path:
+        path = Path(options.atomic_energies_path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CLIError(
+                f"cannot read {path}: {exc}",
+                field="source.mace.atomic_energies_path",
+                fix='give a JSON file mapping elements to energies, e.g. {"Cu": -3.7}',
+            ) from None
+        if not isinstance(data, dict):
+            raise CLIError(
+                "must hold a JSON object {element: energy}",
+                field="source.mace.atomic_energies_path",
+            )
+        return {str(k): float(v) for k, v in data.items()}
+    return None
+
+
+def _finetune(
+    job: TrainingJobSpec,
+    hooks: list[Any],
+    trust: bool,
+    map_location: str | None,
+    extra: dict,
+) -> Any:
+    from nvalchemi.training.finetune import FineTuningStrategy
+
+    source, payload = job.source, job.strategy
+    kwargs = {**_runtime_payload(payload), "hooks": hooks, **extra}
+    device = map_location or str((payload.get("devices") or ["cpu"])[0])
+    if source.model == "native-checkpoint":
+        root = Path(str(source.checkpoint_path))
+        if not (root / "manifest.json").is_file():
+            raise CLIError(
+                f"{root} is not an nvalchemi checkpoint directory (no manifest.json)",
+                field="source.checkpoint_path",
+                fix="point it at the checkpoint root a CheckpointHook wrote (e.g. "
+                "runs/pretrain/checkpoints)",
+            )
+        return FineTuningStrategy.from_pretrained_checkpoint(
+            root,
+            checkpoint_index=source.checkpoint_index,
+            map_location=device,
+            use_original_loss=source.use_original_loss,
+            use_original_opt_class=source.use_original_opt_class,
+            optimizer_lr=source.optimizer_lr,
+            trust=trust,
+            **kwargs,
+        )
+    if source.model == "mace":
+        if not source.checkpoint_path:
+            raise CLIError(
+                f"named MACE models ({source.model_id!r}) are not downloaded by this build",
+                field="source.model_id",
+                fix="download the model file and set source.checkpoint_path to it",
+            )
+        if not trust:
+            raise CLIError(
+                f"MACE model files are Python pickles: loading {source.checkpoint_path} runs "
+                "code from it",
+                field="source.checkpoint_path",
+                fix="pass --trust if you trust this file",
+            )
+        return FineTuningStrategy.from_mace(
+            source.checkpoint_path,
+            map_location=device,
+            atomic_energies=_mace_energies(job),
+            trust=trust,
+            **kwargs,
+        )
+    if not payload.get("model_specs"):
+        raise CLIError(
+            "is empty: a custom fine-tune rebuilds your model from its spec before loading "
+            f"the weights in {source.checkpoint_path}",
+            field="strategy.model_specs",
+            fix="add create_model_spec(MyModel, ...).model_dump() under strategy.model_specs.main",
+        )
+    models = build_models(payload["model_specs"], trust=trust)
+    weights = Path(str(source.checkpoint_path))
+    if not weights.is_file():
+        raise CLIError(
+            f"{weights} does not exist",
+            field="source.checkpoint_path",
+            fix="give a state-dict file written with torch.save(model.state_dict(), path)",
+        )
+    return FineTuningStrategy.from_pretrained_weights(
+        _single_or_mapping(models, payload), weights, trust=trust, **kwargs
+    )
+
+
+def build_strategy(
+    job: TrainingJobSpec,
+    *,
+    sources: Any,
+    hooks: list[Any],
+    trust: bool = False,
+    map_location: str | None = None,
+    distributed_manager: Any = None,
+) -> Any:
+    """The strategy ``spec run`` trains (validation and loaders are attached by the caller)."""
+    extra = {} if distributed_manager is None else {"distributed_manager": distributed_manager}
+    if job.workflow == "train":
+        if map_location is not None:
+            extra["devices"] = [map_location]
+        return _train(job, sources, hooks, trust, extra)
+    return _finetune(job, hooks, trust, map_location, extra)

@@ -1,0 +1,204 @@
+"""``data convert`` (extxyz / ASE db -> zarr store) and ``data stats``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._console import err_console, format_number, print_table
+from nvalchemi.training.cli._errors import CLIError
+
+__all__ = ["data"]
+
+
+@contextlib.contextmanager
+def _progress(description: str) -> Iterator[Any]:
+    """A rich progress bar on stderr; yields ``update(done, total)``."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    console = err_console()
+    columns = [
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _label_keys(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        label, sep, key = pair.partition("=")
+        if not sep or label not in ("energy", "forces", "stress", "virials") or not key:
+            raise CLIError(
+                f"--label-key expects LABEL=KEY with LABEL one of energy, forces, stress, "
+                f"virials; got {pair!r}",
+                fix="e.g. --label-key energy=REF_energy",
+            )
+        out[label] = key
+    return out
+
+
+@main.group()
+def data() -> None:
+    """Convert data sets and print their statistics."""
+
+
+@data.command("convert")
+@click.argument("inputs", nargs=-1, required=True)
+@click.argument("output")
+@click.option(
+    "--cutoff",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Also store neighbour lists for this cutoff (Å).",
+)
+@click.option("--half-list", is_flag=True, help="Store each pair once (with --cutoff).")
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Structures written per append.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float64"]),
+    default="float32",
+    show_default=True,
+    help="dtype of positions and labels in the store.",
+)
+@click.option(
+    "--label-key",
+    "label_keys",
+    multiple=True,
+    help="Where a label lives in the input, e.g. energy=REF_energy (repeatable).",
+)
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    help="Convert only the first N structures of each input.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@debug_option  # fmt: skip
+def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
+    """Convert extxyz / ASE db files (INPUTS) into one zarr store (OUTPUT)."""
+    from nvalchemi.training.cli.data_tools import convert_to_zarr, open_inputs, prepare_output
+
+    if options["half_list"] and options["cutoff"] is None:
+        raise CLIError("--half-list needs --cutoff", fix="add --cutoff 5.0 (or drop --half-list)")
+    readers = open_inputs(
+        inputs,
+        dtype=options["dtype"],
+        label_keys=_label_keys(options["label_keys"]),
+        max_structures=options["max_structures"],
+    )
+    try:
+        prepare_output(output, overwrite=options["overwrite"])
+    except CLIError:
+        for reader in readers:
+            reader.close()
+        raise
+    with _progress(f"writing {output}") as update:
+        summary = convert_to_zarr(
+            readers,
+            output,
+            cutoff=options["cutoff"],
+            half_list=options["half_list"],
+            chunk_size=options["chunk_size"],
+            progress=update,
+        )
+    console = err_console()
+    text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
+    if "edges" in summary:
+        text += (
+            f" with {summary['edges']:,} neighbour pairs (cutoff {summary['neighbor_cutoff']} Å)"
+        )
+    console.print(text)
+
+
+@data.command("stats")
+@click.argument("paths", nargs=-1, required=True)
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    help="Read only the first N structures of each file.",
+)
+@click.option(
+    "--label-key",
+    "label_keys",
+    multiple=True,
+    help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
+@debug_option  # fmt: skip
+def stats(
+    paths: tuple[str, ...], max_structures: int | None, label_keys: tuple[str, ...], as_json: bool
+) -> None:
+    """Counts, elements, label statistics and suggested per-element reference energies."""
+    from nvalchemi.training.cli.data_sources import open_reader
+    from nvalchemi.training.cli.data_tools import data_statistics
+
+    keys = _label_keys(label_keys)
+    readers = [
+        open_reader(p, field="PATH", max_structures=max_structures, label_keys=keys) for p in paths
+    ]
+    try:
+        with _progress("reading") as update:
+            result = data_statistics(readers, progress=update)
+    finally:
+        for reader in readers:
+            reader.close()
+    _print_stats(result)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+
+
+def _print_stats(result: dict[str, Any]) -> None:
+    console = err_console()
+    sizes = result["atoms_per_structure"]
+    rows = [
+        ("structures", result["structures"]),
+        ("atoms", result["atoms"]),
+        ("atoms per structure", f"{sizes['min']} - {sizes['max']} (mean {sizes['mean']:.1f})"),
+        ("periodic structures", result["periodic_structures"]),
+    ]
+    rows += [(f"with {label}", count) for label, count in result["labels"].items()]
+    if "energy_per_atom" in result:
+        e = result["energy_per_atom"]
+        rows.append(("energy per atom (eV)",
+                     f"{e['mean']:.4f} ± {e['std']:.4f} [{e['min']:.4f}, {e['max']:.4f}]"))  # fmt: skip
+    if "forces" in result:
+        rows.append(("force component RMS (eV/Å)", result["forces"]["component_rms"]))
+        rows.append(("largest force (eV/Å)", result["forces"]["max_norm"]))
+    if "stress" in result:
+        s = result["stress"]
+        rows.append(("stress component (eV/Å³)", f"{s['mean']:.2e} ± {s['std']:.2e}"))
+    print_table(console, "Data set", ["", "value"], rows)
+    energies = result.get("reference_energies", {})
+    print_table(
+        console,
+        "Elements (suggested reference energies E0 by least squares, eV)",
+        ["element", "atoms", "structures", "E0"],
+        [
+            (symbol, v["atoms"], v["structures"], format_number(energies.get(symbol), 6))
+            for symbol, v in result["elements"].items()
+        ],
+    )
+    if result.get("residual_energy_per_atom"):
+        r = result["residual_energy_per_atom"]
+        console.print(
+            f"energy per atom after subtracting E0: std {1000 * r['std']:.1f} meV/atom "
+            f"(what the model has to learn)"
+        )

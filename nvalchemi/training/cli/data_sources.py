@@ -1,0 +1,289 @@
+"""Open the data of a job: extxyz / ASE db files and zarr stores, splits, loaders.
+
+* :func:`detect_format` tells the format from the path (``.extxyz``/``.xyz`` (also
+  compressed), ``.db``, a ``.zarr`` directory or any directory holding ``zarr.json``);
+* :func:`open_reader` opens one source lazily (``ASEReader`` or ``AtomicDataZarrReader``);
+* :func:`split_reader` makes the seeded train/validation split of ``--val-fraction``;
+* :func:`make_dataset` wraps readers as datasets (several become one ``MultiDataset``),
+  with neighbour lists for the model's cutoff computed once per structure and cached
+  (stores written with lists for the same cutoff are used as they are);
+* :func:`make_loader` builds the batch ``DataLoader``.
+
+Example:
+    >>> detect_format("data/train.extxyz.gz"), detect_format("data/train.db")
+    ('extxyz', 'ase-db')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nvalchemi.data.datapipes.reader import Reader
+from nvalchemi.training.cli._errors import CLIError
+
+__all__ = [
+    "ChainedBatches",
+    "DataSources",
+    "SubsetReader",
+    "detect_format",
+    "make_dataset",
+    "make_loader",
+    "open_reader",
+    "open_sources",
+    "split_reader",
+]
+
+_EXTXYZ = (".xyz", ".extxyz")
+_COMPRESSED = (".gz", ".bz2", ".xz")
+_FORMATS = "extxyz (.xyz/.extxyz, optionally .gz/.bz2/.xz), ASE database (.db) or zarr store"
+
+
+def detect_format(path: str | Path, declared: str = "auto") -> str:
+    """``"extxyz"``, ``"ase-db"`` or ``"alchemi-zarr"`` for ``path``."""
+    if declared not in ("auto", None):
+        return "alchemi-zarr" if declared.startswith("alchemi-zarr") else declared
+    path = Path(path)
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes = suffixes[:-1]
+    if path.is_dir() or (suffixes and suffixes[-1] == ".zarr"):
+        return "alchemi-zarr"
+    if suffixes and suffixes[-1] in _EXTXYZ:
+        return "extxyz"
+    if suffixes and suffixes[-1] == ".db":
+        return "ase-db"
+    raise CLIError(
+        f"cannot tell the format of {path}", fix=f"use {_FORMATS}, or set dataset.format"
+    )
+
+
+class SubsetReader(Reader):
+    """Selected structures of another reader (``indices`` into it), in that order.
+
+    Metadata keeps the parent's ``index`` so per-structure caches stay valid.
+    """
+
+    def __init__(self, reader: Any, indices: Sequence[int]) -> None:
+        super().__init__(include_index_in_metadata=False)
+        self.reader = reader
+        self.indices = [int(i) for i in indices]
+        self.validates = getattr(reader, "validates", False)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def _parent(self, index: int) -> int:
+        if not -len(self.indices) <= index < len(self.indices):
+            raise IndexError(f"Index {index} is out of range for {len(self.indices)} structures.")
+        return self.indices[index]
+
+    def read(self, index: int) -> Any:
+        return self.reader.read(self._parent(int(index)))
+
+    __getitem__ = read
+
+    def read_many(self, indices: Sequence[int]) -> list[Any]:
+        return self.reader.read_many([self._parent(int(i)) for i in indices])
+
+    def _load_sample(self, index: int) -> Any:
+        return self.read(index)[0]
+
+    def get_metadata(self, index: int) -> Any:
+        return self.reader.get_metadata(self._parent(int(index)))
+
+    @property
+    def field_levels(self) -> dict[str, str]:
+        return dict(getattr(self.reader, "field_levels", {}) or {})
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_reader(
+    path: str | Path,
+    *,
+    format: str = "auto",
+    dtype: str = "float32",
+    label_keys: dict[str, str] | None = None,
+    max_structures: int | None = None,
+    field: str = "dataset.path",
+) -> Any:
+    """A lazy reader of one file or store (``CLIError`` naming ``field`` when it fails)."""
+    import torch
+
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"{path} does not exist", field=field, fix=f"give the path of an {_FORMATS}")
+    kind = detect_format(path, format)
+    try:
+        if kind == "alchemi-zarr":
+            from nvalchemi.data.io.zarr import AtomicDataZarrReader
+
+            reader = AtomicDataZarrReader(str(path))
+            if max_structures is not None and max_structures < len(reader):
+                reader = SubsetReader(reader, range(max_structures))
+            return reader
+        from nvalchemi.data.io.ase import ASEReader
+
+        keys = {f"{label}_key": key for label, key in (label_keys or {}).items()}
+        index: Any = ":" if max_structures is None else slice(0, max_structures)
+        return ASEReader(
+            path,
+            index=index,
+            format="db" if kind == "ase-db" else "extxyz",
+            dtype=getattr(torch, dtype),
+            **keys,
+        )
+    except CLIError:
+        raise
+    except Exception as exc:
+        message = " ".join(str(exc).split())
+        raise CLIError(
+            f"cannot read {path}: {message}", field=field, fix=f"check that it is an {_FORMATS}"
+        ) from None
+
+
+def split_reader(reader: Any, fraction: float, seed: int) -> tuple[SubsetReader, SubsetReader]:
+    """``(train, validation)`` subsets; validation is a seeded random ``fraction`` (>= 1)."""
+    import numpy as np
+
+    n = len(reader)
+    count = max(1, min(n - 1, math.floor(n * fraction + 0.5)))
+    if n < 2:
+        raise CLIError(
+            f"cannot hold out a validation fraction from {n} structure(s)",
+            field="dataset.val_fraction",
+            fix="use more data or a separate validation file",
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    val, train = sorted(order[:count].tolist()), sorted(order[count:].tolist())
+    return SubsetReader(reader, train), SubsetReader(reader, val)
+
+
+@dataclass
+class DataSources:
+    """Readers of the training and validation data of a job (close them when done)."""
+
+    train: list[Any] = field(default_factory=list)
+    validation: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        for reader in {id(r): r for r in [*self.train, *self.validation]}.values():
+            with contextlib.suppress(Exception):
+                reader.close()
+
+    @property
+    def num_train(self) -> int:
+        return sum(len(r) for r in self.train)
+
+    @property
+    def num_validation(self) -> int:
+        return sum(len(r) for r in self.validation)
+
+
+def open_sources(dataset: Any, validation_paths: Sequence[str] | None = None) -> DataSources:
+    """Readers for a job's ``DatasetSpec`` (``validation_paths`` override its validation)."""
+    options = {
+        "format": dataset.format,
+        "dtype": dataset.dtype,
+        "label_keys": dataset.label_keys,
+        "max_structures": dataset.max_structures,
+    }
+    sources = DataSources()
+    train = [open_reader(p, field="dataset.path", **options) for p in dataset.all_paths]
+    val_paths = list(validation_paths or dataset.validation_paths)
+    if val_paths:
+        sources.validation = [
+            open_reader(p, field="dataset.validation_path", **options) for p in val_paths
+        ]
+        sources.train = train
+    elif dataset.val_fraction is not None:
+        for i, reader in enumerate(train):
+            kept, held_out = split_reader(reader, dataset.val_fraction, dataset.seed + i)
+            sources.train.append(kept)
+            sources.validation.append(held_out)
+    else:
+        sources.train = train
+    return sources
+
+
+def make_dataset(
+    readers: Sequence[Any], *, neighbor_config: Any = None, in_memory: bool = False
+) -> Any:
+    """A dataset over ``readers`` (``MultiDataset`` for several) with cached neighbour lists."""
+    from nvalchemi.data.datapipes.dataset import Dataset, InMemoryDataset
+    from nvalchemi.data.datapipes.multidataset import MultiDataset
+    from nvalchemi.data.neighbors import NeighborListTransform
+
+    datasets = []
+    for reader in readers:
+        transforms = None
+        if neighbor_config is not None:
+            transforms = [NeighborListTransform(neighbor_config, cache=not in_memory)]
+        if in_memory:
+            datasets.append(InMemoryDataset(reader=reader, transforms=transforms))
+        else:
+            datasets.append(Dataset(reader, transforms=transforms))
+    if not datasets:
+        raise CLIError("no data", field="dataset.path", fix="give at least one data file")
+    # Sources may carry different labels (stress only for crystals, say): missing ones are NaN.
+    return datasets[0] if len(datasets) == 1 else MultiDataset(*datasets, output_strict=False)
+
+
+def make_loader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    shuffle: bool = False,
+    seed: int = 0,
+    num_workers: int = 0,
+    drop_last: bool = False,
+) -> Any:
+    """The nvalchemi batch ``DataLoader``."""
+    from nvalchemi.data.datapipes.dataloader import DataLoader
+
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        num_workers=num_workers,
+        drop_last=drop_last,
+    )
+
+
+class ChainedBatches:
+    """Re-iterable batches of several readers, one reader after the other (no mixed batches).
+
+    For statistics over sources that carry different fields (one file with stored
+    neighbour lists, another without).
+    """
+
+    def __init__(self, readers: Sequence[Any], batch_size: int = 64) -> None:
+        self.loaders = [make_loader(make_dataset([r]), batch_size=batch_size) for r in readers]
+
+    def __iter__(self) -> Any:
+        for loader in self.loaders:
+            yield from loader
+
+    def __len__(self) -> int:
+        return sum(len(loader) for loader in self.loaders)
+
+
+def neighbor_config_of(models: Any) -> Any:
+    """The first ``model_config.neighbor_config`` among ``models`` (a module or mapping)."""
+    from nvalchemi.training.runtime import unwrap_model
+
+    candidates = models.values() if isinstance(models, dict) else [models]
+    for model in candidates:
+        config = getattr(
+            getattr(unwrap_model(model), "model_config", None), "neighbor_config", None
+        )
+        if config is not None:
+            return config
+    return None

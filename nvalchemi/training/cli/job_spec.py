@@ -1,0 +1,460 @@
+"""The job file of ``spec run``: :class:`TrainingJobSpec` (JSON or YAML).
+
+A job names where the model comes from (``source``), the data (``dataset``), where
+results go (``output``), how often to validate (``validation``) and the training
+recipe (``strategy``: a ``TrainingStrategy.to_spec_dict()``-shaped payload plus the
+fine-tuning keys ``freeze_patterns``/``trainable_patterns``/``freeze_mode``/
+``module_patches``). Every block forbids unknown keys, so a typo is an error that
+names the key instead of a silently ignored setting.
+
+This module checks structure only (types, required keys, combinations); dotted paths
+inside the job are resolved by :mod:`nvalchemi.training.cli.payload` through the
+import allow-list.
+
+Example:
+    >>> job = TrainingJobSpec.model_validate({
+    ...     "workflow": "train",
+    ...     "source": {"model": "custom"},
+    ...     "dataset": {"path": "data/train.extxyz", "val_fraction": 0.1},
+    ...     "output": {"run_dir": "runs/demo"},
+    ...     "strategy": {"optimizer_configs": {}, "devices": ["cpu"], "loss_fn_spec": {},
+    ...                  "num_epochs": 10},
+    ... })
+    >>> job.dataset.all_paths, job.output.checkpoint_root
+    (['data/train.extxyz'], 'runs/demo/checkpoints')
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "DatasetSpec",
+    "MaceSourceOptions",
+    "OutputSpec",
+    "RuntimeHookSpec",
+    "SourceSpec",
+    "TrainingJobSpec",
+    "ValidationSpec",
+    "dump_job",
+    "read_job_file",
+    "with_timestamps",
+]
+
+ModelSource = Literal["native-checkpoint", "mace", "custom"]
+DataFormat = Literal["auto", "extxyz", "ase-db", "alchemi-zarr", "alchemi-zarr-multidataset"]
+FINETUNE_KEYS = ("module_patches", "freeze_patterns", "trainable_patterns", "freeze_mode")
+PAYLOAD_KEYS = frozenset(
+    {
+        "optimizer_configs",
+        "num_epochs",
+        "num_steps",
+        "epoch_step_modifier",
+        "devices",
+        "loss_fn_spec",
+        "model_specs",
+        "single_model_input",
+        "training_fn",
+        "nonfinite_loss",
+        "nonfinite_check_interval",
+        "max_consecutive_skips",
+        *FINETUNE_KEYS,
+    }
+)
+
+
+def with_timestamps(value: Any) -> Any:
+    """Fill ``timestamp`` into every spec dict (with ``cls_path``) that lacks it.
+
+    Hand-written job files may leave timestamps out; spec loaders require the key.
+    """
+    if isinstance(value, dict):
+        out = {k: with_timestamps(v) for k, v in value.items()}
+        if isinstance(out.get("cls_path"), str):
+            out.setdefault("timestamp", "")
+        return out
+    if isinstance(value, list):
+        return [with_timestamps(v) for v in value]
+    return value
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class RuntimeHookSpec(_Block):
+    """One hook of ``source.hooks``: a spec (``cls_path`` + constructor kwargs) and stages.
+
+    A bare spec dict (with an optional ``stages`` or ``stage`` key) is accepted too.
+    Stage names are ``TrainingStage`` members (``"AFTER_EPOCH"``); ints and the
+    ``"TrainingStage.X"`` form are normalized. With several stages, one hook instance is
+    built per stage.
+    """
+
+    spec: dict[str, Any] = Field(
+        json_schema_extra={"additionalProperties": True},
+        description="cls_path, timestamp and constructor keyword arguments of the hook",
+    )
+    stages: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_spec(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "cls_path" in data and "spec" not in data:
+            data = dict(data)
+            stages = data.pop("stages", None)
+            stage = data.pop("stage", None)
+            if stages is None:
+                stages = [] if stage is None else [stage]
+            return {"spec": data, "stages": stages}
+        return data
+
+    @field_validator("spec")
+    @classmethod
+    def _has_cls_path(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(value.get("cls_path"), str) or not value["cls_path"]:
+            raise ValueError(
+                "a hook spec needs 'cls_path' (the dotted path of the hook class, e.g. "
+                "'nvalchemi.training.hooks.checkpoint.CheckpointHook')"
+            )
+        return with_timestamps(value)
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stage_names(cls, value: Any) -> Any:
+        from nvalchemi.training.stages import TrainingStage
+
+        if value is None:
+            return []
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        names = []
+        for stage in value:
+            if isinstance(stage, int) and not isinstance(stage, bool):
+                try:
+                    names.append(TrainingStage(stage).name)
+                    continue
+                except ValueError:
+                    pass
+            name = str(stage).removeprefix("TrainingStage.").upper()
+            if name not in TrainingStage.__members__:
+                raise ValueError(
+                    f"unknown stage {stage!r}; use one of {list(TrainingStage.__members__)}"
+                )
+            names.append(name)
+        return names
+
+
+class MaceSourceOptions(_Block):
+    """MACE-only source options: override the model's reference energies (at most one)."""
+
+    atomic_energies: dict[str, float] | None = None
+    atomic_energies_path: str | None = None
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> MaceSourceOptions:
+        if self.atomic_energies is not None and self.atomic_energies_path is not None:
+            raise ValueError("give atomic_energies or atomic_energies_path, not both")
+        return self
+
+
+class SourceSpec(_Block):
+    """Where the model comes from and which runtime hooks the run gets."""
+
+    model: ModelSource = Field(
+        default="custom",
+        description="custom: model_specs in strategy (train, or finetune with a weights file); "
+        "native-checkpoint: an nvalchemi checkpoint directory; mace: a mace-torch model file",
+    )
+    checkpoint_path: str | None = None
+    model_id: str | None = None
+    checkpoint_index: int | Literal["latest", "best"] = -1
+    compile_model: bool | None = None
+    use_original_loss: bool = False
+    use_original_opt_class: bool = False
+    optimizer_lr: float | None = Field(default=1e-5, gt=0)
+    fit_to_data: bool = Field(
+        default=False,
+        description="train jobs: build models whose class has from_data(train_data, **kwargs) "
+        "(e.g. PaiNN) by fitting elements, reference energies and scale/shift on the "
+        "training set; values given in the model spec are kept",
+    )
+    hooks: list[RuntimeHookSpec] = Field(default_factory=list)
+    mace: MaceSourceOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _endpoint_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "endpoint" in data:
+            data = dict(data)
+            endpoint = data.pop("endpoint")
+            if "model" in data and data["model"] != endpoint:
+                raise ValueError(
+                    f"'endpoint' ({endpoint!r}) and 'model' ({data['model']!r}) disagree; "
+                    "keep only 'model'"
+                )
+            data["model"] = endpoint
+        return data
+
+    @model_validator(mode="after")
+    def _mace_options(self) -> SourceSpec:
+        if self.mace is not None and self.model != "mace":
+            raise ValueError("'mace' options are only valid when model is 'mace'")
+        return self
+
+
+class DatasetSpec(_Block):
+    """Training (and validation) data: extxyz / ASE db files or zarr stores.
+
+    Several paths become one ``MultiDataset``. Validation data comes from
+    ``validation_path`` (file(s) of their own) or ``val_fraction`` (a seeded random
+    split of every training file), not both.
+    """
+
+    path: str | None = None
+    paths: list[str] = Field(default_factory=list)
+    format: DataFormat = "auto"
+    validation_path: str | list[str] | None = None
+    val_fraction: float | None = Field(default=None, gt=0, lt=1)
+    seed: int = Field(default=0, description="seed of the validation split and of shuffling")
+    batch_size: int = Field(default=8, ge=1)
+    shuffle: bool = True
+    num_workers: int = Field(default=0, ge=0)
+    in_memory: bool = Field(
+        default=False, description="load every structure once into memory (small data sets)"
+    )
+    max_structures: int | None = Field(
+        default=None, ge=1, description="use only the first N structures of each file"
+    )
+    dtype: Literal["float32", "float64"] = Field(
+        default="float32", description="dtype of positions and labels read from ASE formats"
+    )
+    label_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="ASE formats: where labels live, e.g. {'energy': 'REF_energy'}",
+    )
+
+    @model_validator(mode="after")
+    def _paths(self) -> DatasetSpec:
+        if self.path is None and not self.paths:
+            raise ValueError("give 'path' (one file or store) or 'paths' (several)")
+        if self.path is not None and self.paths and self.path not in self.paths:
+            raise ValueError(f"'path' ({self.path!r}) must be one of 'paths' when both are given")
+        if self.path is None and len(self.paths) == 1:
+            self.path = self.paths[0]
+        if self.validation_path is not None and self.val_fraction is not None:
+            raise ValueError("use only one of 'validation_path' and 'val_fraction'")
+        unknown = sorted(set(self.label_keys) - {"energy", "forces", "stress", "virials"})
+        if unknown:
+            raise ValueError(
+                f"label_keys has unknown labels {unknown}; use energy, forces, stress, virials"
+            )
+        return self
+
+    @property
+    def all_paths(self) -> list[str]:
+        """The training paths (``paths``, else ``[path]``)."""
+        return list(self.paths) if self.paths else [str(self.path)]
+
+    @property
+    def validation_paths(self) -> list[str]:
+        """The validation paths (empty when there are none or a fraction is used)."""
+        if self.validation_path is None:
+            return []
+        if isinstance(self.validation_path, str):
+            return [self.validation_path]
+        return list(self.validation_path)
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.validation_paths) or self.val_fraction is not None
+
+
+class OutputSpec(_Block):
+    """Where the run writes: ``run_dir`` (metrics.jsonl, plots, TensorBoard events).
+
+    Checkpoints are written only by a ``CheckpointHook`` in ``source.hooks``;
+    ``checkpoint_dir`` records where that hook writes (``spec report`` checks they agree).
+    """
+
+    run_dir: str
+    checkpoint_dir: str | None = None
+    report_path: str | None = None
+    log_every_n_steps: int = Field(default=10, ge=1)
+    tensorboard: bool | None = Field(
+        default=None, description="write TensorBoard events (default: when installed)"
+    )
+    plots: bool = Field(default=True, description="write learning-curve PNGs at the end")
+
+    @property
+    def checkpoint_root(self) -> str:
+        """``checkpoint_dir``, else ``<run_dir>/checkpoints``."""
+        return self.checkpoint_dir or str(Path(self.run_dir) / "checkpoints")
+
+
+class ValidationSpec(_Block):
+    """Validation cadence (neither field: validate only at the end)."""
+
+    every_n_epochs: int | None = Field(default=None, ge=1)
+    every_n_steps: int | None = Field(default=None, ge=1)
+    use_ema: Literal["auto", "always", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_cadence(self) -> ValidationSpec:
+        if self.every_n_epochs is not None and self.every_n_steps is not None:
+            raise ValueError("use only one of every_n_epochs and every_n_steps")
+        return self
+
+
+class TrainingJobSpec(_Block):
+    """A complete training or fine-tuning job for ``nvalchemi-training spec run``."""
+
+    model_config = ConfigDict(extra="forbid", title="TrainingJobSpec")
+
+    name: str = "training-job"
+    workflow: Literal["train", "finetune"]
+    source: SourceSpec
+    dataset: DatasetSpec
+    output: OutputSpec
+    validation: ValidationSpec | None = None
+    strategy: dict[str, Any] = Field(
+        json_schema_extra={"additionalProperties": True},
+        description="TrainingStrategy.to_spec_dict()-shaped payload plus fine-tuning keys",
+    )
+    notes: str | None = None
+
+    @field_validator("strategy")
+    @classmethod
+    def _timestamps(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return with_timestamps(value)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> TrainingJobSpec:
+        source = self.source
+        if self.workflow == "train":
+            if source.model != "custom":
+                raise ValueError(
+                    f"source.model must be 'custom' for workflow 'train' (got {source.model!r}); "
+                    "to start from trained weights use workflow 'finetune'"
+                )
+            if source.checkpoint_path or source.model_id:
+                raise ValueError(
+                    "workflow 'train' starts from scratch: remove source.checkpoint_path / "
+                    "source.model_id, or use workflow 'finetune'"
+                )
+        else:
+            if source.model in ("native-checkpoint", "custom") and not source.checkpoint_path:
+                raise ValueError(
+                    f"source.checkpoint_path is required for a {source.model!r} fine-tune"
+                )
+            if source.model == "mace" and not (source.model_id or source.checkpoint_path):
+                raise ValueError("a 'mace' fine-tune needs source.checkpoint_path (a model file)")
+        if source.model != "native-checkpoint":
+            for flag in ("use_original_loss", "use_original_opt_class"):
+                if getattr(source, flag):
+                    raise ValueError(
+                        f"source.{flag} only applies to 'native-checkpoint' fine-tunes "
+                        f"(source.model is {source.model!r}); remove it"
+                    )
+        if source.fit_to_data and self.workflow != "train":
+            raise ValueError("source.fit_to_data only applies to workflow 'train'; remove it")
+        if self.validation is not None and not self.dataset.has_validation:
+            raise ValueError(
+                "a validation block needs validation data: set dataset.validation_path or "
+                "dataset.val_fraction"
+            )
+        self._check_payload()
+        return self
+
+    def _check_payload(self) -> None:
+        payload = self.strategy
+        unknown = sorted(set(payload) - PAYLOAD_KEYS)
+        if unknown:
+            raise ValueError(
+                f"strategy has unknown key(s) {unknown}; known keys are {sorted(PAYLOAD_KEYS)}"
+            )
+        reuse_loss = self.source.use_original_loss
+        reuse_opt = self.source.use_original_opt_class
+        required = ["devices"]
+        required += [] if reuse_opt else ["optimizer_configs"]
+        required += [] if reuse_loss else ["loss_fn_spec"]
+        missing = [key for key in required if key not in payload]
+        if missing:
+            raise ValueError(
+                f"strategy is missing {missing}; scaffold a job with `nvalchemi-training train "
+                "init` or `finetune init` to see a complete payload"
+            )
+        if (payload.get("num_epochs") is None) == (payload.get("num_steps") is None):
+            raise ValueError(
+                "strategy needs exactly one of num_epochs and num_steps (set the other to null)"
+            )
+        for key in ("freeze_patterns", "trainable_patterns"):
+            value = payload.get(key, [])
+            if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+                raise ValueError(f"strategy.{key} must be a list of fnmatch patterns")
+        mode = payload.get("freeze_mode", "requires_grad")
+        if mode not in ("requires_grad", "optimizer_only"):
+            raise ValueError(
+                f"strategy.freeze_mode must be 'requires_grad' or 'optimizer_only'; got {mode!r}"
+            )
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def patterns(self) -> tuple[list[str], list[str]]:
+        """``(freeze_patterns, trainable_patterns)`` of the payload."""
+        return (
+            list(self.strategy.get("freeze_patterns") or []),
+            list(self.strategy.get("trainable_patterns") or []),
+        )
+
+    @property
+    def uses_finetuning_features(self) -> bool:
+        """Whether the payload asks for patterns or module patches."""
+        freeze, trainable = self.patterns
+        return bool(freeze or trainable or self.strategy.get("module_patches"))
+
+
+def read_job_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a ``.json``/``.yaml``/``.yml`` job file (``ValueError`` if unparsable)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"job file {path} does not exist; create one with `nvalchemi-training train init "
+            "... --out job.yaml`"
+        )
+    text = path.read_text()
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        message = " ".join(str(exc).split())
+        raise ValueError(f"Could not parse {path}: {message}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path} must hold a mapping (a JSON object / YAML mapping) at the top level; got "
+            f"{type(data).__name__}"
+        )
+    return data
+
+
+def dump_job(job: TrainingJobSpec | dict[str, Any], path: str | Path | None = None) -> str:
+    """The job as JSON (``indent=2``) or, for a ``.yaml``/``.yml`` path, YAML; written if ``path``."""
+    data = job.model_dump(mode="json", exclude_none=True) if isinstance(job, BaseModel) else job
+    if path is not None and Path(path).suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    else:
+        text = json.dumps(data, indent=2) + "\n"
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    return text

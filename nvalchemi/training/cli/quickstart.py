@@ -1,0 +1,176 @@
+"""``quickstart``: the main job, from bundled data to an ASE calculator in a few minutes.
+
+Trains the built-in PaiNN on the bundled EMT data set (validation every epoch, EMA,
+a checkpoint every epoch with the last 3 and the best kept, live progress,
+``metrics.jsonl`` and TensorBoard events), evaluates the final checkpoint on the test
+split, writes learning-curve and parity PNGs, and shows -- by printing and running
+a short snippet -- how to use the checkpoint as an ASE calculator.
+
+The settings live in :mod:`nvalchemi.training.cli.recipe`; the pipeline in
+:mod:`nvalchemi.training.cli.quickstart_run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._console import err_console
+
+__all__ = ["calculator_snippet", "quickstart"]
+
+
+def calculator_snippet(checkpoint_dir: str | Path, symbol: str) -> str:
+    """Python that loads the checkpoint as an ASE calculator and compares it with EMT."""
+    return f'''\
+from ase.build import bulk
+from ase.calculators.emt import EMT
+from nvalchemi.models import NvalchemiCalculator
+
+atoms = bulk("{symbol}", "fcc", cubic=True) * (2, 2, 2)
+atoms.rattle(stdev=0.05, seed=1)
+atoms.calc = NvalchemiCalculator.from_checkpoint("{checkpoint_dir}")
+energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+atoms.calc = EMT()
+print(f"PaiNN energy {{energy:.4f}} eV, EMT {{atoms.get_potential_energy():.4f}} eV")
+print(f"max |force error| vs EMT {{abs(forces - atoms.get_forces()).max():.4f}} eV/Å")
+'''
+
+
+def _demo_symbol(model: Any) -> str:
+    from ase.data import chemical_symbols
+
+    elements = list(getattr(model, "elements", None) or [29])
+    return "Cu" if 29 in elements else chemical_symbols[int(elements[0])]
+
+
+def _run_snippet(code: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "<quickstart calculator snippet>", "exec"), {"__name__": "__snippet__"})
+    return out.getvalue()
+
+
+@main.command("quickstart")
+@click.option(
+    "--run-dir",
+    default="runs/quickstart",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where checkpoints, metrics and plots go.",
+)
+@click.option(
+    "--minutes",
+    type=click.FloatRange(min=0, min_open=True),
+    help="Training time budget. Without --epochs the number of epochs is chosen to "
+    "fit it (default 5 min); training stops cleanly when it runs out.",
+)
+@click.option("--epochs", type=click.IntRange(min=1), help="Train exactly this many epochs.")
+@click.option(
+    "--resume", is_flag=True, help="Continue the run in --run-dir from its latest checkpoint."
+)
+@click.option("--overwrite", is_flag=True, help="Replace an earlier run in --run-dir.")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--quick", is_flag=True, help="A tiny run (seconds), e.g. to check an install.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="torch CPU threads. This small model gains little from more, and extra "
+    "threads slow it down a lot when other processes share the CPU.",
+)
+@debug_option  # fmt: skip
+def quickstart(
+    run_dir: str,
+    minutes: float | None,
+    epochs: int | None,
+    resume: bool,
+    overwrite: bool,
+    device: str,
+    quick: bool,
+    threads: int,
+) -> None:
+    """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""
+    import torch
+
+    from nvalchemi.training.cli import quickstart_run as qs
+
+    started = time.perf_counter()
+    console = err_console()
+    plan = qs.prepare_run(
+        run_dir, resume=resume, overwrite=overwrite, quick=quick, epochs=epochs,
+        minutes=minutes, device=device,
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    console.rule("nvalchemi quickstart: PaiNN on the bundled EMT data set")
+    splits = qs.load_splits(plan.recipe)
+    sizes = splits.sizes
+    console.print(
+        f"data: {sizes['train']:,} train / {sizes['val']:,} validation / {sizes['test']:,} test "
+        f"structures, neighbour lists within {plan.recipe.cutoff} Å ({splits.seconds:.1f} s)"
+    )
+    train, val, test = qs.loaders(splits, plan.recipe)
+    if plan.resume:
+        strategy = qs.resume_strategy(plan, val)
+        console.print(
+            f"resuming from step {strategy.step_count:,} (epoch {strategy.epoch_count}) of "
+            f"{plan.recipe.epochs} epochs"
+        )
+    else:
+        model = qs.build_model(splits, plan.recipe, plan.device)
+        if plan.calibrate:
+            chosen, step_s = qs.calibrate_epochs(
+                model, train, val, plan.recipe, plan.budget_s, plan.device
+            )
+            plan.recipe = plan.recipe.replace(epochs=chosen)
+            console.print(
+                f"timing: {1000 * step_s:.0f} ms per step of {plan.recipe.batch_size} "
+                f"structures -> {chosen} epochs fit in {plan.budget_s / 60:.3g} min"
+            )
+        qs.save_plan(plan)
+        params = sum(p.numel() for p in model.parameters())
+        console.print(
+            f"model: PaiNN, {params:,} parameters, cutoff {plan.recipe.cutoff} Å, "
+            f"{plan.recipe.epochs} epochs x {len(train)} steps on {plan.device}"
+        )
+        strategy = qs.build_strategy(plan, model, train, val)
+    strategy.run(train)
+    if strategy.stop_reason:
+        console.print(f"stopped early: {strategy.stop_reason} (continue with --resume)")
+    _finish(console, plan, test, started)
+
+
+def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
+    from nvalchemi.training.checkpoint import load_model_from_checkpoint
+    from nvalchemi.training.cli import quickstart_run as qs
+    from nvalchemi.training.cli.evaluate_cmd import print_evaluation
+    from nvalchemi.training.cli.evaluation import predict
+    from nvalchemi.training.cli.run_reporting import learning_curves
+
+    path, index, step = qs.final_checkpoint(plan)
+    model = load_model_from_checkpoint(plan.checkpoint_dir, map_location=plan.device)
+    evaluation = predict(model, test, device=plan.device)
+    console.rule("Test split (EMA weights of the final checkpoint)")
+    result = print_evaluation(console, evaluation, "Test metrics")
+    (plan.run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    plots = [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]
+    for plot in plots:
+        if plot is not None:
+            console.print(f"plot:             {plot}")
+    console.print(f"metrics:          {plan.run_dir / 'metrics.jsonl'}")
+    console.print(f"final checkpoint: {path} (index {index}, step {step})")
+    console.print(f"checkpoint root:  {plan.checkpoint_dir} (load with 'latest' or 'best')")
+    console.rule("Use the checkpoint as an ASE calculator")
+    snippet = calculator_snippet(plan.checkpoint_dir, _demo_symbol(model))
+    console.print(snippet, markup=False, highlight=False)
+    console.print("output:", style="bold")
+    console.print(_run_snippet(snippet).rstrip(), markup=False)
+    console.print(f"done in {(time.perf_counter() - started) / 60:.1f} min")

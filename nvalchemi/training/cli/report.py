@@ -1,0 +1,244 @@
+"""``spec report``: a job as tables and warnings, without loading models or data.
+
+Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Optimizers, Notes and
+a Learning-rate preview computed with the real scheduler
+(:mod:`nvalchemi.training.cli.lr_preview`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from nvalchemi.training.cli._console import format_number
+from nvalchemi.training.cli.job_spec import TrainingJobSpec
+from nvalchemi.training.cli.job_warnings import job_warnings
+from nvalchemi.training.cli.lr_preview import lr_preview, preview_steps
+from nvalchemi.training.cli.payload import ResolvedJob
+
+__all__ = ["render_report", "strategy_class_name"]
+
+_LEVEL_STYLE = {"danger": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
+
+
+def strategy_class_name(job: TrainingJobSpec) -> str:
+    """Which strategy ``spec run`` builds for ``job``."""
+    if job.workflow == "finetune" or job.uses_finetuning_features:
+        return "FineTuningStrategy"
+    return "TrainingStrategy"
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title, title_justify="left", show_lines=False, expand=False)
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
+def _kwargs(value: Any) -> str:
+    if not value:
+        return "-"
+    return ", ".join(
+        f"{k}={format_number(v) if isinstance(v, float) else v}" for k, v in value.items()
+    )
+
+
+def _loss_rows(resolved: ResolvedJob) -> list[tuple[str, str]]:
+    loss = resolved.loss_fn
+    if loss is None:
+        return [("loss", "from the source checkpoint (use_original_loss)")]
+    rows = []
+    for name, component, weight in zip(loss.component_names, loss.components, loss.weights):
+        weight_text = format_number(weight) if isinstance(weight, float) else type(weight).__name__
+        extra = " (per atom)" if getattr(component, "per_atom", False) else ""
+        rows.append(("loss term", f"{weight_text} x {name}{extra}"))
+    policy = loss.dtype_policy or "strict"
+    rows.append(("loss dtype policy", policy))
+    rows.append(("normalize weights", str(loss.normalize_weights)))
+    return rows
+
+
+def _intent(job: TrainingJobSpec, resolved: ResolvedJob) -> Table:
+    table = _table("Training Intent", "setting", "value")
+    source, data, payload = job.source, job.dataset, job.strategy
+    model = source.model
+    if source.checkpoint_path:
+        model += f" from {source.checkpoint_path}"
+        if source.model == "native-checkpoint":
+            model += f" (checkpoint {source.checkpoint_index})"
+    elif source.model_id:
+        model += f" {source.model_id}"
+    classes = ", ".join(f"{k}: {c.__name__}" for k, c in resolved.model_classes.items())
+    rows = [
+        ("workflow", job.workflow),
+        ("model source", model),
+        ("model spec", classes or "-"),
+    ]
+    if source.fit_to_data:
+        rows.append(
+            ("fit to data", "elements, reference energies and scale/shift from the training set")
+        )
+    rows.append(("training data", ", ".join(data.all_paths) + f" [{data.format}]"))
+    if data.validation_paths:
+        rows.append(("validation data", ", ".join(data.validation_paths)))
+    elif data.val_fraction is not None:
+        rows.append(
+            ("validation data", f"{data.val_fraction:.0%} of the training data (seed {data.seed})")
+        )
+    else:
+        rows.append(("validation data", "none"))
+    if job.validation is not None:
+        cadence = (
+            f"every {job.validation.every_n_steps} steps"
+            if job.validation.every_n_steps
+            else f"every {job.validation.every_n_epochs or 'end of'} epoch(s)"
+        )
+        rows.append(("validation cadence", cadence))
+    rows.append(("batch size", str(data.batch_size)))
+    duration = (
+        f"{payload['num_epochs']} epochs"
+        if payload.get("num_epochs") is not None
+        else f"{payload['num_steps']} steps"
+    )
+    rows.append(("duration", duration))
+    rows.append(("devices", ", ".join(str(d) for d in resolved.devices)))
+    rows.extend(_loss_rows(resolved))
+    rows.append(("training_fn", str(payload.get("training_fn", "default_training_fn"))))
+    rows.append(("run directory", job.output.run_dir))
+    rows.append(("checkpoints", job.output.checkpoint_root))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _stages_of(hook: Any, stage: str | None) -> list[Any]:
+    from nvalchemi.training.stages import TrainingStage
+
+    if stage is not None:
+        return [TrainingStage[stage]]
+    runs_on = getattr(hook, "_runs_on_stage", None)
+    if callable(runs_on):
+        return [s for s in TrainingStage if runs_on(s)]
+    value = getattr(hook, "stage", None)
+    return [value] if isinstance(value, TrainingStage) else []
+
+
+def _hook_table(resolved: ResolvedJob) -> Table:
+    table = _table("Hook Firing Order", "#", "hook", "stages", "settings")
+    entries = []
+    for hook, stage in resolved.hooks:
+        stages = _stages_of(hook, stage)
+        order = min((s.value for s in stages), default=99)
+        entries.append((order, hook, stages))
+    entries.sort(key=lambda e: e[0])
+    for i, (_, hook, stages) in enumerate(entries, 1):
+        if not stages:
+            names = "constructor default"
+        elif len(stages) > 3:
+            names = ", ".join(s.name for s in stages[:3]) + f" (+{len(stages) - 3})"
+        else:
+            names = ", ".join(s.name for s in stages)
+        settings = ""
+        dump = getattr(hook, "model_dump", None)
+        if callable(dump):
+            try:
+                settings = _kwargs(
+                    {k: v for k, v in dump(exclude_none=True).items() if v is not None}
+                )
+            except Exception:
+                settings = ""
+        table.add_row(str(i), type(hook).__name__, names, settings or "-")
+    if not entries:
+        table.add_row("-", "none", "-", "spec run adds reporting (progress, metrics.jsonl)")
+    return table
+
+
+def _warning_table(job: TrainingJobSpec) -> tuple[Table, list[Any]]:
+    table = _table("Warnings", "level", "check", "message")
+    found = job_warnings(job)
+    for warning in found:
+        style = _LEVEL_STYLE.get(warning.level, "")
+        table.add_row(Text(warning.level, style=style), warning.check, warning.message)
+    if not found:
+        table.add_row(Text("ok", style=_LEVEL_STYLE["ok"]), "all checks", "no warnings")
+    return table, found
+
+
+def _strategy_table(job: TrainingJobSpec) -> Table:
+    table = _table(strategy_class_name(job), "setting", "value")
+    freeze, trainable = job.patterns
+    patches = job.strategy.get("module_patches") or {}
+    table.add_row("freeze_patterns", ", ".join(freeze) or "-")
+    table.add_row("trainable_patterns", ", ".join(trainable) or "-")
+    table.add_row("freeze_mode", str(job.strategy.get("freeze_mode", "requires_grad")))
+    table.add_row("module_patches", ", ".join(patches) or "-")
+    if job.source.model == "native-checkpoint":
+        table.add_row("use_original_loss", str(job.source.use_original_loss))
+        table.add_row("use_original_opt_class", str(job.source.use_original_opt_class))
+        table.add_row("optimizer_lr", format_number(job.source.optimizer_lr))
+    return table
+
+
+def _optimizer_table(resolved: ResolvedJob) -> Table:
+    table = _table("Optimizers", "model", "optimizer", "kwargs", "scheduler", "scheduler kwargs")
+    for key, configs in resolved.optimizer_configs.items():
+        for config in configs:
+            scheduler = config.scheduler_cls.__name__ if config.scheduler_cls else "-"
+            table.add_row(
+                key,
+                config.optimizer_cls.__name__,
+                _kwargs(config.optimizer_kwargs),
+                scheduler,
+                _kwargs(config.scheduler_kwargs),
+            )
+    if not resolved.optimizer_configs:
+        table.add_row("all", "from the source checkpoint (use_original_opt_class)", "-", "-", "-")
+    return table
+
+
+def _lr_section(console: Console, job: TrainingJobSpec, resolved: ResolvedJob) -> None:
+    from nvalchemi.hooks.reporting._charts import braille_chart
+
+    for key, configs in resolved.optimizer_configs.items():
+        for i, config in enumerate(configs):
+            steps, note = preview_steps(job.strategy, config)
+            preview = lr_preview(config, steps)
+            preview.note = preview.note or note
+            title = f"Learning-rate preview: {key}[{i}] {preview.optimizer}"
+            if preview.scheduler:
+                title += f" + {preview.scheduler}"
+            console.print(title, style="italic")
+            table = _table("", "step", "lr")
+            for step, lr in preview.samples():
+                table.add_row(f"{step:,}", f"{lr:.3e}")
+            console.print(table)
+            lrs = preview.lrs
+            if lrs and max(lrs) > min(lrs):
+                lines = braille_chart(lrs, width=60, height=6)
+                console.print(f"  {max(lrs):.2e} ┤" + lines[0])
+                for line in lines[1:-1]:
+                    console.print("           │" + line)
+                console.print(f"  {min(lrs):.2e} ┤" + lines[-1])
+                console.print(f"           0{'step'.center(58)}{preview.num_steps:,}")
+            if preview.note:
+                console.print(f"  note: {preview.note}")
+
+
+def render_report(job: TrainingJobSpec, resolved: ResolvedJob, console: Console) -> list[Any]:
+    """Print every section to ``console``; return the warnings found."""
+    console.print(Rule(f"Training report: {job.name}"))
+    console.print(_intent(job, resolved))
+    console.print(_hook_table(resolved))
+    warnings_table, found = _warning_table(job)
+    console.print(warnings_table)
+    console.print(_strategy_table(job))
+    console.print(_optimizer_table(resolved))
+    if job.notes:
+        console.print(Panel(job.notes.strip(), title="Notes", title_align="left"))
+    _lr_section(console, job, resolved)
+    return found

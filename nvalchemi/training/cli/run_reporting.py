@@ -1,0 +1,99 @@
+"""Live reporting for CLI runs: terminal progress, ``metrics.jsonl``, TensorBoard, plots.
+
+:func:`reporting_hook` returns one ``ReportingOrchestrator`` with a ``RichReporter``
+(live dashboard in a terminal, plain lines elsewhere), a ``JSONLinesReporter`` writing
+``<run_dir>/metrics.jsonl`` and, when TensorBoard is installed (or asked for), a
+``TensorBoardReporter`` writing ``<run_dir>/tensorboard``. :func:`learning_curves`
+draws ``learning_curves.png`` from the metrics file at the end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TimeBudgetHook", "learning_curves", "reporting_hook"]
+
+REPORT_STAGES = frozenset({"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"})
+
+
+def reporting_hook(
+    run_dir: str | Path,
+    *,
+    log_every: int,
+    tensorboard: bool | None = None,
+    title: str = "nvalchemi training",
+    console: Any = None,
+) -> Any:
+    """A ``ReportingOrchestrator`` for ``run_dir`` (rank 0 only)."""
+    from nvalchemi._optional import OptionalDependency
+    from nvalchemi.hooks.reporting import (
+        JSONLinesReporter,
+        ReportingOrchestrator,
+        RichReporter,
+        TensorBoardReporter,
+    )
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    reporters: list[Any] = [
+        RichReporter(title=title, console=console),
+        JSONLinesReporter(run_dir),
+    ]
+    if tensorboard is None:
+        tensorboard = OptionalDependency.TENSORBOARD.is_available()
+    if tensorboard:
+        reporters.append(TensorBoardReporter(run_dir / "tensorboard"))
+    return ReportingOrchestrator(
+        reporters, stages=REPORT_STAGES, frequency=int(log_every), rank_zero_only=True
+    )
+
+
+def learning_curves(run_dir: str | Path) -> Path | None:
+    """``<run_dir>/learning_curves.png`` from ``metrics.jsonl`` (``None`` without metrics)."""
+    from nvalchemi.hooks.reporting import plot_learning_curves
+
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if not metrics.is_file() or metrics.stat().st_size == 0:
+        return None
+    return plot_learning_curves(metrics, Path(run_dir) / "learning_curves.png")
+
+
+class TimeBudgetHook:
+    """Ask the strategy to stop once ``seconds`` of training have passed.
+
+    The clock starts at ``BEFORE_TRAINING`` of each ``run()`` (a resumed run gets a new
+    budget). The stop goes through ``strategy.request_stop``: the current batch
+    finishes, ``AFTER_TRAINING`` hooks run (a ``CheckpointHook`` saves) and the final
+    validation happens, so the run ends as cleanly as a finished one.
+
+    Example:
+        >>> TimeBudgetHook(90).seconds
+        90.0
+    """
+
+    frequency = 1
+    stage = None
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"TimeBudgetHook needs a positive number of seconds; got {seconds}.")
+        self.seconds = float(seconds)
+        self.started: float | None = None
+        self.expired = False
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return getattr(stage, "name", None) in ("BEFORE_TRAINING", "AFTER_BATCH")
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        import time
+
+        now = time.monotonic()
+        if stage.name == "BEFORE_TRAINING" or self.started is None:
+            self.started = now
+            self.expired = False
+            return
+        if not self.expired and now - self.started >= self.seconds:
+            self.expired = True
+            minutes = self.seconds / 60
+            ctx.workflow.request_stop(f"time budget of {minutes:.3g} min reached")

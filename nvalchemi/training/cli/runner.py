@@ -1,0 +1,218 @@
+"""Run or resume a job: data, strategy, hooks, validation, reporting, plots.
+
+Order of work in :func:`run_job`:
+
+1. optional distributed setup (``DistributedManager`` + ``DDPHook`` first in the hooks);
+2. readers for the training and validation data (nothing is loaded yet);
+3. the strategy: built from the job (:mod:`.build`), or restored from a checkpoint
+   (``TrainingStrategy.load_checkpoint``, which rebuilds the saved strategy class);
+4. datasets and loaders, with neighbour lists for the model's cutoff;
+5. validation (CLI flags, else the job's ``validation`` block, else every epoch);
+6. hooks added by the CLI: reporting, a time budget, and a ``PreemptionHandler``
+   (``SIGTERM``/``SIGUSR1`` -> checkpoint and exit 75) when a ``CheckpointHook`` exists;
+7. ``strategy.run(loader)``, then learning curves.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nvalchemi.training.cli._errors import CLIError
+from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
+from nvalchemi.training.cli.payload import ResolvedJob
+
+__all__ = ["RunOptions", "RunResult", "run_job"]
+
+
+@dataclass
+class RunOptions:
+    """Command-line overrides of a job (``None``: use the job's value)."""
+
+    batch_size: int | None = None
+    shuffle: bool | None = None
+    drop_last: bool = False
+    num_workers: int | None = None
+    map_location: str | None = None
+    distributed: bool | None = None
+    ddp_backend: str | None = None
+    validation_paths: tuple[str, ...] = ()
+    validation_every_epochs: int | None = None
+    validation_every_steps: int | None = None
+    minutes: float | None = None
+    trust: bool = False
+
+
+@dataclass
+class RunResult:
+    strategy: Any
+    run_dir: Path
+    checkpoint_dir: Path | None
+    plots: list[Path] = field(default_factory=list)
+    num_train: int = 0
+    num_validation: int = 0
+
+
+def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
+    enabled = options.distributed
+    if enabled is None:
+        enabled = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not enabled:
+        return None, []
+    from nvalchemi.distributed import DistributedManager
+    from nvalchemi.training.hooks.ddp import DDPHook
+
+    DistributedManager.initialize(backend=options.ddp_backend)
+    return DistributedManager(), [DDPHook(backend=options.ddp_backend)]
+
+
+def _validation_config(job: TrainingJobSpec, options: RunOptions, loader: Any) -> Any:
+    from nvalchemi.training.validation import ValidationConfig
+
+    if options.validation_every_epochs and options.validation_every_steps:
+        raise CLIError(
+            "Use only one of --validation-every-epochs and --validation-every-steps",
+            fix="drop one of them",
+        )
+    if options.validation_every_epochs or options.validation_every_steps:
+        cadence = {
+            "every_n_epochs": options.validation_every_epochs,
+            "every_n_steps": options.validation_every_steps,
+        }
+    elif job.validation is not None:
+        cadence = {
+            "every_n_epochs": job.validation.every_n_epochs,
+            "every_n_steps": job.validation.every_n_steps,
+        }
+    else:
+        cadence = {"every_n_epochs": 1}
+    use_ema = job.validation.use_ema if job.validation is not None else "auto"
+    return ValidationConfig(validation_data=loader, use_ema=use_ema, **cadence)
+
+
+def _checkpoint_dir(hooks: list[Any]) -> Path | None:
+    from nvalchemi.training.hooks.checkpoint import CheckpointHook
+
+    for hook in hooks:
+        if isinstance(hook, CheckpointHook):
+            return Path(hook.checkpoint_dir)
+    return None
+
+
+def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) -> Any:
+    from nvalchemi.training.strategy import TrainingStrategy
+
+    if not (resume_from / "manifest.json").is_file():
+        raise CLIError(
+            f"{resume_from} holds no checkpoints (no manifest.json)",
+            field="CHECKPOINT_DIR",
+            fix="give the directory the run's CheckpointHook writes to (output.checkpoint_dir)",
+        )
+    with warnings.catch_warnings():
+        # The validation config is attached right after loading (it needs the model's
+        # neighbour-list cutoff for its loader).
+        warnings.filterwarnings("ignore", message="The saved run validated")
+        return TrainingStrategy.load_checkpoint(
+            resume_from, index, options.map_location, hooks=hooks, trust=options.trust
+        )
+
+
+def run_job(
+    job: TrainingJobSpec,
+    resolved: ResolvedJob,
+    options: RunOptions,
+    *,
+    resume_from: str | Path | None = None,
+    checkpoint_index: Any = -1,
+    console: Any = None,
+) -> RunResult:
+    """Train (or resume) ``job``; returns the strategy and where results are."""
+    from nvalchemi.training.cli.build import build_strategy
+    from nvalchemi.training.cli.data_sources import (
+        make_dataset,
+        make_loader,
+        neighbor_config_of,
+        open_sources,
+    )
+    from nvalchemi.training.cli.run_reporting import (
+        TimeBudgetHook,
+        learning_curves,
+        reporting_hook,
+    )
+    from nvalchemi.training.preemption import PreemptionHandler
+
+    run_dir = Path(job.output.run_dir)
+    manager, hooks = _distributed(options)
+    hooks += [hook for hook, _ in resolved.hooks]
+    checkpoint_dir = _checkpoint_dir(hooks)
+    hooks.append(
+        reporting_hook(
+            run_dir,
+            log_every=job.output.log_every_n_steps,
+            tensorboard=job.output.tensorboard,
+            title=job.name,
+            console=console,
+        )
+    )
+    if options.minutes is not None:
+        hooks.append(TimeBudgetHook(options.minutes * 60))
+    if checkpoint_dir is not None:
+        hooks.append(PreemptionHandler())
+    data = job.dataset
+    sources = open_sources(data, options.validation_paths)
+    counts = {"num_train": sources.num_train, "num_validation": sources.num_validation}
+    if console is not None:
+        console.print(
+            f"data: {counts['num_train']:,} training / {counts['num_validation']:,} validation "
+            f"structures from {len(sources.train)} source(s)"
+        )
+    try:
+        if resume_from is not None:
+            strategy = _load(Path(resume_from), checkpoint_index, options, hooks)
+        else:
+            strategy = build_strategy(
+                job,
+                sources=sources,
+                hooks=hooks,
+                trust=options.trust,
+                map_location=options.map_location,
+                distributed_manager=manager,
+            )
+        if manager is not None:
+            strategy.distributed_manager = manager
+        neighbors = neighbor_config_of(strategy.models)
+        train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory)
+        loader = make_loader(
+            train,
+            batch_size=options.batch_size or data.batch_size,
+            shuffle=data.shuffle if options.shuffle is None else options.shuffle,
+            seed=data.seed,
+            num_workers=data.num_workers if options.num_workers is None else options.num_workers,
+            drop_last=options.drop_last,
+        )
+        if sources.validation:
+            validation = make_dataset(
+                sources.validation, neighbor_config=neighbors, in_memory=data.in_memory
+            )
+            val_loader = make_loader(validation, batch_size=options.batch_size or data.batch_size)
+            strategy.validation_config = _validation_config(job, options, val_loader)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_job(job, run_dir / "job.json")
+        strategy.run(loader)
+    finally:
+        sources.close()
+    plots = []
+    if job.output.plots:
+        curve = learning_curves(run_dir)
+        if curve is not None:
+            plots.append(curve)
+    return RunResult(
+        strategy=strategy,
+        run_dir=run_dir,
+        checkpoint_dir=checkpoint_dir,
+        plots=plots,
+        **counts,
+    )

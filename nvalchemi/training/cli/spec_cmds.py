@@ -1,0 +1,182 @@
+"""``spec report``, ``spec run`` and ``spec resume``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import click
+
+from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._console import err_console, print_table
+
+__all__ = ["spec"]
+
+_TRUST_HELP = (
+    "Trust the job file: resolve dotted paths outside the import allow-list and load "
+    "pickled model files. Only for files you wrote or trust."
+)
+
+
+@main.group()
+def spec() -> None:
+    """Explain, run and resume job specs."""
+
+
+def _run_options(fn: Any) -> Any:
+    options = [
+        click.option("--batch-size", type=click.IntRange(min=1),
+                     help="Override dataset.batch_size."),
+        click.option("--shuffle/--no-shuffle", default=None,
+                     help="Override dataset.shuffle."),
+        click.option("--drop-last", is_flag=True, help="Drop the last incomplete batch."),
+        click.option("--num-workers", type=click.IntRange(min=0),
+                     help="Loader worker processes (override dataset.num_workers)."),
+        click.option("--map-location", help="Device to load and train on, e.g. cpu or cuda:0."),
+        click.option("--distributed/--no-distributed", default=None,
+                     help="DDP training (default: when WORLD_SIZE > 1, e.g. under torchrun)."),
+        click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
+        click.option("--validation-dataset", "validation_paths", multiple=True,
+                     help="Validation data file(s) (override the job's)."),
+        click.option("--validation-every-epochs", type=click.IntRange(min=1)),
+        click.option("--validation-every-steps", type=click.IntRange(min=1)),
+        click.option("--minutes", type=click.FloatRange(min=0, min_open=True),
+                     help="Stop cleanly (checkpoint, validation) after this much training."),
+        click.option("--threads", type=click.IntRange(min=1),
+                     help="torch CPU threads (default: torch's choice)."),
+        click.option("--trust", is_flag=True, help=_TRUST_HELP),
+        debug_option,
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return functools.wraps(fn)(fn)
+
+
+def _options(kwargs: dict[str, Any]) -> Any:
+    from nvalchemi.training.cli.runner import RunOptions
+
+    if kwargs.get("threads"):
+        import torch
+
+        torch.set_num_threads(kwargs["threads"])
+    return RunOptions(
+        batch_size=kwargs["batch_size"],
+        shuffle=kwargs["shuffle"],
+        drop_last=kwargs["drop_last"],
+        num_workers=kwargs["num_workers"],
+        map_location=kwargs["map_location"],
+        distributed=kwargs["distributed"],
+        ddp_backend=kwargs["ddp_backend"],
+        validation_paths=tuple(kwargs["validation_paths"]),
+        validation_every_epochs=kwargs["validation_every_epochs"],
+        validation_every_steps=kwargs["validation_every_steps"],
+        minutes=kwargs["minutes"],
+        trust=kwargs["trust"],
+    )
+
+
+def _summary(result: Any, console: Any) -> None:
+    strategy = result.strategy
+    summary = strategy.last_validation or {}
+    rows = [("optimizer steps", strategy.step_count), ("epochs", strategy.epoch_count)]
+    if strategy.stop_reason:
+        rows.append(("stopped", strategy.stop_reason))
+    for key, scale, unit in (
+        ("energy_per_atom_mae", 1000, "meV/atom"),
+        ("energy_per_atom_rmse", 1000, "meV/atom"),
+        ("forces_mae", 1000, "meV/Å"),
+        ("forces_rmse", 1000, "meV/Å"),
+        ("total_loss", 1, ""),
+    ):
+        if key in summary:
+            rows.append((f"validation {key} {unit}".strip(), float(summary[key]) * scale))
+    print_table(console, "Run summary", ["", "value"], rows)
+    console.print(f"run directory: {result.run_dir}")
+    if result.checkpoint_dir is not None:
+        console.print(f"checkpoints:   {result.checkpoint_dir}")
+    for plot in result.plots:
+        console.print(f"plot:          {plot}")
+
+
+@spec.command("report")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True,
+              help="Also print the normalized job as JSON on stdout.")  # fmt: skip
+@click.option("--trust", is_flag=True, help=_TRUST_HELP)
+@debug_option
+def spec_report(path: str, as_json: bool, trust: bool) -> None:
+    """Render a job as tables and warnings (loads no model weights and no data)."""
+    from nvalchemi.training.cli._load import load_job
+    from nvalchemi.training.cli.job_spec import dump_job
+    from nvalchemi.training.cli.report import render_report
+
+    job, resolved = load_job(path, trust=trust)
+    render_report(job, resolved, err_console())
+    if as_json:
+        click.echo(dump_job(job), nl=False)
+
+
+@spec.command("run")
+@click.argument("path", type=click.Path(dir_okay=False))
+@_run_options
+@click.option(
+    "--num-steps",
+    type=click.IntRange(min=1),
+    help="Train this many steps instead of the job's duration (e.g. a smoke test).",
+)
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    help="Use only the first N structures of each data file.",
+)
+@click.option("--report/--no-report", default=True, show_default=True,
+              help="Render the spec report before training.")  # fmt: skip
+def spec_run(
+    path: str, num_steps: int | None, max_structures: int | None, report: bool, **kwargs: Any
+) -> None:
+    """Train a job spec."""
+    from nvalchemi.training.cli._load import load_job
+    from nvalchemi.training.cli.report import render_report
+    from nvalchemi.training.cli.runner import run_job
+
+    options = _options(kwargs)
+    job, resolved = load_job(path, trust=options.trust)
+    if num_steps is not None:
+        job.strategy = {**job.strategy, "num_steps": num_steps, "num_epochs": None}
+    if max_structures is not None:
+        job.dataset.max_structures = max_structures
+    console = err_console()
+    if report:
+        render_report(job, resolved, console)
+    result = run_job(job, resolved, options, console=console)
+    _summary(result, console)
+
+
+@spec.command("resume")
+@click.argument("checkpoint_dir", type=click.Path(file_okay=False))
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False),
+              help="The job spec the run was started with.")  # fmt: skip
+@click.option("--checkpoint-index", default="latest", show_default=True,
+              help="An index, 'latest' or 'best'.")  # fmt: skip
+@_run_options
+def spec_resume(checkpoint_dir: str, spec_path: str, checkpoint_index: str, **kwargs: Any) -> None:
+    """Continue a run exactly from one of its checkpoints."""
+    from nvalchemi.training.cli._errors import CLIError
+    from nvalchemi.training.cli._load import load_job
+    from nvalchemi.training.cli.runner import run_job
+
+    index: Any = checkpoint_index
+    if index not in ("latest", "best"):
+        try:
+            index = int(index)
+        except ValueError:
+            raise CLIError(
+                f"--checkpoint-index must be an int, 'latest' or 'best'; got {index!r}"
+            ) from None
+    options = _options(kwargs)
+    job, resolved = load_job(spec_path, trust=options.trust)
+    console = err_console()
+    result = run_job(
+        job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
+    )
+    _summary(result, console)
