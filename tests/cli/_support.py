@@ -46,7 +46,10 @@ def assert_user_error(result: Any, *fragments: str) -> None:
     text = result.stderr
     assert code == 1, text
     assert "Traceback" not in text, text
-    assert text.startswith("Error: "), text
+    start = 0 if text.startswith("Error: ") else text.find("\nError: ") + 1
+    assert start > 0 or text.startswith("Error: "), text
+    message = text[start:].strip()
+    assert "\n" not in message, text  # one paragraph, and it comes last
     for fragment in fragments:
         assert fragment in text, (fragment, text)
     if not subprocess_result:

@@ -1,0 +1,66 @@
+"""``quickstart --quick`` end to end (subprocess), a time budget, and exact ``--resume``."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from nvalchemi.hooks.reporting import read_metrics
+from nvalchemi.training.checkpoint import CheckpointManifest, load_models_from_checkpoint
+
+from ._support import assert_user_error, invoke, is_png, run_cli
+
+
+def test_quickstart_quick_end_to_end(tmp_path):
+    run = tmp_path / "qs"
+    result = run_cli("quickstart", "--quick", "--run-dir", run)
+    assert result.returncode == 0, result.stderr
+    text = result.stderr
+    for fragment in ("Test metrics", "energy per atom", "Force errors per element",
+                     "final checkpoint:", "NvalchemiCalculator.from_checkpoint",
+                     "PaiNN energy"):  # fmt: skip
+        assert fragment in text, fragment
+    assert "Traceback" not in text
+    metrics = json.loads((run / "test_metrics.json").read_text())["metrics"]
+    assert metrics["num_structures"] == 16 and metrics["forces_mae"] > 0
+    for name in ("learning_curves.png", "parity_energy_per_atom.png", "parity_forces.png"):
+        assert is_png(run / name), name
+        assert str(run / name) in text
+    rows = read_metrics(run / "metrics.jsonl")
+    assert {r["kind"] for r in rows} == {"train", "validation"}
+    assert len([r for r in rows if r["kind"] == "validation"]) >= 2  # every epoch
+    manifest = CheckpointManifest.read(run / "checkpoints")
+    assert manifest.entry("latest").step_count == 12
+    assert len(manifest.checkpoints) <= 4  # last 3 + best
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _final_weights(run):
+    model = load_models_from_checkpoint(run / "checkpoints", "latest", "cpu", use_ema=False)
+    return model["main"].state_dict()
+
+
+def test_time_budget_stops_cleanly_and_resume_continues_exactly(tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert invoke("quickstart", "--quick", "--epochs", 2, "--run-dir", straight).exit_code == 0
+
+    first = invoke("quickstart", "--quick", "--epochs", 2, "--minutes", 1e-5, "--run-dir", stopped)
+    assert first.exit_code == 0, first.output
+    assert "stopped early: time budget" in first.stderr
+    assert "Test metrics" in first.stderr  # evaluated even though stopped
+    entry = CheckpointManifest.read(stopped / "checkpoints").entry("latest")
+    assert entry.step_count == 1
+
+    again = invoke("quickstart", "--quick", "--run-dir", stopped)
+    assert_user_error(again, "already holds a quickstart run", "--resume")
+    wrong = invoke("quickstart", "--resume", "--epochs", 5, "--run-dir", stopped)
+    assert_user_error(wrong, "--epochs 5 differs")
+
+    resumed = invoke("quickstart", "--resume", "--run-dir", stopped)
+    assert resumed.exit_code == 0, resumed.output
+    assert "resuming from step 1" in resumed.stderr
+    a, b = _final_weights(straight), _final_weights(stopped)
+    assert a.keys() == b.keys()
+    for key in a:  # bit for bit (E0 holds a NaN row for unknown elements)
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
