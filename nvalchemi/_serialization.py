@@ -80,6 +80,7 @@ _DENIED: set[str] = {
     "nvalchemi._serialization",
     "nvalchemi._lazy",
     "nvalchemi._optional",
+    "nvalchemi.spec",
     "nvalchemi.training.spec",
     "torch.hub",
     "torch.load",

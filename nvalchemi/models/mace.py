@@ -386,7 +386,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
             return self.reconstruction_spec
         if self._spec_record is None:
             return None
-        from nvalchemi.training.spec import create_model_spec
+        from nvalchemi.spec import create_model_spec
 
         factory, kwargs = self._spec_record
         return create_model_spec(getattr(type(self), factory), **kwargs)

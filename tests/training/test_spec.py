@@ -280,7 +280,7 @@ def test_strings_resolved_while_building_follow_the_spec_trust():
     "module",
     [
         "nvalchemi._serialization",
-        "nvalchemi.training.spec",
+        "nvalchemi.spec",
         "nvalchemi.training.losses.terms",
         "nvalchemi.training.losses.reductions",
         "nvalchemi.training.losses.composition",

@@ -1,0 +1,363 @@
+"""Declarative, JSON-round-trippable recipes for building objects: ``BaseSpec``.
+
+A spec names an importable callable (``cls_path``) and the keyword arguments to call it with.
+Values may be nested specs (built first), lists/tuples/dicts of them, classes and functions,
+tensors, dtypes and devices; ``model_dump()`` is always plain JSON.
+
+>>> import torch
+>>> spec = create_model_spec(torch.nn.Linear, in_features=3, out_features=1, dtype=torch.float64)
+>>> data = spec.model_dump()          # {"cls_path": "torch.nn.modules.linear.Linear", ...}
+>>> layer = create_model_spec_from_json(data).build()
+>>> layer.weight.dtype
+torch.float64
+
+Rehydrating or building a spec imports only allow-listed paths (see
+:mod:`nvalchemi._serialization`): a spec naming ``os.system`` is refused with
+:class:`~nvalchemi._serialization.UnsafeImportError` before anything is imported or called,
+unless ``trust=True`` is passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+import typing
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_serializer
+
+from nvalchemi._serialization import (
+    _NOT_TAGGED,
+    UnsafeImportError,
+    decode_tagged,
+    device_from_str,
+    dtype_from_str,
+    encode_value,
+    import_path,
+    object_to_path,
+    register_type_serializer,
+    trusted_imports,
+)
+
+__all__ = [
+    "BaseSpec",
+    "create_model_spec",
+    "create_model_spec_from_json",
+    "register_type_serializer",
+]
+
+_EMPTY = inspect.Parameter.empty
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _signature(target: Any) -> inspect.Signature | None:
+    for eval_str in (True, False):
+        try:
+            return inspect.signature(target, eval_str=eval_str)
+        except (NameError, TypeError, SyntaxError):
+            continue
+        except ValueError:
+            return None
+    return None
+
+
+def _parameters(target: Any) -> dict[str, inspect.Parameter]:
+    sig = _signature(target)
+    return dict(sig.parameters) if sig is not None else {}
+
+
+def _accepts_var_kwargs(params: Mapping[str, inspect.Parameter]) -> bool:
+    return any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _resolve_callable(path: str, *, trust: bool = False) -> Any:
+    target = import_path(path, trust=trust)
+    if not callable(target):
+        raise ValueError(f"cls_path={path!r} resolves to a non-callable {type(target).__name__}.")
+    return target
+
+
+class BaseSpec(BaseModel):
+    """Recipe for ``import(cls_path)(**kwargs)``; extra fields are the keyword arguments.
+
+    Attributes:
+        cls_path: dotted path of an importable callable (class, function, classmethod).
+        timestamp: ISO-8601 UTC time the spec was created (kept across JSON round trips).
+    """
+
+    model_config = ConfigDict(
+        extra="allow", arbitrary_types_allowed=True, revalidate_instances="never"
+    )
+
+    cls_path: str
+    timestamp: str = ""
+    _target: Any = PrivateAttr(default=None)
+    _trusted: bool = PrivateAttr(default=False)
+
+    @field_validator("cls_path")
+    @classmethod
+    def _importable_callable(cls, value: str) -> str:
+        _resolve_callable(value)
+        return value
+
+    def model_post_init(self, __context: Any) -> None:
+        if not self.timestamp:
+            self.timestamp = _utc_now()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The stored keyword arguments (nested specs not built)."""
+        return dict(self.model_extra or {})
+
+    def target(self) -> Any:
+        """The callable this spec builds (imported through the allow-list)."""
+        if self._target is None:
+            self._target = _resolve_callable(self.cls_path, trust=self._trusted)
+        return self._target
+
+    def accepts_kwarg(self, name: str) -> bool:
+        """Whether the target takes keyword ``name`` (explicitly or through ``**kwargs``)."""
+        params = _parameters(self.target())
+        return name in params or _accepts_var_kwargs(params)
+
+    def build(self, *args: Any, **extra_kwargs: Any) -> Any:
+        """Call the target with ``*args`` and the stored kwargs (``extra_kwargs`` win).
+
+        Nested specs are built first unless the target annotates that parameter as a spec.
+        """
+        target = self.target()
+        params = _parameters(target)
+        kwargs = {
+            k: _build_value(v, params[k].annotation if k in params else _EMPTY)
+            for k, v in self.kwargs.items()
+        }
+        kwargs.update(extra_kwargs)
+        with trusted_imports() if self._trusted else contextlib.nullcontext():
+            try:
+                return target(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(
+                    f"Failed to build {self.cls_path} from spec (saved at {self.timestamp}): {exc}. "
+                    "The callable signature may have changed since the spec was written; "
+                    "update the spec's keyword arguments to match."
+                ) from exc
+
+    @model_serializer(mode="plain")
+    def _dump(self) -> dict[str, Any]:
+        try:
+            params = _parameters(self.target())
+        except (ValueError, TypeError):
+            params = {}
+        out = {"cls_path": self.cls_path, "timestamp": self.timestamp}
+        for key, value in self.kwargs.items():
+            annotation = params[key].annotation if key in params else _EMPTY
+            if isinstance(value, type) and _wants_class(annotation):
+                out[key] = object_to_path(value)  # a `type`-annotated parameter: plain dotted path
+            else:
+                out[key] = encode_value(value)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BaseSpec):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"BaseSpec({self.cls_path}({args}))"
+
+
+def _is_spec_annotation(annotation: Any) -> bool:
+    return any(isinstance(a, type) and issubclass(a, BaseSpec) for a in _union_members(annotation))
+
+
+def _build_value(value: Any, annotation: Any) -> Any:
+    if isinstance(value, BaseSpec):
+        return value if _is_spec_annotation(annotation) else value.build()
+    if isinstance(value, (list, tuple)):
+        item = _item_annotation(annotation)
+        return type(value)(_build_value(v, item) for v in value)
+    if isinstance(value, dict):
+        return {k: _build_value(v, _EMPTY) for k, v in value.items()}
+    return value
+
+
+def _as_spec_value(value: Any) -> Any:
+    """Turn objects that know their spec (``to_spec()``) and pydantic models into specs."""
+    if isinstance(value, BaseSpec):
+        return value
+    to_spec = getattr(value, "to_spec", None)
+    if callable(to_spec) and not isinstance(value, type):
+        spec = to_spec()
+        if not isinstance(spec, BaseSpec):
+            raise TypeError(
+                f"{type(value).__name__}.to_spec() returned {type(spec).__name__}, not a BaseSpec."
+            )
+        return spec
+    if isinstance(value, BaseModel):
+        fields = {name: getattr(value, name) for name in type(value).model_fields}
+        return create_model_spec(type(value), **fields)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_spec_value(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _as_spec_value(v) for k, v in value.items()}
+    return value
+
+
+def create_model_spec(target: Any, **kwargs: Any) -> BaseSpec:
+    """Spec for calling ``target(**kwargs)``.
+
+    ``target`` is an importable class or function (or its dotted path). Values that have a
+    ``to_spec()`` method (losses, schedules) and pydantic models are stored as nested specs.
+
+    Raises ``TypeError`` for targets that are not importable, take positional-only
+    parameters, or do not accept one of ``kwargs``.
+    """
+    if isinstance(target, str):
+        target = _resolve_callable(target)
+    if not callable(target):
+        raise TypeError(f"create_model_spec target must be callable, got {target!r}")
+    path = object_to_path(target)
+    resolved = import_path(path, trust=True)
+    if resolved is not target and resolved != target:
+        raise TypeError(f"{target!r} is not an importable callable: {path!r} names another object.")
+    params = _parameters(target)
+    positional_only = [n for n, p in params.items() if p.kind is p.POSITIONAL_ONLY]
+    if positional_only:
+        raise TypeError(
+            f"{path} has positional-only param(s) {positional_only}; create_model_spec only "
+            "supports kwargs."
+        )
+    if not _accepts_var_kwargs(params):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise TypeError(f"Unknown kwargs for {path}: {unknown}")
+    stored = {k: _as_spec_value(v) for k, v in kwargs.items()}
+    return _make_spec(path, _utc_now(), stored, target, trusted=False)
+
+
+def _make_spec(path: str, timestamp: str, kwargs: dict, target: Any, trusted: bool) -> BaseSpec:
+    reserved = sorted({"cls_path", "timestamp"} & set(kwargs))
+    if reserved:
+        raise TypeError(f"Spec kwargs may not be named {reserved} (reserved by BaseSpec)")
+    spec = BaseSpec.model_construct(cls_path=path, timestamp=timestamp)
+    spec.__pydantic_extra__ = kwargs
+    spec._target, spec._trusted = target, trusted
+    return spec
+
+
+def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = False) -> BaseSpec:
+    """Rehydrate a spec from its JSON dict (as written by ``spec.model_dump()``).
+
+    Every dotted path inside (the target, nested specs, ``{"__type__": ...}`` values) must
+    pass the import allow-list unless ``trust=True``; refusal raises
+    :class:`~nvalchemi._serialization.UnsafeImportError` before anything is imported.
+    Strings are decoded to classes, dtypes or devices where the target's parameter is annotated
+    ``type``/``torch.dtype``/``torch.device`` (or, unannotated, named ``dtype``/``device``/
+    ``*_dtype``/``*_device``); lists become tuples where the parameter is annotated as a tuple.
+    """
+    if not isinstance(spec_dict, Mapping):
+        raise TypeError(f"spec JSON must be a mapping, got {type(spec_dict).__name__}")
+    for key in ("cls_path", "timestamp"):
+        if key not in spec_dict:
+            raise ValueError(
+                f"Spec JSON missing required field {key!r}; present keys: {sorted(spec_dict)}"
+            )
+    path = spec_dict["cls_path"]
+    if not trust and spec_dict.get("trust"):
+        # A spec must not lift the allow-list for what it loads itself (e.g. a loader called
+        # with trust=True on a directory the spec's author controls).
+        raise UnsafeImportError(
+            f"Spec for {path!r} asks for trust=True; an untrusted spec may not grant trust. "
+            "Pass trust=True to create_model_spec_from_json yourself if you trust its source."
+        )
+    if not isinstance(path, str):
+        raise ValueError(f"Spec JSON field 'cls_path' must be a str, got {path!r}")
+    try:
+        target = _resolve_callable(path, trust=trust)
+    except UnsafeImportError:
+        raise
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ValueError(
+            f"Could not resolve cls_path={path!r} while rehydrating spec JSON: {exc}"
+        ) from exc
+    params = _parameters(target)
+    kwargs = {
+        k: _decode(v, params[k].annotation if k in params else _EMPTY, k, trust)
+        for k, v in spec_dict.items()
+        if k not in ("cls_path", "timestamp")
+    }
+    return _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
+
+
+# ------------------------------------------------------------------- annotation helpers
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    if annotation is _EMPTY or annotation is Any or isinstance(annotation, str):
+        return ()
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _union_members(typing.get_args(annotation)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return tuple(m for a in typing.get_args(annotation) for m in _union_members(a))
+    return (annotation,)
+
+
+def _wants(annotation: Any, tp: type) -> bool:
+    return any(m is tp for m in _union_members(annotation))
+
+
+def _wants_class(annotation: Any) -> bool:
+    return any(m is type or typing.get_origin(m) is type for m in _union_members(annotation))
+
+
+def _wants_tuple(annotation: Any) -> bool:
+    return any(m is tuple or typing.get_origin(m) is tuple for m in _union_members(annotation))
+
+
+def _item_annotation(annotation: Any) -> Any:
+    """Element annotation of ``list[X]``/``tuple[X, ...]``/``Sequence[X]`` (else unannotated)."""
+    for member in _union_members(annotation):
+        args = typing.get_args(member)
+        if typing.get_origin(member) is tuple:
+            return args[0] if len(args) == 2 and args[1] is Ellipsis else _EMPTY
+        if typing.get_origin(member) is not None and len(args) == 1:
+            return args[0]
+    return _EMPTY
+
+
+def _decode(value: Any, annotation: Any, name: str, trust: bool) -> Any:
+    if isinstance(value, Mapping):
+        if "cls_path" in value:
+            return create_model_spec_from_json(value, trust=trust)
+        decoded = decode_tagged(value, trust=trust)
+        if decoded is not _NOT_TAGGED:
+            return decoded
+        return {k: _decode(v, _EMPTY, k, trust) for k, v in value.items()}
+    if isinstance(value, list):
+        item = _item_annotation(annotation)
+        items = [_decode(v, item, "", trust) for v in value]
+        return tuple(items) if _wants_tuple(annotation) else items
+    if isinstance(value, str):
+        if _wants_class(annotation):
+            return import_path(value, trust=trust)
+        unannotated = not _union_members(annotation)
+        if _wants(annotation, torch.dtype) or (
+            unannotated and (name == "dtype" or name.endswith("_dtype"))
+        ):
+            return dtype_from_str(value)
+        if _wants(annotation, torch.device) or (
+            unannotated and (name == "device" or name.endswith("_device"))
+        ):
+            return device_from_str(value)
+    return value
