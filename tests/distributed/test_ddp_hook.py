@@ -219,6 +219,18 @@ def test_wraps_trainable_models_with_the_exact_options_and_restores_them(fake_dd
     assert [id(p) for p in params] == [id(p) for p in student.parameters()]
 
 
+def test_optimizers_built_before_wrapping_stay_in_use(fake_ddp):
+    model = Energy()
+    adam = OptimizerConfig(torch.optim.Adam, {"lr": 0.1})
+    strategy = strategy_for(model, [DDPHook()], StubManager(), optimizer_configs=adam)
+    (optimizer,), _ = strategy.ensure_optimizers()
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy.run(batches())
+    assert strategy.ensure_optimizers()[0][0] is optimizer  # not rebuilt for the wrapper
+    assert optimizer.state and all(p in optimizer.state for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_options_come_from_the_manager_unless_set_on_the_hook(fake_ddp):
     group = object()
     manager = StubManager(find_unused_parameters=True, broadcast_buffers=True, process_group=group)

@@ -201,6 +201,11 @@ def test_only_rank_zero_writes_checkpoints_and_resume_with_two_ranks_is_exact(tr
     out, r0, r1 = train_run
     assert (out / "ckpt_full" / "manifest.json").exists()
     assert (out / "ckpt_part" / "manifest.json").exists()
+    weights = sorted((out / "ckpt_full").rglob("weights.pt"))
+    assert weights
+    expected = set(worker.make_model().state_dict())
+    for path in weights:  # plain (unwrapped) weights: no DDP "module." prefix
+        assert set(torch.load(path, weights_only=True)) == expected
     # rank 1 was given its own directory: it never writes, so it never appears
     assert not r0["ckpt_rank1_exists"] and not r1["ckpt_rank1_exists"]
     assert not (out / "ckpt_rank1").exists()
@@ -400,11 +405,11 @@ def test_seed_blocks_are_verbatim():
     assert _squash(SEED_HOOK_BLOCK) in hook_seed and _squash(SEED_HOOK_OPTIONS) in hook_seed
 
 
-def test_seed_ddp_examples_run_under_torchrun(tmp_path):
+def _seed_script(directory: Path) -> Path:
     hook_block = _doctest_code(SEED_HOOK_BLOCK)
     if not torch.cuda.is_available():  # the seed targets GPUs; the same code on CPU ranks
         hook_block = hook_block.replace('torch.device("cuda")', 'torch.device("cpu")')
-    script = tmp_path / "seed_ddp.py"
+    script = directory / "seed_ddp.py"
     script.write_text(
         SEED_SCRIPT.format(
             seed_block=textwrap.dedent(SEED_BLOCK),
@@ -412,6 +417,24 @@ def test_seed_ddp_examples_run_under_torchrun(tmp_path):
             hook_options=_doctest_code(SEED_HOOK_OPTIONS),
         )
     )
+    return script
+
+
+def test_seed_ddp_examples_run_as_a_single_process(tmp_path, monkeypatch):
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    runpy.run_path(str(_seed_script(tmp_path)), run_name="__main__")
+    result = json.loads((tmp_path / "result_0.json").read_text())
+    assert result["first"]["world"] == 1 and result["first"]["batches_per_epoch"] == 4
+    assert result["first"]["steps"] == 80 and result["second_steps"] == 40
+    assert (tmp_path / "runs/ddp/checkpoints/manifest.json").exists()
+
+
+def test_seed_ddp_examples_run_under_torchrun(tmp_path):
+    script = _seed_script(tmp_path)
     _torchrun([str(script)], tmp_path)
     results = [json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
