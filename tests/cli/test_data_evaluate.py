@@ -37,7 +37,7 @@ def test_convert_then_stats_round_trip(tmp_path):
     assert a["labels"]["energy"] == 20 and a["labels"]["forces"] == 20
     assert a["energy_per_atom"]["mean"] == pytest.approx(b["energy_per_atom"]["mean"], rel=1e-5)
     assert set(a["reference_energies"]) == set(a["elements"])
-    assert "Elements (suggested reference energies" in from_store.stderr
+    assert "suggested per-element reference energies" in from_store.stderr
 
 
 def test_stats_reference_energies_reproduce_a_linear_data_set(tmp_path):

@@ -64,3 +64,18 @@ def test_time_budget_stops_cleanly_and_resume_continues_exactly(tmp_path):
     assert a.keys() == b.keys()
     for key in a:  # bit for bit (E0 holds a NaN row for unknown elements)
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
+
+
+def test_calibration_fits_epochs_to_the_budget_without_touching_the_model():
+    from nvalchemi.training.cli import quickstart_run as qs
+    from nvalchemi.training.cli.recipe import QUICK
+
+    splits = qs.load_splits(QUICK)
+    train, val, _ = qs.loaders(splits, QUICK)
+    model = qs.build_model(splits, QUICK, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    many, step_s = qs.calibrate_epochs(model, train, val, QUICK, 1e9, "cpu")
+    few, _ = qs.calibrate_epochs(model, train, val, QUICK, 1e-6, "cpu")
+    assert (many, few) == (200, 1) and step_s > 0
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from nvalchemi.hooks.reporting import read_metrics
@@ -30,6 +34,7 @@ def test_run_writes_checkpoints_metrics_and_plots(trained_run):
     run = trained_run["run_dir"]
     assert (trained_run["checkpoints"] / "manifest.json").is_file()
     assert "data: 12 training / 4 validation structures" in trained_run["output"]
+    assert "validation force MAE (meV/Å)" in trained_run["output"]
     rows = read_metrics(run / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     validation = [r for r in rows if r["kind"] == "validation"]
@@ -103,6 +108,23 @@ def test_use_original_loss_and_opt_class_take_effect(tmp_path, trained_run):
     assert meta["loss_fn_spec"]["weights"] == [10.0, 1.0]  # the pretraining loss
 
 
+def test_finetune_init_reuse_flags_make_a_runnable_job(tmp_path, trained_run):
+    result = invoke("finetune", "init", "checkpoint", trained_run["checkpoints"], "--dataset",
+                    TRAIN, "--output-dir", tmp_path / "ft", "--num-steps", 1, "--batch-size", 4,
+                    "--use-original-loss", "--use-original-opt-class", "--lr", 3e-5,
+                    "--device", "cpu")  # fmt: skip
+    job = json.loads(result.stdout)
+    assert "loss_fn_spec" not in job["strategy"] and "optimizer_configs" not in job["strategy"]
+    job["dataset"].update({"max_structures": 4, "in_memory": True})
+    job["output"]["tensorboard"] = False
+    result = invoke("spec", "run", write_job(tmp_path / "ft.json", job))
+    assert result.exit_code == 0, result.output
+    assert "from the source checkpoint (use_original_loss)" in result.stderr  # the report
+    meta = read_strategy_metadata(tmp_path / "ft" / "checkpoints")
+    assert meta["optimizer_configs"]["main"][0]["optimizer_kwargs"]["lr"] == 3e-5
+    assert meta["loss_fn_spec"]["weights"] == [10.0, 1.0]
+
+
 def test_resume_continues_exactly(tmp_path, trained_run):
     job = json.loads(json.dumps(trained_run["job"]))
     root = tmp_path / "checkpoints"
@@ -134,3 +156,20 @@ def test_zarr_store_multiple_files_and_tensorboard(tmp_path):
     assert "data: 12 training / 6 validation structures from 2 source(s)" in result.stderr
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events
+
+
+@pytest.mark.distributed
+def test_spec_run_under_torchrun_trains_with_ddp(tmp_path):
+    job = tiny_job(tmp_path, num_steps=2, structures=16)
+    path = write_job(tmp_path / "job.json", job)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "nvalchemi.training.cli", "spec", "run", str(path), "--ddp-backend", "gloo"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env=env, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count("Run summary") == 1  # rank 0 reports
+    meta = read_strategy_metadata(tmp_path / "run" / "checkpoints")
+    assert meta["runtime_state"]["step_count"] == 2
+    assert meta["runtime_state"]["global_step_count"] == 4  # two ranks

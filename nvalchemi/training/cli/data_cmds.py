@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from nvalchemi.training.cli._app import debug_option, main
-from nvalchemi.training.cli._console import err_console, format_number, print_table
+from nvalchemi.training.cli._console import err_console, print_table
 from nvalchemi.training.cli._errors import CLIError
 
 __all__ = ["data"]
@@ -189,13 +189,16 @@ def _print_stats(result: dict[str, Any]) -> None:
     energies = result.get("reference_energies", {})
     print_table(
         console,
-        "Elements (suggested reference energies E0 by least squares, eV)",
-        ["element", "atoms", "structures", "E0"],
+        "Elements",
+        ["element", "atoms", "structures", "E0 (eV)"],
         [
-            (symbol, v["atoms"], v["structures"], format_number(energies.get(symbol), 6))
+            (symbol, v["atoms"], v["structures"],
+             "-" if symbol not in energies else f"{energies[symbol]:.4f}")
             for symbol, v in result["elements"].items()
         ],
-    )
+    )  # fmt: skip
+    if energies:
+        console.print("E0: suggested per-element reference energies (least squares on the totals)")
     if result.get("residual_energy_per_atom"):
         r = result["residual_energy_per_atom"]
         console.print(

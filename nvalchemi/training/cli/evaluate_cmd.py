@@ -148,7 +148,11 @@ def evaluate(
     )
     console = err_console()
     result = print_evaluation(console, evaluation, "Evaluation")
-    if plots:
+    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, plots_available
+
+    if plots and not plots_available():
+        console.print(PLOTS_HINT)
+    elif plots:
         target = Path(out_dir) if out_dir else Path(checkpoint_dir).resolve().parent / "evaluation"
         result["plots"] = [str(p) for p in evaluation.parity_plots(target)]
         for path in result["plots"]:

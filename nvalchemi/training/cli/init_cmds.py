@@ -126,9 +126,9 @@ def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) 
 
 def _emit(job: TrainingJobSpec, out: str | None) -> None:
     if out is None:
-        click.echo(dump_job(job), nl=False)
+        click.echo(dump_job(job, only_set=True), nl=False)
         return
-    dump_job(job, out)
+    dump_job(job, out, only_set=True)
     click.echo(f"Wrote {out}", err=True)
     click.echo(f"Created {job.workflow} {job.source.model} training spec {out}", err=True)
 
@@ -300,7 +300,7 @@ def schema_template(workflow: str, model: str, out: str | None) -> None:
             "finetune", model, output_dir="runs/finetune", lr=1e-5, source=source,
             trainable_patterns=patterns, **common,
         )  # fmt: skip
-    text = dump_job(job, out) if out else dump_job(job)
+    text = dump_job(job, out, only_set=True) if out else dump_job(job, only_set=True)
     if out:
         click.echo(f"Wrote {out}", err=True)
     else:

@@ -445,9 +445,20 @@ def read_job_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def dump_job(job: TrainingJobSpec | dict[str, Any], path: str | Path | None = None) -> str:
-    """The job as JSON (``indent=2``) or, for a ``.yaml``/``.yml`` path, YAML; written if ``path``."""
-    data = job.model_dump(mode="json", exclude_none=True) if isinstance(job, BaseModel) else job
+def dump_job(
+    job: TrainingJobSpec | dict[str, Any],
+    path: str | Path | None = None,
+    *,
+    only_set: bool = False,
+) -> str:
+    """The job as JSON (``indent=2``) or, for a ``.yaml``/``.yml`` path, YAML; written if ``path``.
+
+    ``only_set=True`` leaves out fields that were never set (defaults), for files people edit.
+    """
+    if isinstance(job, BaseModel):
+        data = job.model_dump(mode="json", exclude_none=True, exclude_unset=only_set)
+    else:
+        data = job
     if path is not None and Path(path).suffix.lower() in (".yaml", ".yml"):
         import yaml
 

@@ -153,7 +153,7 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     from nvalchemi.training.cli import quickstart_run as qs
     from nvalchemi.training.cli.evaluate_cmd import print_evaluation
     from nvalchemi.training.cli.evaluation import predict
-    from nvalchemi.training.cli.run_reporting import learning_curves
+    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, learning_curves, plots_available
 
     path, index, step = qs.final_checkpoint(plan)
     model = load_model_from_checkpoint(plan.checkpoint_dir, map_location=plan.device)
@@ -161,10 +161,12 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     console.rule("Test split (EMA weights of the final checkpoint)")
     result = print_evaluation(console, evaluation, "Test metrics")
     (plan.run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-    plots = [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]
-    for plot in plots:
-        if plot is not None:
-            console.print(f"plot:             {plot}")
+    if plots_available():
+        for plot in [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]:
+            if plot is not None:
+                console.print(f"plot:             {plot}")
+    else:
+        console.print(PLOTS_HINT)
     console.print(f"metrics:          {plan.run_dir / 'metrics.jsonl'}")
     console.print(f"final checkpoint: {path} (index {index}, step {step})")
     console.print(f"checkpoint root:  {plan.checkpoint_dir} (load with 'latest' or 'best')")
@@ -173,4 +175,6 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     console.print(snippet, markup=False, highlight=False)
     console.print("output:", style="bold")
     console.print(_run_snippet(snippet).rstrip(), markup=False)
-    console.print(f"done in {(time.perf_counter() - started) / 60:.1f} min")
+    seconds = time.perf_counter() - started
+    took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+    console.print(f"done in {took}")

@@ -130,6 +130,8 @@ def prepare_run(
     return QuickstartPlan(recipe, run_dir, False, calibrate, budget, device)
 
 
+_PROBE_STEPS, _WARMUP_STEPS = 12, 4
+
 DEFAULT_MINUTES = 5.0
 """Training time the quickstart plans for when neither --epochs nor --minutes is given."""
 
@@ -207,7 +209,7 @@ def calibrate_epochs(
     loss_fn = recipe.loss_fn()
     timings = []
     for i, batch in enumerate(train):
-        if i >= 6:
+        if i >= _PROBE_STEPS:
             break
         batch = batch.to(device)
         start = time.perf_counter()
@@ -217,8 +219,10 @@ def calibrate_epochs(
         loss.backward()
         optimizer.step()
         timings.append(time.perf_counter() - start)
-    step_s = sum(timings[2:]) / max(len(timings[2:]), 1) if len(timings) > 2 else timings[-1]
-    epoch_s = step_s * (len(train) + 0.6 * len(val)) * 1.1
+    # The first steps pay for allocator and autograd warm-up; the median ignores outliers.
+    steady = sorted(timings[_WARMUP_STEPS:] or timings)
+    step_s = steady[len(steady) // 2]
+    epoch_s = step_s * (len(train) + 0.6 * len(val)) * 1.05
     epochs = int(max(1, min(200, math.floor(budget_s / epoch_s))))
     return epochs, step_s
 

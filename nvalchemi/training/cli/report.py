@@ -147,9 +147,7 @@ def _hook_table(resolved: ResolvedJob) -> Table:
         dump = getattr(hook, "model_dump", None)
         if callable(dump):
             try:
-                settings = _kwargs(
-                    {k: v for k, v in dump(exclude_none=True).items() if v is not None}
-                )
+                settings = _kwargs(dump(exclude_defaults=True, exclude_none=True))
             except Exception:
                 settings = ""
         table.add_row(str(i), type(hook).__name__, names, settings or "-")

@@ -12,9 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TimeBudgetHook", "learning_curves", "reporting_hook"]
+__all__ = ["PLOTS_HINT", "TimeBudgetHook", "learning_curves", "plots_available", "reporting_hook"]
 
 REPORT_STAGES = frozenset({"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"})
+PLOTS_HINT = "plots skipped: matplotlib is missing (pip install 'nvalchemi-training[plots]')"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib (extra ``plots``) is installed."""
+    from nvalchemi._optional import OptionalDependency
+
+    return OptionalDependency.MATPLOTLIB.is_available()
 
 
 def reporting_hook(
@@ -54,7 +62,7 @@ def learning_curves(run_dir: str | Path) -> Path | None:
     from nvalchemi.hooks.reporting import plot_learning_curves
 
     metrics = Path(run_dir) / "metrics.jsonl"
-    if not metrics.is_file() or metrics.stat().st_size == 0:
+    if not plots_available() or not metrics.is_file() or metrics.stat().st_size == 0:
         return None
     return plot_learning_curves(metrics, Path(run_dir) / "learning_curves.png")
 

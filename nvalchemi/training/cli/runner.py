@@ -54,6 +54,7 @@ class RunResult:
     plots: list[Path] = field(default_factory=list)
     num_train: int = 0
     num_validation: int = 0
+    is_main: bool = True
 
 
 def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
@@ -130,6 +131,7 @@ def run_job(
     console: Any = None,
 ) -> RunResult:
     """Train (or resume) ``job``; returns the strategy and where results are."""
+    from nvalchemi.distributed.runtime import get_rank
     from nvalchemi.training.cli.build import build_strategy
     from nvalchemi.training.cli.data_sources import (
         make_dataset,
@@ -146,6 +148,9 @@ def run_job(
 
     run_dir = Path(job.output.run_dir)
     manager, hooks = _distributed(options)
+    is_main = get_rank(manager) == 0
+    if not is_main:
+        console = None  # one rank reports
     hooks += [hook for hook, _ in resolved.hooks]
     checkpoint_dir = _checkpoint_dir(hooks)
     hooks.append(
@@ -199,13 +204,14 @@ def run_job(
             )
             val_loader = make_loader(validation, batch_size=options.batch_size or data.batch_size)
             strategy.validation_config = _validation_config(job, options, val_loader)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_job(job, run_dir / "job.json")
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dump_job(job, run_dir / "job.json")
         strategy.run(loader)
     finally:
         sources.close()
     plots = []
-    if job.output.plots:
+    if job.output.plots and is_main:
         curve = learning_curves(run_dir)
         if curve is not None:
             plots.append(curve)
@@ -214,5 +220,6 @@ def run_job(
         run_dir=run_dir,
         checkpoint_dir=checkpoint_dir,
         plots=plots,
+        is_main=is_main,
         **counts,
     )

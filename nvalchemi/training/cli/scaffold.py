@@ -38,7 +38,7 @@ _NAMES = {
 def hook_entry(cls_path: str, stages: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
     """A ``source.hooks`` entry: ``{"spec": {"cls_path": ..., **kwargs}, "stages": [...]}``."""
     spec = {"cls_path": cls_path, "timestamp": datetime.now(timezone.utc).isoformat(), **kwargs}
-    return {"spec": spec, "stages": list(stages or [])}
+    return {"spec": spec, "stages": list(stages)} if stages else {"spec": spec}
 
 
 def checkpoint_hook_entry(

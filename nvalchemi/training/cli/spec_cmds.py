@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import click
@@ -75,21 +76,37 @@ def _options(kwargs: dict[str, Any]) -> Any:
     )
 
 
+def _last_validation(run_dir: Any) -> dict[str, Any]:
+    """The last validation row of ``metrics.jsonl`` (``{}`` when there is none)."""
+    from nvalchemi.hooks.reporting import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    validation = [r for r in rows if r.get("kind") == "validation"]
+    return validation[-1] if validation else {}
+
+
 def _summary(result: Any, console: Any) -> None:
+    if not result.is_main:
+        return
     strategy = result.strategy
-    summary = strategy.last_validation or {}
-    rows = [("optimizer steps", strategy.step_count), ("epochs", strategy.epoch_count)]
+    last = _last_validation(result.run_dir)
+    rows: list[tuple[str, Any]] = [
+        ("optimizer steps", strategy.step_count),
+        ("epochs", strategy.epoch_count),
+    ]
     if strategy.stop_reason:
         rows.append(("stopped", strategy.stop_reason))
-    for key, scale, unit in (
-        ("energy_per_atom_mae", 1000, "meV/atom"),
-        ("energy_per_atom_rmse", 1000, "meV/atom"),
-        ("forces_mae", 1000, "meV/Å"),
-        ("forces_rmse", 1000, "meV/Å"),
-        ("total_loss", 1, ""),
+    for key, label, scale in (
+        ("energy_per_atom_mae", "validation energy MAE (meV/atom)", 1000),
+        ("energy_per_atom_rmse", "validation energy RMSE (meV/atom)", 1000),
+        ("forces_mae", "validation force MAE (meV/Å)", 1000),
+        ("forces_rmse", "validation force RMSE (meV/Å)", 1000),
+        ("loss/total", "validation loss", 1),
     ):
-        if key in summary:
-            rows.append((f"validation {key} {unit}".strip(), float(summary[key]) * scale))
+        value = last.get(f"validation/{key}")
+        if isinstance(value, (int, float)):
+            rows.append((label, float(value) * scale))
     print_table(console, "Run summary", ["", "value"], rows)
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
@@ -146,7 +163,7 @@ def spec_run(
     if max_structures is not None:
         job.dataset.max_structures = max_structures
     console = err_console()
-    if report:
+    if report and int(os.environ.get("RANK", "0")) == 0:
         render_report(job, resolved, console)
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
