@@ -81,6 +81,36 @@ def _devices(job: TrainingJobSpec) -> list[JobWarning]:
     ]
 
 
+def _dtype(job: TrainingJobSpec) -> list[JobWarning]:
+    """Likely model/label dtype mismatch under the strict loss dtype policy."""
+    loss = job.strategy.get("loss_fn_spec") or {}
+    if loss.get("dtype_policy") not in (None, "strict"):
+        return []
+    labels = f"float{job.dataset.dtype[-2:]}"
+    if job.source.model == "mace":
+        model = "float64 (mace-torch models usually are)"
+        mismatch = labels != "float64"
+    else:
+        dtypes = {
+            str(spec.get("dtype")).removeprefix("torch.")
+            for spec in (job.strategy.get("model_specs") or {}).values()
+            if isinstance(spec, dict) and spec.get("dtype")
+        }
+        model = ", ".join(sorted(dtypes))
+        mismatch = bool(dtypes) and dtypes != {labels}
+    if not mismatch:
+        return []
+    return [
+        JobWarning(
+            "warning",
+            "Loss dtype",
+            f"model outputs are {model} but labels read from extxyz/db files are {labels} "
+            "(dataset.dtype) and the loss is strict: set --loss-dtype-policy "
+            "target_to_prediction (or dataset.dtype)",
+        )
+    ]
+
+
 def job_warnings(job: TrainingJobSpec) -> list[JobWarning]:
     """Every warning that applies to ``job`` (empty when it looks fine)."""
     out: list[JobWarning] = []
@@ -214,5 +244,6 @@ def job_warnings(job: TrainingJobSpec) -> list[JobWarning]:
                 "MACE model files are Python pickles: spec run needs --trust to load them",
             )
         )
+    out.extend(_dtype(job))
     out.extend(_devices(job))
     return out
