@@ -103,3 +103,19 @@ def test_evaluation_metrics_ignore_missing_labels():
     assert metrics["forces_mae"] == pytest.approx(0.5)
     assert metrics["forces_rmse"] == pytest.approx(np.sqrt(5 / 6))
     assert evaluation.per_element()["Au"]["forces_mae"] == pytest.approx(2 / 3)
+
+
+def test_ase_database_converts_and_trains_like_extxyz(tmp_path):
+    from ase.db import connect
+
+    frames = read(VAL, index=":6")
+    db = tmp_path / "val.db"
+    with connect(db) as connection:
+        for atoms in frames:
+            connection.write(atoms)
+    result = invoke("data", "stats", db, "--json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)
+    assert stats["structures"] == 6 and stats["labels"]["forces"] == 6
+    assert invoke("data", "convert", db, tmp_path / "db.zarr").exit_code == 0
+    assert len(AtomicDataZarrReader(str(tmp_path / "db.zarr"))) == 6

@@ -109,9 +109,11 @@ def test_data_commands_name_bad_inputs(tmp_path):
     assert_user_error(invoke("data", "stats", weird), "cannot tell the format", "dataset.format")
 
 
-def test_quickstart_resume_without_a_run(tmp_path):
+def test_quickstart_resume_without_a_run_and_bad_devices(tmp_path):
     result = invoke("quickstart", "--resume", "--run-dir", tmp_path / "qs")
     assert_user_error(result, "--resume", "no quickstart run to resume")
+    result = invoke("quickstart", "--device", "gpu", "--run-dir", tmp_path / "qs")
+    assert_user_error(result, "--device", "'gpu' is not a device")
 
 
 def test_subprocess_errors_have_no_traceback_unless_debug(tmp_path):

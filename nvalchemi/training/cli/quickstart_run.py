@@ -80,6 +80,7 @@ def prepare_run(
     device: str,
 ) -> QuickstartPlan:
     """Check the run directory against the flags and settle the recipe."""
+    _check_device(device)
     run_dir = Path(run_dir)
     has_run = (run_dir / "checkpoints" / "manifest.json").is_file() or (
         run_dir / CONFIG_FILE
@@ -134,6 +135,19 @@ _PROBE_STEPS, _WARMUP_STEPS = 12, 4
 
 DEFAULT_MINUTES = 5.0
 """Training time the quickstart plans for when neither --epochs nor --minutes is given."""
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CLIError(
+            f"{device!r} is not a device", field="--device", fix="use cpu or cuda"
+        ) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("CUDA is not available here", field="--device", fix="use --device cpu")
 
 
 def save_plan(plan: QuickstartPlan) -> None:
