@@ -157,7 +157,9 @@ class PaiNN(nn.Module, BaseModelMixin):
     list ``neighbor_list [E, 2]``, and for periodic systems ``cell`` and
     ``neighbor_list_shifts``. Outputs ``energy [B, 1]``, ``forces [V, 3]`` and
     ``stress [B, 3, 3]`` (active by default: energy and forces; enable stress with
-    ``model.set_config("active_outputs", {"energy", "forces", "stress"})``).
+    ``PaiNN(active_outputs=("energy", "forces", "stress"))`` or, on a live model,
+    ``model.set_config("active_outputs", {"energy", "forces", "stress"})``; either way
+    checkpoints record the choice).
 
     Args:
         cutoff: interaction cutoff in Å (also the model's neighbour-list cutoff).
@@ -176,6 +178,7 @@ class PaiNN(nn.Module, BaseModelMixin):
         cutoff_fn: ``"cosine"`` or ``"polynomial"`` envelope.
         dtype: parameter dtype (default ``torch.get_default_dtype()``); inputs are
             cast to it and outputs use it.
+        active_outputs: outputs to compute, a subset of energy, forces, stress.
     """
 
     def __init__(
@@ -192,6 +195,7 @@ class PaiNN(nn.Module, BaseModelMixin):
         avg_num_neighbors: float | None = None,
         cutoff_fn: str = "cosine",
         dtype: torch.dtype | str | None = None,
+        active_outputs: Sequence[str] = ("energy", "forces"),
     ) -> None:
         super().__init__()
         if cutoff <= 0:
@@ -242,10 +246,21 @@ class PaiNN(nn.Module, BaseModelMixin):
             optional_inputs={"cell", "pbc", "neighbor_list_shifts"},
             supports_pbc=True,
             neighbor_config=NeighborConfig(cutoff=self.cutoff),
-            active_outputs={"energy", "forces"},
+            active_outputs=set(active_outputs),
         )
+        unknown = set(active_outputs) - set(self.model_config.outputs)
+        if unknown:
+            raise ValueError(
+                f"PaiNN cannot produce {sorted(unknown)}; active_outputs must be a subset of "
+                f"{sorted(self.model_config.outputs)}."
+            )
 
     # -------------------------------------------------------------- attributes
+    @property
+    def active_outputs(self) -> tuple[str, ...]:
+        """What the model computes now (a constructor argument, so checkpoints keep it)."""
+        return tuple(sorted(self.model_config.active_outputs))
+
     @property
     def dtype(self) -> torch.dtype:
         """Current parameter dtype (follows ``model.to(dtype)``)."""

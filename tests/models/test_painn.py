@@ -251,3 +251,14 @@ def test_embeddings(helpers):
     assert batch.node_embeddings.shape == (8, 16)
     assert batch.graph_embeddings.shape == (2, 16)
     assert model.embedding_shapes["node_embeddings"] == (16,)
+
+
+def test_active_outputs_survive_a_rebuild_from_the_model_spec():
+    from nvalchemi.training.model_spec import model_spec_for
+
+    model = PaiNN(hidden_channels=8, num_interactions=1, num_rbf=4)
+    model.set_config("active_outputs", {"energy", "forces", "stress"})
+    rebuilt = model_spec_for(model).build()
+    assert set(rebuilt.model_config.active_outputs) == {"energy", "forces", "stress"}
+    with pytest.raises(ValueError, match="cannot produce"):
+        PaiNN(active_outputs=("energy", "dipole"))
