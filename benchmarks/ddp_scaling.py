@@ -27,7 +27,7 @@ included; communication latency, about a millisecond on one host, is not), and
 4 to 128 atoms, dealt out round-robin, 16 per rank: about 0.9).
 
 ``--sharding balanced`` replaces the round-robin shards by a distributed batch sampler
-(``BalancedShards`` below, passed to the loader, which ``DDPHook`` keeps) that gives
+(``nvalchemi.data.datapipes.SizeBalancedBatchSampler``, which ``DDPHook`` keeps) that gives
 every rank the same number of structures and about the same number of atoms per step.
 
 Usage: ``python benchmarks/ddp_scaling.py [--rounds 3] [--steps 20] [--warmup 3]
@@ -56,41 +56,11 @@ ELEMENTS = [13, 28, 29, 46, 47, 78, 79]  # Al Ni Cu Pd Ag Pt Au: all of the bund
 
 
 # --------------------------------------------------------------------------- one rank
-class BalancedShards:
-    """Distributed batch sampler: each step's ``batch_size * num_replicas`` structures
-    (in dataset order) are dealt out so that every rank gets ``batch_size`` of them and
-    about the same number of atoms (largest first, to the lightest rank with room)."""
-
-    def __init__(self, sizes: list[int], batch_size: int, num_replicas: int, rank: int) -> None:
-        self.sizes, self.batch_size = sizes, batch_size
-        self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.sizes) // (self.batch_size * self.num_replicas)
-
-    def __iter__(self):
-        per_step = self.batch_size * self.num_replicas
-        for start in range(0, len(self) * per_step, per_step):
-            groups: list[list[int]] = [[] for _ in range(self.num_replicas)]
-            loads = [0] * self.num_replicas
-            for i in sorted(range(start, start + per_step), key=lambda i: -self.sizes[i]):
-                open_ranks = [
-                    r for r in range(self.num_replicas) if len(groups[r]) < self.batch_size
-                ]
-                r = min(open_ranks, key=loads.__getitem__)
-                groups[r].append(i)
-                loads[r] += self.sizes[i]
-            yield groups[self.rank]
-
-
 def run_rank(args: argparse.Namespace) -> dict:
     import torch
 
     from nvalchemi.data import ASEReader, bundled_split_path
-    from nvalchemi.data.datapipes import DataLoader, InMemoryDataset
+    from nvalchemi.data.datapipes import DataLoader, InMemoryDataset, SizeBalancedBatchSampler
     from nvalchemi.data.neighbors import NeighborListTransform
     from nvalchemi.distributed import DistributedManager
     from nvalchemi.models import PaiNN
@@ -117,7 +87,9 @@ def run_rank(args: argparse.Namespace) -> dict:
     dataset = InMemoryDataset(data_list=structures, transforms=[NeighborListTransform(5.0)])
     if args.sharding == "balanced" and world > 1:
         sizes = [data.num_nodes for data in structures]
-        shards = BalancedShards(sizes, BATCH_PER_RANK, world, manager.rank)
+        shards = SizeBalancedBatchSampler(
+            sizes, BATCH_PER_RANK, num_replicas=world, rank=manager.rank, shuffle=False
+        )
         loader = DataLoader(dataset, batch_sampler=shards)  # distributed: DDPHook keeps it
     else:
         loader = DataLoader(dataset, batch_size=BATCH_PER_RANK, shuffle=False)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "MultiDatasetBatchSampler": ".samplers",
     "DataLoader": ".dataloader",
     "ShuffleSampler": ".samplers",
+    "SizeBalancedBatchSampler": ".balanced",
     "EpochPolicy": ".samplers",
     "epoch_generator": ".samplers",
     "DATASET_INDEX_METADATA_KEY": ".multidataset",
