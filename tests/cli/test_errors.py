@@ -81,6 +81,11 @@ def test_run_needs_a_model_for_training_from_scratch(tmp_path):
     assert_user_error(_run(tmp_path, job), "strategy.model_specs", "training-from-scratch")
 
 
+def test_a_fresh_run_refuses_an_existing_checkpoint_root(tmp_path, trained_run):
+    result = invoke("spec", "run", trained_run["job_path"], "--no-report")
+    assert_user_error(result, "already holds checkpoints", "spec resume")
+
+
 def test_mace_files_need_trust(tmp_path):
     model = tmp_path / "small.model"
     model.write_bytes(b"not really a model")

@@ -153,6 +153,13 @@ def run_job(
         console = None  # one rank reports
     hooks += [hook for hook, _ in resolved.hooks]
     checkpoint_dir = _checkpoint_dir(hooks)
+    if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
+        raise CLIError(
+            f"{checkpoint_dir} already holds checkpoints of an earlier run",
+            field="source.hooks (CheckpointHook.checkpoint_dir)",
+            fix=f"continue it with `nvalchemi-training spec resume {checkpoint_dir} --spec JOB`, "
+            "or remove the directory, or point the CheckpointHook somewhere else",
+        )
     hooks.append(
         reporting_hook(
             run_dir,
