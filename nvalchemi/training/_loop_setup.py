@@ -430,8 +430,9 @@ class _LoopSetup:
         records = [r for r in d["_runtime_optimizers"] if is_metric_scheduler(r[1])]
         if summary is None or not records:
             return
+        # Called right after each validation only, so a summary never steps twice; unlike
+        # the reference, ``last_validation`` stays readable afterwards.
         step_metric_schedulers([r[1] for r in records], [r[2] for r in records], summary)
-        d["last_validation"] = None
 
 
 # ---------------------------------------------------------------------------- helpers

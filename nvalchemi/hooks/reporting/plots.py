@@ -134,7 +134,7 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
             for row in validation
             for k in row
             if k.startswith("validation/") and not k.startswith("validation/loss/")
-            and k != "validation/num_batches"
+            and not k.startswith("validation/num_")  # pass sizes, not metrics
         }
     )  # fmt: skip
     lr_key = next((k for k in ("scheduler/lr", "optimizer/lr") if _series(train, k)[0]), None)
