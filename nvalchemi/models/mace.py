@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,7 +42,29 @@ _MAX_Z = 119
 
 
 def _require_mace() -> Any:
-    return OptionalDependency.MACE.require("MACEWrapper")
+    """Import mace, undoing its import-time ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``.
+
+    mace sets that variable process-wide, which would make every later ``torch.load``
+    without an explicit ``weights_only`` unpickle arbitrary objects. Our loaders always
+    pass ``weights_only=True``; restoring the variable after importing the parts of mace
+    the wrapper uses protects everyone else's calls.
+    """
+    previous = os.environ.get(_MACE_ENV)
+    try:
+        package = OptionalDependency.MACE.require("MACEWrapper")
+        # Submodules load e3nn constants with a plain torch.load at import time, which
+        # needs mace's setting: import every part the wrapper uses while it is in force.
+        importlib.import_module("mace.modules")
+        importlib.import_module("mace.tools")
+        return package
+    finally:
+        if previous is None:
+            os.environ.pop(_MACE_ENV, None)
+        else:
+            os.environ[_MACE_ENV] = previous
+
+
+_MACE_ENV = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 
 
 def _chemical_symbol(z: int) -> str:

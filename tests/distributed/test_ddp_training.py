@@ -166,8 +166,8 @@ def test_one_force_and_stress_step_equals_single_process_training_on_the_union(t
         num_steps=1,
     ).run([union])
     reference = _params(model.state_dict())
-    rank0 = _params(torch.load(out / "step1_rank0.pt"))
-    rank1 = _params(torch.load(out / "step1_rank1.pt"))
+    rank0 = _params(torch.load(out / "step1_rank0.pt", weights_only=True))
+    rank1 = _params(torch.load(out / "step1_rank1.pt", weights_only=True))
     assert reference.keys() == rank0.keys() == rank1.keys() and reference
     for name, value in reference.items():
         assert torch.equal(rank0[name], rank1[name]), name
@@ -182,7 +182,7 @@ def test_validation_metrics_equal_single_process_validation(train_run, data):
     out, r0, r1 = train_run
     _, val = data
     model = worker.make_model()
-    model.load_state_dict(torch.load(out / "full_rank0.pt"))
+    model.load_state_dict(torch.load(out / "full_rank0.pt", weights_only=True))
     strategy = TrainingStrategy(
         models=model,
         optimizer_configs=worker.optimizer_config(),

@@ -160,3 +160,22 @@ def test_from_checkpoint_warns_and_records_its_path(wrapper, helpers, tmp_path):
 
 def test_wrapper_around_a_live_module_has_no_spec(wrapper):
     assert MACEWrapper(wrapper.model).checkpoint_spec() is None
+
+
+def test_importing_mace_through_the_wrapper_keeps_torch_load_safe():
+    # A fresh process: mace sets the variable only on its first import.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from nvalchemi.models.mace import _require_mace\n"
+        "_require_mace()\n"
+        "from mace import modules  # what MACEWrapper.from_mace_kwargs imports\n"
+        "print(os.environ.get('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None"
