@@ -260,13 +260,18 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return averaged
 
     def state_dict(self) -> dict[str, Any]:
-        """The six fields plus ``"averaged_model_state"`` (cloned tensors) when available."""
+        """The six fields plus ``"averaged_model_state"`` when available.
+
+        Like ``nn.Module.state_dict`` the tensors are references to the live averages,
+        not copies: checkpoint writers copy them once (into reused buffers), so an
+        asynchronous save stalls training only for that copy.
+        """
         state: dict[str, Any] = self.model_dump()
         rt = self._runtime
         if rt.averaged is not None:
             self._sync_count(rt.averaged)
             state["averaged_model_state"] = {
-                k: v.detach().clone() for k, v in rt.averaged.state_dict().items()
+                k: v.detach() for k, v in rt.averaged.state_dict().items()
             }
         elif rt.pending is not None:
             state["averaged_model_state"] = dict(rt.pending)
