@@ -168,16 +168,20 @@ class DistributedManager:
         return cls._state.initialized
 
     @classmethod
-    def cleanup(cls, barrier: bool = False) -> None:
+    def cleanup(cls, barrier: bool = True) -> None:
         """Destroy the process group this manager created and reset the shared state.
 
-        With ``barrier=True`` every rank waits for the others first. A process
-        group that was adopted (created outside the manager) is left alone.
+        By default every rank first waits for the others (best effort: a failed
+        barrier, e.g. after a peer died, does not stop the teardown). Without that
+        barrier a rank that tears down while its peer is still finishing a collective
+        can abort at exit ("terminate called without an active exception") under
+        gloo. A process group that was adopted (created outside the manager) is left
+        alone.
         """
         state = cls._state
         if state.owns_process_group and _process_group_ready():
             if barrier:
-                dist.barrier()
+                _best_effort_barrier()
             dist.destroy_process_group()
         DistributedManager._state = _State()
 
@@ -445,3 +449,8 @@ def _resolve_timeout(timeout_s: float | None) -> datetime.timedelta | None:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ValueError(f"{source} must be a positive number of seconds; got {timeout_s!r}.")
     return datetime.timedelta(seconds=float(timeout_s))
+
+
+def _best_effort_barrier() -> None:
+    with contextlib.suppress(RuntimeError):  # a peer already left: tear down anyway
+        dist.barrier()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nvalchemi.distributed.launch import LaunchEnv, detect_launch_env
-from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager
+from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager, _best_effort_barrier
 
 __all__ = [
     "all_agree",
@@ -174,19 +174,28 @@ def init_distributed(manager: Any = None, *, backend: str | None = None, **kwarg
     return _process_group_ready()
 
 
-def destroy_distributed(manager: Any = None) -> bool:
-    """Tear down distributed communication; return whether something was torn down."""
-    if manager is not None:
+def destroy_distributed(manager: Any = None, *, barrier: bool = True) -> bool:
+    """Tear down distributed communication; return whether something was torn down.
+
+    ``barrier=True`` first waits for every rank (see :meth:`DistributedManager.cleanup`);
+    pass ``False`` on an error path, where peers may already be gone.
+    """
+    if manager is not None and not isinstance(manager, DistributedManager):
         for name in ("destroy_process_group", "destroy", "cleanup", "teardown"):
             method = getattr(manager, name, None)
             if callable(method):
                 was_initialized = is_distributed_initialized(manager)
                 method()
                 return was_initialized
-    was_ready = _process_group_ready()
+    was_ready = _process_group_ready() or (
+        manager is not None and is_distributed_initialized(manager)
+    )
     if DistributedManager.is_initialized():
-        DistributedManager.cleanup()  # destroys the group only if the manager created it
+        # destroys the group only if the manager created it
+        DistributedManager.cleanup(barrier=barrier)
     if _process_group_ready():
+        if barrier:
+            _best_effort_barrier()
         dist.destroy_process_group()
     return was_ready
 

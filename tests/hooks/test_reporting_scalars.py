@@ -325,6 +325,7 @@ _WORKER = textwrap.dedent(
         hook(ctx, "AFTER_OPTIMIZER_STEP")
     out["rich"] = console.file.getvalue()
     out["tb"] = writer.calls
+    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
     dist.destroy_process_group()
     print("RESULT " + json.dumps(out), flush=True)
     """

@@ -56,6 +56,7 @@ def main(root: str) -> None:
         flush=True,
     )
     dist.barrier()
+    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
     dist.destroy_process_group()
 
 

@@ -68,6 +68,7 @@ def main() -> None:
         raised = {"step": exc.step, "components": exc.components}
     skipping = strategy(rank, "skip")
     skipping.run(batches())
+    torch.distributed.barrier()  # tear down together (gloo can abort at exit otherwise)
     torch.distributed.destroy_process_group()
     result = {
         "rank": rank,

@@ -93,6 +93,7 @@ def main() -> None:
     uneven = data[:3] if rank == 0 else data[3:]
     empty_rank = data if rank == 0 else []
     result = {"uneven": _floats(summary(uneven)), "empty_rank": _floats(summary(empty_rank))}
+    torch.distributed.barrier()  # tear down together (gloo can abort at exit otherwise)
     torch.distributed.destroy_process_group()
     print(json.dumps(result), flush=True)
 

@@ -686,6 +686,7 @@ _RANK = textwrap.dedent(
     moved = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
     weight = model.model.projection.weight.detach().flatten()[:3].tolist()
     print("RESULT " + json.dumps({"rank": rank, "moved": moved, "weight": weight}), flush=True)
+    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
     dist.destroy_process_group()
     """
 )

@@ -425,6 +425,7 @@ _CHILD = textwrap.dedent(
     strategy.run(batches)
     print("RESULT " + json.dumps({"rank": rank, "decisions": decisions,
                                   "steps": strategy.step_count}), flush=True)
+    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
     dist.destroy_process_group()
     """
 )

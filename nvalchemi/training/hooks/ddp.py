@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from nvalchemi.distributed.runtime import (
-    barrier,
     destroy_distributed,
     distributed_device,
     get_rank,
@@ -169,10 +168,9 @@ class DDPHook(BaseModel):
         if failed:
             # Other ranks may be gone: tear down locally, never raise over the run's error.
             with contextlib.suppress(Exception):
-                destroy_distributed(manager)
+                destroy_distributed(manager, barrier=False)
             return
-        barrier(manager)  # nobody leaves the group while another rank still uses it
-        destroy_distributed(manager)
+        destroy_distributed(manager)  # waits for every rank: nobody leaves while others use it
 
     # ------------------------------------------------------------------ models
     def wrap_models(self, strategy: Any) -> None:
