@@ -206,8 +206,10 @@ def main() -> None:
     parser.add_argument(
         "--sharding",
         choices=("round-robin", "balanced"),
-        default="round-robin",
-        help="round-robin: what DDPHook installs; balanced: equal atoms per rank and step",
+        default="balanced",
+        help="balanced (default, what `nvalchemi-training spec run` uses): "
+        "SizeBalancedBatchSampler, equal atoms per rank and step; round-robin: what DDPHook "
+        "installs into a loader without a distributed sampler",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

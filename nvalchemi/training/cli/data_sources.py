@@ -243,10 +243,26 @@ def make_loader(
     seed: int = 0,
     num_workers: int = 0,
     drop_last: bool = False,
+    balance_ranks: bool = False,
 ) -> Any:
-    """The nvalchemi batch ``DataLoader``."""
+    """The nvalchemi batch ``DataLoader``.
+
+    ``balance_ranks`` under a multi-rank process group uses a
+    :class:`~nvalchemi.data.datapipes.SizeBalancedBatchSampler` (equal atoms per rank and
+    step; ``DDPHook`` keeps it) instead of round-robin shards, which leave ranks of
+    mixed-size data waiting for each other at every gradient all-reduce.
+    """
+    import torch.distributed as dist
+
+    from nvalchemi.data.datapipes import MultiDataset, SizeBalancedBatchSampler
     from nvalchemi.data.datapipes.dataloader import DataLoader
 
+    multi_rank = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if balance_ranks and multi_rank and not isinstance(dataset, MultiDataset):
+        sampler = SizeBalancedBatchSampler(
+            dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
     return DataLoader(
         dataset,
         batch_size=batch_size,

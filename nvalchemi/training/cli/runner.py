@@ -204,6 +204,7 @@ def run_job(
             seed=data.seed,
             num_workers=data.num_workers if options.num_workers is None else options.num_workers,
             drop_last=options.drop_last,
+            balance_ranks=True,
         )
         if sources.validation:
             validation = make_dataset(
