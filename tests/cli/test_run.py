@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from _ranks import run_torchrun
 
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import (
@@ -162,13 +160,8 @@ def test_zarr_store_multiple_files_and_tensorboard(tmp_path):
 def test_spec_run_under_torchrun_trains_with_ddp(tmp_path):
     job = tiny_job(tmp_path, num_steps=2, structures=16)
     path = write_job(tmp_path / "job.json", job)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "nvalchemi.training.cli", "spec", "run", str(path), "--ddp-backend", "gloo"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env=env, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    args = ["-m", "nvalchemi.training.cli", "spec", "run", path, "--ddp-backend", "gloo"]
+    result = run_torchrun(args, cwd=tmp_path)  # exit code 0 is checked by run_torchrun
     assert result.stderr.count("Run summary") == 1  # rank 0 reports
     meta = read_strategy_metadata(tmp_path / "run" / "checkpoints")
     assert meta["runtime_state"]["step_count"] == 2

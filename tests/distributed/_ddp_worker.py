@@ -11,13 +11,13 @@ like the mean over the union batch).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _ranks import report as _report
 
 NUM_TRAIN = 16
 NUM_VAL = 10
@@ -25,7 +25,6 @@ VAL_BATCH_SIZES = (3, 2, 2, 2, 1)  # rank 0 gets batches 0, 2, 4; rank 1 gets 1,
 BATCH_SIZE = 2
 LOADER_SEED = 5
 LR = 0.05
-_RESULT = "RESULT "
 
 
 # --------------------------------------------------------------------------- shared builders
@@ -101,10 +100,6 @@ def train_loader(train: list):
 
 
 # --------------------------------------------------------------------------- rank side
-def _report(**values: object) -> None:
-    print(_RESULT + json.dumps(values), flush=True)
-
-
 def _floats(summary: dict) -> dict:
     return {
         k: float(v)

@@ -1,122 +1,26 @@
-"""Run real multi-process scenarios for the distributed tests.
+"""Child side of the multi-process tests of ``nvalchemi.distributed``.
 
-Parent side: :func:`run_ranks` starts one ``python _spawn.py <scenario>``
-process per rank with launcher-style environment variables, waits with a
-timeout, and returns what each rank reported. Child side: the scenarios below,
-each printing one ``RESULT {json}`` line.
-
-Load this file by path (it is not a test module)::
-
-    spawn = load_spawn_helpers()
+Each scenario below runs in every rank (``python _spawn.py <scenario>``) and prints
+one ``RESULT {json}`` line; :func:`run` starts them through :func:`_ranks.run_ranks`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "RESULT "
-_STRIP_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NVALCHEMI_DIST_")
-_STRIP_NAMES = {
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-}
+from _ranks import report as _report
+from _ranks import run_ranks
 
 
-# --------------------------------------------------------------------------- parent side
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment without launcher variables, plus ``extra``."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in _STRIP_NAMES and not key.startswith(_STRIP_PREFIXES)
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the tests exercise gloo on CPU
-    env.update(extra)
-    return env
-
-
-def run_ranks(
-    scenario: str,
-    env_for_rank: Callable[[int], dict[str, str]],
-    world_size: int = 2,
-    timeout: float = 60.0,
-    wait_for: tuple[int, ...] | None = None,
-) -> list[dict]:
-    """Run ``scenario`` in ``world_size`` processes; return the RESULT dicts of ``wait_for``.
-
-    ``wait_for`` (default: every rank) names the ranks whose results matter;
-    the other processes are killed once those have finished. Fails
-    (``AssertionError``) if a waited-for process hangs past ``timeout`` seconds,
-    exits with an error, or reports nothing.
-    """
-    wait_for = tuple(range(world_size)) if wait_for is None else wait_for
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario],
-            env=clean_env(env_for_rank(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    try:
-        for proc in (procs[rank] for rank in wait_for):
-            remaining = max(deadline - time.monotonic(), 0.1)
-            try:
-                out, _ = proc.communicate(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(
-                    f"scenario {scenario!r} did not finish within {timeout} s (hang)"
-                ) from None
-            outputs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = []
-    for rank, out in zip(wait_for, outputs):
-        proc = procs[rank]
-        lines = [line for line in out.splitlines() if line.startswith(_RESULT)]
-        if proc.returncode != 0 or not lines:
-            raise AssertionError(
-                f"rank {rank} of {scenario!r} exited with {proc.returncode}:\n{out[-4000:]}"
-            )
-        results.append(json.loads(lines[-1][len(_RESULT) :]))
-    return results
+def run(scenario: str, **kwargs: object) -> list[dict]:
+    """``run_ranks`` on this file's ``scenario`` (keyword arguments as for ``run_ranks``)."""
+    return run_ranks(Path(__file__), args=[scenario], **kwargs)
 
 
 # --------------------------------------------------------------------------- child side
-def _report(**values: object) -> None:
-    print(_RESULT + json.dumps(values), flush=True)
-
-
 def scenario_collectives() -> None:
     """initialize() from the environment, then every collective helper."""
     import torch

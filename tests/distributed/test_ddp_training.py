@@ -1,83 +1,33 @@
 """Real data-parallel training: two gloo ranks on the CPU, compared with one process.
 
-The rank side lives in ``_ddp_worker.py``; every run uses a free port, a bounded
-process-group timeout and a hard wall-clock limit. The launcher examples run under
+The rank side lives in ``_ddp_worker.py``; every run uses torchrun's (or Slurm's)
+variables on a free port, a bounded process-group timeout and a hard wall-clock limit. The launcher examples run under
 ``python -m torch.distributed.run --standalone --nproc_per_node=2``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import _ddp_worker as worker
 import pytest
 import torch
+from _ranks import free_port, run_ranks, run_torchrun
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SEED = Path("/work/shared/seeds/training-api.md")
 SEED_HOOK = Path("/work/shared/seeds/ddp-hook.md")
-_RESULT = "RESULT "
+WORKER = HERE / "_ddp_worker.py"
 
 
-def _load(name: str, path: Path):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-spawn = _load("_nvalchemi_dist_spawn", HERE / "_spawn.py")
-worker = _load("_nvalchemi_ddp_worker", HERE / "_ddp_worker.py")
-
-
-def run_worker(scenario, out, env_for_rank, wait_for=(0, 1), timeout=120.0):
-    """Start both ranks of ``scenario``; return ``{rank: (returncode, RESULT dict)}``."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_ddp_worker.py"), scenario, str(out)],
-            env=spawn.clean_env(env_for_rank(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = {}
-    try:
-        for rank in wait_for:
-            try:
-                outputs[rank], _ = procs[rank].communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"{scenario}: rank {rank} hung past {timeout} s") from None
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = {}
-    for rank, text in outputs.items():
-        lines = [line for line in text.splitlines() if line.startswith(_RESULT)]
-        assert lines, f"{scenario}: rank {rank} reported nothing:\n{text[-4000:]}"
-        results[rank] = (procs[rank].returncode, json.loads(lines[-1][len(_RESULT) :]))
-    return results
-
-
-def torchrun_env(port: int):
-    return lambda rank: {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "NVALCHEMI_DIST_TIMEOUT_S": "60",
-    }
+def run_worker(scenario, out, **kwargs):
+    """Both ranks of ``scenario`` (``run_ranks`` keyword arguments); their RESULT dicts."""
+    return run_ranks(WORKER, args=[scenario, str(out)], **kwargs)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -94,10 +44,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_train")
-    results = run_worker("train", out, torchrun_env(spawn.free_port()))
-    for rank, (code, _) in results.items():
-        assert code == 0, f"rank {rank} exited with {code}"
-    return out, results[0][1], results[1][1]
+    r0, r1 = run_worker(
+        "train", out, rendezvous="tcp", env={"NVALCHEMI_DIST_TIMEOUT_S": "60"}
+    )  # torchrun's variables: the DDPHook initialises the group from them
+    return out, r0, r1
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +181,7 @@ def test_teardown_destroys_the_group_the_hook_created(train_run):
 # --------------------------------------------------------------------------- failures
 @pytest.mark.parametrize("mode", ["exit", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_rank_that_dies_or_stalls_fails_the_other_with_a_clear_bounded_error(tmp_path, mode):
-    port = spawn.free_port()
+    port = free_port()
 
     def env(rank):  # Slurm variables only: the hook initialises from them
         return {
@@ -244,9 +194,10 @@ def test_a_rank_that_dies_or_stalls_fails_the_other_with_a_clear_bounded_error(t
             "TEST_PEER_MODE": mode,
         }
 
-    results = run_worker("peer_dies", tmp_path, env, wait_for=(0,), timeout=60)
-    code, result = results[0]
-    assert code == 0 and result["outcome"] != "returned"
+    (result,) = run_worker(
+        "peer_dies", tmp_path, rendezvous="none", env=env, wait_for=(0,), timeout=60
+    )  # exit code 0 is checked by run_ranks
+    assert result["outcome"] != "returned"
     assert "DDPHook: rank 0 of 2 lost contact" in result["message"]
     assert "NVALCHEMI_DIST_TIMEOUT_S" in result["message"]
     assert result["waited_s"] < 30  # bounded by the 4 s timeout, not PyTorch's 30 min
@@ -254,20 +205,8 @@ def test_a_rank_that_dies_or_stalls_fails_the_other_with_a_clear_bounded_error(t
 
 
 # --------------------------------------------------------------------------- launchers
-def _torchrun(args, cwd, timeout=180):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc_per_node=2", *args]
-    proc = subprocess.run(
-        command,
-        cwd=cwd,
-        env=spawn.clean_env({"NVALCHEMI_DIST_TIMEOUT_S": "60"}),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    return proc.stdout
+def _torchrun(args, cwd):
+    return run_torchrun(args, cwd=cwd, timeout=180, env={"NVALCHEMI_DIST_TIMEOUT_S": "60"}).stdout
 
 
 EXAMPLE_ARGS = [

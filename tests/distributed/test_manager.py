@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import _spawn as spawn
 import pytest
 import torch
+from _ranks import free_port
 
 from nvalchemi.distributed import DistributedManager
 from nvalchemi.distributed.launch import detect_launch_env, expand_slurm_nodelist
 
-
-def _load_spawn():
-    path = Path(__file__).with_name("_spawn.py")
-    spec = importlib.util.spec_from_file_location("_nvalchemi_dist_spawn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-spawn = _load_spawn()
 LAUNCH_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -229,12 +218,11 @@ def test_named_groups_need_a_distributed_run():
     assert manager.group_names == []
 
 
-def test_existing_process_group_is_adopted_and_never_destroyed_by_cleanup():
+def test_existing_process_group_is_adopted_and_never_destroyed_by_cleanup(tmp_path):
     from nvalchemi.distributed import runtime as rt
 
-    port = spawn.free_port()
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
     )
     try:
         manager = DistributedManager()  # adopts the user's group
@@ -260,9 +248,11 @@ def test_repr_shows_rank_and_device():
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_setup_with_explicit_address_creates_and_destroys_the_group():
-    port = str(spawn.free_port())
-    results = spawn.run_ranks(
-        "setup_explicit", lambda rank: {"TEST_RANK": str(rank), "TEST_PORT": port}
+    port = str(free_port())
+    results = spawn.run(
+        "setup_explicit",
+        rendezvous="none",
+        env=lambda rank: {"TEST_RANK": str(rank), "TEST_PORT": port},
     )
     for rank, result in enumerate(results):
         assert result["rank"] == rank
@@ -283,17 +273,10 @@ def test_collective_fails_instead_of_hanging_when_a_rank_leaves(peer_mode):
     subprocess deadline (60 s, far below PyTorch's default of 10-30 min)
     turns a hang into a test failure.
     """
-    port = str(spawn.free_port())
-    (rank0,) = spawn.run_ranks(
+    (rank0,) = spawn.run(
         "peer_failure",
-        lambda rank: {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "NVALCHEMI_DIST_TIMEOUT_S": "3",
-            "TEST_PEER_MODE": peer_mode,
-        },
+        rendezvous="tcp",
+        env={"NVALCHEMI_DIST_TIMEOUT_S": "3", "TEST_PEER_MODE": peer_mode},
         timeout=60,
         wait_for=(0,),
     )

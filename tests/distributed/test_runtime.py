@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import _spawn as spawn
 import pytest
 import torch
+from _ranks import free_port
 
 import nvalchemi.distributed as nd
 from nvalchemi.distributed import DistributedManager
 from nvalchemi.distributed import runtime as rt
 
-
-def _load_spawn():
-    path = Path(__file__).with_name("_spawn.py")
-    spec = importlib.util.spec_from_file_location("_nvalchemi_dist_spawn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-spawn = _load_spawn()
 LAUNCH_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -268,17 +257,7 @@ def test_collectives_delegate_to_manager_methods():
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_two_ranks_from_torchrun_variables():
-    port = str(spawn.free_port())
-    results = spawn.run_ranks(
-        "collectives",
-        lambda rank: {
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        },
-    )
+    results = spawn.run("collectives", rendezvous="tcp")  # RANK, WORLD_SIZE, MASTER_* ...
     for rank, r in enumerate(results):
         assert (r["rank"], r["world_size"], r["local_rank"]) == (rank, 2, rank)
         assert r["distributed"] is True and r["backend"] == "gloo" and r["has_group"] is True
@@ -300,10 +279,11 @@ def test_two_ranks_from_torchrun_variables():
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_two_ranks_from_slurm_variables_with_auto_init():
-    port = str(spawn.free_port())
-    results = spawn.run_ranks(
+    port = str(free_port())
+    results = spawn.run(
         "slurm_auto_init",
-        lambda rank: {
+        rendezvous="none",
+        env=lambda rank: {
             "SLURM_PROCID": str(rank),
             "SLURM_NTASKS": "2",
             "SLURM_LOCALID": str(rank),

@@ -6,33 +6,22 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+from _ranks import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=240, cwd=cwd, env=ENV,
-        check=False,
-    )  # fmt: skip
 
 
 def test_train_painn_bundled_example(tmp_path):
     out = tmp_path / "run"
-    result = _run(
+    result = run_python(
         [str(EXAMPLES / "train_painn_bundled.py"), "--epochs", "2", "--max-train", "24",
          "--max-eval", "8", "--hidden", "8", "--out", str(out)],
         cwd=tmp_path,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 2 and summary["steps"] == 6
     assert summary["test_forces_mae_meV_per_A"] > 0
@@ -49,12 +38,11 @@ def test_train_painn_job_file_runs_with_spec_run(tmp_path):
     job["output"]["tensorboard"] = False
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    result = _run(
+    result = run_python(
         ["-m", "nvalchemi.training.cli", "spec", "run", str(path), "--num-steps", "3",
          "--max-structures", "12"],
         cwd=tmp_path,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
     assert "Training report: train-painn-bundled-emt" in result.stderr
     assert "Run summary" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "manifest.json").is_file()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from _ranks import run_python
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "finetune_from_checkpoint.py"
 
@@ -23,12 +22,7 @@ def test_finetune_example_trains_only_the_readout(tmp_path):
         "--interactions": 1,
         "--out": tmp_path,
     }
-    command = [sys.executable, str(EXAMPLE)] + [str(x) for kv in args.items() for x in kv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env=env, check=False
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_python([EXAMPLE, *(x for kv in args.items() for x in kv)])  # must exit 0
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["pretrain_steps"] == 6 and summary["finetune_steps"] == 4
     assert summary["readout_changed"] and summary["body_unchanged"]

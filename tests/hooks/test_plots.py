@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
+import _reporting_support as support
 import pytest
 import torch
 
@@ -23,20 +22,6 @@ from nvalchemi.training.stages import TrainingStage
 
 pytest.importorskip("matplotlib")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _support():
-    name = "_nvalchemi_reporting_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_reporting_support.py")
-        )
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-support = _support()
 
 
 def assert_png(path: Path) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 from enum import Enum, auto
-from pathlib import Path
 
 import pytest
+from _reporting_support import make_ctx
 
 from nvalchemi.hooks import Hook
 from nvalchemi.hooks.context import TrainContext
@@ -22,20 +20,6 @@ from nvalchemi.hooks.reporting import (
 )
 from nvalchemi.hooks.reporting import orchestrator as orchestrator_module
 from nvalchemi.training.stages import TrainingStage
-
-
-def _support():
-    name = "_nvalchemi_reporting_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_reporting_support.py")
-        )
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-make_ctx = _support().make_ctx
 
 
 class Recorder:

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 from types import SimpleNamespace
 
+import _reporting_support as support
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import run_ranks
 
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.reporting import (
@@ -31,21 +27,6 @@ from nvalchemi.hooks.reporting.scalars import training_plan
 from nvalchemi.hooks.reporting.state import RateMeter
 from nvalchemi.training.stages import TrainingStage
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _support():
-    name = "_nvalchemi_reporting_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_reporting_support.py")
-        )
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-support = _support()
 STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 
@@ -278,17 +259,17 @@ def test_reduction_is_a_no_op_in_one_process():
 
 _WORKER = textwrap.dedent(
     """
-    import io, json, os
+    import io
     from datetime import timedelta
-    import torch, torch.distributed as dist
+    import torch
+    from _ranks import init_group, report, teardown
     from rich.console import Console
     from nvalchemi.hooks.context import TrainContext
     from nvalchemi.hooks.reporting import ReportingOrchestrator, RichReporter, TensorBoardReporter
     from nvalchemi.hooks.reporting.reduce import reduce_scalar_snapshot
     from nvalchemi.hooks.reporting.scalars import ScalarSnapshot
 
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = init_group(timeout=timedelta(seconds=30))
 
     def snap(scalars):
         return ScalarSnapshot(stage="AFTER_OPTIMIZER_STEP", scalars=scalars, timestamp_s=0.0,
@@ -325,60 +306,15 @@ _WORKER = textwrap.dedent(
         hook(ctx, "AFTER_OPTIMIZER_STEP")
     out["rich"] = console.file.getvalue()
     out["tb"] = writer.calls
-    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
+    teardown()
+    report(**out)
     """
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
-def test_two_process_gloo_reduction(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    port = str(_free_port())
-    base = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-        and not k.startswith(("SLURM_", "TORCHELASTIC_"))
-    }
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=port,
-        WORLD_SIZE="2",
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=str(REPO_ROOT),
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=90)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, out[-3000:]
-            results.append(json.loads(lines[-1][len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+def test_two_process_gloo_reduction():
+    results = run_ranks(_WORKER, timeout=90)
     for result in results:
         assert result["mean"] == pytest.approx({"loss/total": 1.5, "optimizer/lr": 0.15})
         assert result["sum"] == pytest.approx({"loss/total": 3.0, "optimizer/lr": 0.3})

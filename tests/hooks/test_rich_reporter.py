@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+import _reporting_support as support
 import pytest
 import torch
 from rich.console import Console
@@ -23,19 +21,6 @@ from nvalchemi.hooks.reporting import (
 from nvalchemi.hooks.reporting.rich_layouts import choose_plot_keys, format_duration
 from nvalchemi.training.stages import TrainingStage
 
-
-def _support():
-    name = "_nvalchemi_reporting_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_reporting_support.py")
-        )
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-support = _support()
 STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 VALIDATION = TrainingStage.AFTER_VALIDATION
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
+import _reporting_support as support
 import pytest
 
 from nvalchemi._optional import OptionalDependency, OptionalDependencyError
@@ -22,19 +21,6 @@ requires_tensorboard = pytest.mark.skipif(
     not OptionalDependency.TENSORBOARD.is_available(), reason="tensorboard extra not installed"
 )
 
-
-def _support():
-    name = "_nvalchemi_reporting_support"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_reporting_support.py")
-        )
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-support = _support()
 STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 

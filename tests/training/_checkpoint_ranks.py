@@ -2,32 +2,29 @@
 
 Each rank trains its own tiny model under a gloo group with a rank-dependent RNG seed
 and a shared ``CheckpointHook`` directory (rank 0 writes, every rank waits), then
-checks that every rank reloads its own RNG state. Prints one ``RESULT {json}`` line.
+checks that every rank reloads its own RNG state; reports what it saw.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _checkpoint_support import batches, strategy
+from _ranks import init_group, report, teardown
+
+from nvalchemi.training import TrainingStrategy
+from nvalchemi.training.checkpoint import CheckpointManifest, strategy_load_checkpoint
+from nvalchemi.training.hooks.checkpoint import CheckpointHook
 
 torch.set_num_threads(1)
 
 
 def main(root: str) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _checkpoint_support import batches, strategy
-
-    from nvalchemi.training import TrainingStrategy
-    from nvalchemi.training.checkpoint import CheckpointManifest, strategy_load_checkpoint
-    from nvalchemi.training.hooks.checkpoint import CheckpointHook
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = init_group()
     hook = CheckpointHook(root, step_interval=2)
     run = strategy(num_steps=2, hooks=[hook])
     torch.manual_seed(100 + rank)  # after building the (identical) models
@@ -39,27 +36,19 @@ def main(root: str) -> None:
     loaded = strategy_load_checkpoint(TrainingStrategy, root, map_location="cpu")
     restored = torch.rand(3).tolist()
     meta = json.loads((Path(root) / entry.path / "strategy.json").read_text())
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "rank": rank,
-                "index": hook.last_checkpoint_index,
-                "entries": [e.index for e in manifest.checkpoints],
-                "rng_files": files,
-                "same_draws": after_run == restored,
-                "draws": after_run,
-                "world_size": meta["world_size"],
-                "step": loaded.step_count,
-            }
-        ),
-        flush=True,
+    report(
+        rank=rank,
+        index=hook.last_checkpoint_index,
+        entries=[e.index for e in manifest.checkpoints],
+        rng_files=files,
+        same_draws=after_run == restored,
+        draws=after_run,
+        world_size=meta["world_size"],
+        step=loaded.step_count,
     )
     dist.barrier()
-    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     main(sys.argv[1])

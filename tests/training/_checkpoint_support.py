@@ -1,10 +1,7 @@
-"""Small strategies and components for the checkpoint tests (load by path, see ``load``)."""
+"""Small strategies and components for the checkpoint tests."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,16 +9,6 @@ import torch
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.models.demo import DemoModel, DemoModelWrapper
 from nvalchemi.training import EnergyMSELoss, ForceMSELoss, OptimizerConfig, TrainingStrategy
-
-
-def load(name: str):
-    """Import a sibling helper module by path (tests run with ``--import-mode=importlib``)."""
-    key = f"_nvalchemi_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 def batches(n: int = 3, seed: int = 0, nan: bool = False) -> list[Batch]:

@@ -1,16 +1,14 @@
 """Rank side of the distributed non-finite policy test (run as a script, one process per rank).
 
 Each rank trains its own copy of a one-parameter model (no DDP) under a 2-process gloo
-group; only rank 1 sees a NaN loss. Prints one JSON line: what ``nonfinite_loss="raise"``
-and ``"skip"`` did on this rank.
+group; only rank 1 sees a NaN loss. Reports what ``nonfinite_loss="raise"`` and
+``"skip"`` did on this rank.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from _ranks import init_group, report, teardown
 
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStrategy
@@ -59,8 +57,7 @@ def strategy(rank: int, policy: str) -> TrainingStrategy:
 
 
 def main() -> None:
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
+    rank = init_group()
     raised = None
     try:
         strategy(rank, "raise").run(batches())
@@ -68,15 +65,9 @@ def main() -> None:
         raised = {"step": exc.step, "components": exc.components}
     skipping = strategy(rank, "skip")
     skipping.run(batches())
-    torch.distributed.barrier()  # tear down together (gloo can abort at exit otherwise)
-    torch.distributed.destroy_process_group()
-    result = {
-        "rank": rank,
-        "raised": raised,
-        "skip_counts": [skipping.step_count, skipping.batch_count],
-    }
-    print(json.dumps(result), flush=True)
+    teardown()
+    report(rank=rank, raised=raised, skip_counts=[skipping.step_count, skipping.batch_count])
 
 
-if __name__ == "__main__" and "RANK" in os.environ:
+if __name__ == "__main__":
     main()

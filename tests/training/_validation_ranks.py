@@ -1,17 +1,14 @@
 """Rank side of the distributed validation test (run as a script, one process per rank).
 
 Every rank builds the same batches and model; each validates its shard with a
-``ValidationLoop`` under a 2-process gloo group and prints one JSON line with the
-summaries of two sharding scenarios: uneven shards (3 batches vs 1) and a rank with no
+``ValidationLoop`` under a 2-process gloo group and reports the summaries of two sharding scenarios: uneven shards (3 batches vs 1) and a rank with no
 batches at all. :func:`single_process_summary` is the reference the test compares to.
 """
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
+from _ranks import init_group, report, teardown
 
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.training import (
@@ -77,7 +74,7 @@ def single_process_summary() -> dict:
     return summary(batches())
 
 
-def _floats(result: dict) -> dict:
+def floats(result: dict) -> dict:
     values = {
         k: float(v)
         for k, v in result.items()
@@ -87,16 +84,14 @@ def _floats(result: dict) -> dict:
 
 
 def main() -> None:
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
+    rank = init_group()
     data = batches()
     uneven = data[:3] if rank == 0 else data[3:]
     empty_rank = data if rank == 0 else []
-    result = {"uneven": _floats(summary(uneven)), "empty_rank": _floats(summary(empty_rank))}
-    torch.distributed.barrier()  # tear down together (gloo can abort at exit otherwise)
-    torch.distributed.destroy_process_group()
-    print(json.dumps(result), flush=True)
+    result = {"uneven": floats(summary(uneven)), "empty_rank": floats(summary(empty_rank))}
+    teardown()
+    report(**result)
 
 
-if __name__ == "__main__" and "RANK" in os.environ:
+if __name__ == "__main__":
     main()

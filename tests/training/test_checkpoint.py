@@ -6,6 +6,7 @@ import ast
 import json
 from pathlib import Path
 
+import _checkpoint_support as C
 import pytest
 import torch
 from pydantic import ValidationError
@@ -24,22 +25,6 @@ from nvalchemi.training.checkpoint import (
 )
 from nvalchemi.training.errors import NonFiniteLossError
 from nvalchemi.training.hooks.early_stopping import EarlyStoppingHook
-
-
-def _support():
-    import importlib.util
-    import sys
-
-    name = "_nvalchemi__checkpoint_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_checkpoint_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-C = _support()
 
 
 def _trained(num_steps: int = 3, **kwargs):

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
+import _checkpoint_support as C
+import _update_support as U
 import pytest
 import torch
+from _ranks import run_ranks
 from pydantic import ValidationError
 
 from nvalchemi.training import TrainingStage, TrainingStrategy, ValidationConfig
@@ -26,19 +24,6 @@ from nvalchemi.training.errors import NonFiniteLossError
 from nvalchemi.training.hooks.checkpoint import CheckpointHook
 from nvalchemi.training.hooks.ema import EMAHook
 from nvalchemi.training.preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
-
-
-def _load(name: str):
-    key = f"_nvalchemi_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-C = _load("_checkpoint_support")
-U = _load("_update_support")
 
 
 def _entries(root: Path) -> list[tuple[int, int, str]]:
@@ -177,52 +162,12 @@ def test_other_ranks_do_not_write(tmp_path):
     assert not (tmp_path / "manifest.json").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_gloo_ranks_rank0_writes_and_each_rank_restores_its_rng(tmp_path):
-    port = _free_port()
     script = Path(__file__).with_name("_checkpoint_ranks.py")
-    procs = []
-    for rank in range(2):
-        env = {
-            **{
-                k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))
-            },
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": str(Path.cwd()),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path / "ckpt")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=120)
-            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-            assert proc.returncode == 0 and lines, out[-3000:]
-            results.append(json.loads(lines[-1][7:]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    r0, r1 = sorted(results, key=lambda r: r["rank"])
+    results = run_ranks(script, args=[str(tmp_path / "ckpt")])
+    r0, r1 = results
     assert r0["index"] == 0 and r1["index"] is None  # only rank 0 wrote
     assert r0["entries"] == r1["entries"] == [0]
     assert r0["rng_files"] == ["rank_0.pt", "rank_1.pt"] and r0["world_size"] == 2

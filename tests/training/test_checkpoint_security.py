@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
+import _checkpoint_support as C
 import pytest
 import torch
 
@@ -22,21 +22,6 @@ from nvalchemi.training.checkpoint import (
     save_checkpoint,
     strategy_load_checkpoint,
 )
-
-
-def _support():
-    import importlib.util
-
-    name = "_nvalchemi__checkpoint_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_checkpoint_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-C = _support()
 
 
 class Payload:

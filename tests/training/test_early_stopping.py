@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _training_support import Recorder, make_batches, strategy
 
 from nvalchemi.training import EarlyStoppingHook, OptimizerConfig, TrainingStage, ValidationConfig
-
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_s = _support()
-Recorder, make_batches, strategy = _s.Recorder, _s.make_batches, _s.strategy
 
 
 class FakeWorkflow:

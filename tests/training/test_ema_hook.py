@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
+import _update_support as S
 import pytest
 import torch
 from pydantic import ValidationError
@@ -17,18 +15,6 @@ from nvalchemi.training import EMAHook as ExportedEMAHook
 from nvalchemi.training import EnergyMSELoss, TrainingStage, ValidationConfig
 from nvalchemi.training.hooks.ema import EMAHook, EMAValidationHook
 from nvalchemi.training.validation import ValidationLoop
-
-
-def _load(name: str):
-    key = f"_nvalchemi_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-S = _load("_update_support")
 
 
 def _track_weights(strategy, model) -> list[list[torch.Tensor]]:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -14,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from _ranks import run_ranks
+from _training_support import StageHook, make_batches
 from torch import nn
 
 from nvalchemi.models.demo import DemoModel, DemoModelWrapper
@@ -31,18 +29,6 @@ from nvalchemi.training.finetune import FineTuningStrategy
 from nvalchemi.training.hooks import GradientClipHook
 from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
 
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-StageHook, make_batches = _support().StageHook, _support().make_batches
 H = 8
 BODY = ("species_embedding", "coord_embedding", "joint_mlp")
 
@@ -654,8 +640,8 @@ def test_from_a_mace_model_file_and_a_mace_state_dict(tmp_path):
 # ---------------------------------------------------------------------------- two DDP ranks
 _RANK = textwrap.dedent(
     """
-    import json, sys, torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[1])
+    import torch
+    from _ranks import init_group, report, teardown
     from _training_support import make_batches
     from nvalchemi.models.demo import DemoModel, DemoModelWrapper
     from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStage
@@ -669,8 +655,7 @@ _RANK = textwrap.dedent(
                 isinstance(ctx.models["main"], torch.nn.parallel.DistributedDataParallel))
     from nvalchemi.training.finetune import FineTuningStrategy
     from nvalchemi.training.hooks import DDPHook
-    rank = int(sys.argv[2])
-    dist.init_process_group("gloo", init_method=sys.argv[3], rank=rank, world_size=2)
+    rank = init_group()
     torch.manual_seed(0)
     model = DemoModelWrapper(DemoModel(num_atom_types=10, hidden_dim=8))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -685,42 +670,16 @@ _RANK = textwrap.dedent(
     assert wrapped == [True, True, True], wrapped
     moved = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
     weight = model.model.projection.weight.detach().flatten()[:3].tolist()
-    print("RESULT " + json.dumps({"rank": rank, "moved": moved, "weight": weight}), flush=True)
-    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    report(rank=rank, moved=moved, weight=weight)
+    teardown()
     """
 )
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_trainable_patterns_under_two_ddp_ranks(tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(_RANK)
-    init = f"file://{tmp_path / 'rendezvous'}"  # no TCP port to race for
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(Path(__file__).parent), str(rank), init],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            results.append(json.loads(line[len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+def test_trainable_patterns_under_two_ddp_ranks():
+    results = run_ranks(_RANK)
     for result in results:
         assert result["moved"] == ["model.projection.bias", "model.projection.weight"]
     assert results[0]["weight"] == results[1]["weight"]  # gradients were all-reduced

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
+import _update_support as S
 import pytest
 import torch
+from _ranks import run_ranks
 from pydantic import ValidationError
 
 from nvalchemi.data import Batch
@@ -26,19 +21,6 @@ from nvalchemi.training.hooks import (
     MixedPrecisionHook,
 )
 from nvalchemi.training.hooks.update import TrainingUpdateOrchestrator
-
-
-def _load(name: str):
-    key = f"_nvalchemi_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-S = _load("_update_support")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _record(strategy, stage, fn, frequency: int = 1) -> list:
@@ -400,15 +382,13 @@ def test_per_step_hook_code_never_reads_device_values(monkeypatch):
 # ----------------------------------------------------------------------------- distributed
 _CHILD = textwrap.dedent(
     """
-    import importlib.util, json, sys, torch, torch.distributed as dist
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("S", sys.argv[1])
-    S = importlib.util.module_from_spec(spec); spec.loader.exec_module(S)
+    import torch
+    import _update_support as S
+    from _ranks import init_group, report, teardown
     from nvalchemi.data import Batch
     from nvalchemi.training import EnergyMSELoss, TrainingStage
     from nvalchemi.training.hooks import LossSpikeSkipHook
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = init_group()
     structures = S.make_structures(2, atoms=3, seed=11)
     batches = []
     for i in range(6):
@@ -423,62 +403,16 @@ _CHILD = textwrap.dedent(
     strategy.register_hook(S.StageHook(TrainingStage.AFTER_BATCH,
                                        lambda ctx: decisions.append(hook.last_step_skipped)))
     strategy.run(batches)
-    print("RESULT " + json.dumps({"rank": rank, "decisions": decisions,
-                                  "steps": strategy.step_count}), flush=True)
-    dist.barrier()  # tear down together (gloo can abort at exit otherwise)
-    dist.destroy_process_group()
+    report(rank=rank, decisions=decisions, steps=strategy.step_count)
+    teardown()
     """
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_spike_decision_agrees_across_ranks():
-    port = _free_port()
-    support = str(Path(__file__).with_name("_update_support.py"))
-    procs = []
-    for rank in range(2):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-        }
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",
-            PYTHONPATH=str(REPO_ROOT),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _CHILD, support],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-3000:]
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-            results.append(json.loads(line[len("RESULT ") :]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    results = run_ranks(_CHILD)
     expected = [False, False, False, False, True, False]
-    assert [r["decisions"] for r in sorted(results, key=lambda r: r["rank"])] == [expected] * 2
+    assert [r["decisions"] for r in results] == [expected] * 2
     assert [r["steps"] for r in results] == [5, 5]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import _update_support as S
 import pytest
 import torch
 from pydantic import ValidationError
@@ -18,18 +15,6 @@ from nvalchemi.training.hooks import MixedPrecisionHook as ExportedHook
 from nvalchemi.training.hooks.gradients import GradientAccumulationHook
 from nvalchemi.training.hooks.mixed_precision import MixedPrecisionHook
 from nvalchemi.training.hooks.update import TrainingUpdateOrchestrator
-
-
-def _load(name: str):
-    key = f"_nvalchemi_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[key] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-S = _load("_update_support")
 
 
 # ----------------------------------------------------------------------------- configuration

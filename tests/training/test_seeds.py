@@ -8,12 +8,11 @@ file); the resume and DDP blocks are not run here.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import textwrap
 from pathlib import Path
 
+import _training_support as _s
 import pytest
 import torch
 
@@ -35,18 +34,6 @@ from nvalchemi.training import (
 
 SEED = Path("/work/shared/seeds/training-api.md")
 
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_s = _support()
 
 IMPORTS = """
 import torch

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
+from _training_support import (
+    Recorder,
+    StageHook,
+    TinyModel,
+    adam,
+    energy_training_fn,
+    make_batch,
+    make_batches,
+    strategy,
+)
 from torch import nn
 
 from nvalchemi.training import (
@@ -24,26 +33,6 @@ from nvalchemi.training import (
 )
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError
 from nvalchemi.training.hooks.update import TrainingUpdateHook
-
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_s = _support()
-Recorder, StageHook, TinyModel, adam = _s.Recorder, _s.StageHook, _s.TinyModel, _s.adam
-energy_training_fn, make_batch, make_batches, strategy = (
-    _s.energy_training_fn,
-    _s.make_batch,
-    _s.make_batches,
-    _s.strategy,
-)
 
 S = TrainingStage
 PER_BATCH = [
@@ -778,7 +767,7 @@ def test_spec_round_trip_is_json_and_rebuilds_the_configuration():
     )
     s.loss_fn.dtype_policy = "prediction_to_target"
     spec = json.loads(json.dumps(s.to_spec_dict()))
-    assert spec["training_fn"] == "_nvalchemi_training_support.energy_training_fn"
+    assert spec["training_fn"] == "_training_support.energy_training_fn"
     rebuilt = TrainingStrategy.from_spec_dict(spec, trust=True)
     assert rebuilt.num_steps == 7 and rebuilt.num_epochs is None
     assert rebuilt.devices == [torch.device("cpu")] and rebuilt.single_model_input
@@ -878,50 +867,7 @@ def test_nonfinite_record_survives_no_warning_noise():
 
 @pytest.mark.distributed
 def test_nonfinite_verdicts_are_agreed_across_ranks():
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    script = Path(__file__).with_name("_strategy_ranks.py")
-    root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(2):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-        }
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",
-            PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out[-3000:]
-            results.append(json.loads(next(x for x in out.splitlines() if x.startswith("{"))))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    results = run_ranks(Path(__file__).with_name("_strategy_ranks.py"))
     by_rank = {r["rank"]: r for r in results}
     assert by_rank[1]["raised"] == {"step": 2, "components": ["EnergyMSELoss"]}
     assert by_rank[0]["raised"] is not None  # told by rank 1, instead of hanging

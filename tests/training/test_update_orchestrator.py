@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _training_support import StageHook, TinyModel, make_batches, strategy
 from pydantic import ValidationError
 
 from nvalchemi.hooks import Hook
@@ -21,24 +19,6 @@ from nvalchemi.training.hooks.update import (
     _fold_training_update_hooks,
 )
 
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_s = _support()
-StageHook, TinyModel, make_batches, strategy = (
-    _s.StageHook,
-    _s.TinyModel,
-    _s.make_batches,
-    _s.strategy,
-)
 S = TrainingStage
 
 

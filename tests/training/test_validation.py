@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
+import _validation_ranks
 import pytest
 import torch
+from _ranks import run_ranks
+from _training_support import StageHook, TinyModel, make_batches, strategy
 from pydantic import ValidationError
 from torch import nn
 
@@ -27,25 +24,6 @@ from nvalchemi.training import (
 )
 from nvalchemi.training import _validation as documented_path
 
-
-def _support():
-    name = "_nvalchemi_training_support"
-    if name not in sys.modules:
-        path = Path(__file__).with_name("_training_support.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_s = _support()
-StageHook, TinyModel, make_batch, make_batches, strategy = (
-    _s.StageHook,
-    _s.TinyModel,
-    _s.make_batch,
-    _s.make_batches,
-    _s.strategy,
-)
 S = TrainingStage
 NAN = float("nan")
 LEVELS = {"pe": "system", "pf": "atom", "ps": "system"}
@@ -316,62 +294,10 @@ def test_standalone_loop_rules():
 
 
 # ----------------------------------------------------------------------------- distributed parity
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _as_floats(summary):
-    return {
-        k: float(v)
-        for k, v in summary.items()
-        if isinstance(v, torch.Tensor) or (isinstance(v, (int, float)) and not isinstance(v, bool))
-    }
-
-
 @pytest.mark.distributed
 def test_distributed_metrics_equal_single_process_with_uneven_and_empty_shards():
-    script = Path(__file__).with_name("_validation_ranks.py")
-    port = _free_port()
-    root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(2):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-        }
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",
-            PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=120)
-            assert proc.returncode == 0, out[-3000:]
-            outputs.append(json.loads(next(x for x in out.splitlines() if x.startswith("{"))))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    ranks = _load_rank_module(script)
-    reference = _as_floats(ranks.single_process_summary())
+    outputs = run_ranks(Path(__file__).with_name("_validation_ranks.py"))
+    reference = _validation_ranks.floats(_validation_ranks.single_process_summary())["values"]
     for result in outputs:
         for scenario in ("uneven", "empty_rank"):
             got = result[scenario]
@@ -380,10 +306,3 @@ def test_distributed_metrics_equal_single_process_with_uneven_and_empty_shards()
             for key, value in reference.items():
                 assert got["values"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     assert outputs[0] == outputs[1]
-
-
-def _load_rank_module(path: Path):
-    spec = importlib.util.spec_from_file_location("_nvalchemi_validation_ranks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
