@@ -10,34 +10,7 @@ from _ranks import free_port
 from nvalchemi.distributed import DistributedManager
 from nvalchemi.distributed.launch import detect_launch_env, expand_slurm_nodelist
 
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NVALCHEMI_DIST_METHOD",
-    "NVALCHEMI_DIST_TIMEOUT_S",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_NPROCS",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_LOCALID",
-    "SLURM_LAUNCH_NODE_IPADDR",
-    "SLURM_JOB_NODELIST",
-    "SLURM_STEP_NODELIST",
-    "SLURM_NODELIST",
-    "SLURM_JOB_ID",
-)
-
-
-@pytest.fixture(autouse=True)
-def clean_launch_env(monkeypatch):
-    for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    DistributedManager.cleanup()
-    yield
-    DistributedManager.cleanup()
+pytestmark = pytest.mark.usefixtures("clean_launch_env")
 
 
 # ----------------------------------------------------------------------------- launch env

@@ -11,19 +11,8 @@ import nvalchemi.distributed as nd
 from nvalchemi.distributed import DistributedManager
 from nvalchemi.distributed import runtime as rt
 
-LAUNCH_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NVALCHEMI_DIST_METHOD",
-    "SLURM_PROCID",
-    "SLURM_NTASKS",
-    "SLURM_STEP_NUM_TASKS",
-    "SLURM_NPROCS",
-    "SLURM_LOCALID",
-)
+pytestmark = pytest.mark.usefixtures("clean_launch_env")
+
 NINE = (
     "all_reduce",
     "barrier",
@@ -35,15 +24,6 @@ NINE = (
     "init_distributed",
     "is_distributed_initialized",
 )
-
-
-@pytest.fixture(autouse=True)
-def clean_launch_env(monkeypatch):
-    for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    DistributedManager.cleanup()
-    yield
-    DistributedManager.cleanup()
 
 
 class AttrManager:
