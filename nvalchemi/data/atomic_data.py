@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nvalchemi.data.fields import FIELDS, LEVELS, RESERVED_NAMES, FieldSpec, Level
+from nvalchemi.data.fields import FIELDS, LEVELS, RESERVED_NAMES, FieldSpec, Level, atomic_masses_of
 
 __all__ = [
     "AtomicData",
@@ -407,13 +407,7 @@ class AtomicData:
     @property
     def atomic_masses(self) -> torch.Tensor:
         """Masses in amu: the stored field, else looked up from ``atomic_numbers``."""
-        stored = self._data.get("atomic_masses")
-        if stored is not None:
-            return stored
-        from ase.data import atomic_masses
-
-        table = torch.as_tensor(atomic_masses, dtype=self.dtype, device=self.device)
-        return table[self._data["atomic_numbers"]]
+        return atomic_masses_of(self._data)
 
     @property
     def is_periodic(self) -> bool:

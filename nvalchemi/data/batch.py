@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from nvalchemi.data.atomic_data import AtomicData
-from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level
+from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level, atomic_masses_of
 
 __all__ = ["Batch"]
 
@@ -332,13 +332,7 @@ class Batch:
     @property
     def atomic_masses(self) -> torch.Tensor:
         """Masses in amu: the stored field, else looked up from ``atomic_numbers``."""
-        stored = self._data.get("atomic_masses")
-        if stored is not None:
-            return stored
-        from ase.data import atomic_masses
-
-        table = torch.as_tensor(atomic_masses, dtype=self.dtype, device=self.device)
-        return table[self._data["atomic_numbers"]]
+        return atomic_masses_of(self._data)
 
     @property
     def keys(self) -> dict[str, set[str]]:

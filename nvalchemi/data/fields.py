@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -162,6 +163,21 @@ RESERVED_NAMES = frozenset(
 def field_spec(name: str) -> FieldSpec | None:
     """The spec of a known field, or ``None`` for a custom one."""
     return FIELDS.get(name)
+
+
+def atomic_masses_of(fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Masses in amu: the stored ``atomic_masses``, else ASE's table by ``atomic_numbers``.
+
+    Looked-up masses have the dtype and device of ``positions``.
+    """
+    stored = fields.get("atomic_masses")
+    if stored is not None:
+        return stored
+    from ase.data import atomic_masses
+
+    positions = fields["positions"]
+    table = torch.as_tensor(atomic_masses, dtype=positions.dtype, device=positions.device)
+    return table[fields["atomic_numbers"]]
 
 
 def is_label(name: str) -> bool:
