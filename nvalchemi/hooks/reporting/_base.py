@@ -1,9 +1,10 @@
-"""Options and rank semantics shared by the built-in scalar reporters."""
+"""Options, rank semantics and the ``with`` protocol shared by the built-in reporters."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 
 from nvalchemi.hooks.reporting.reduce import normalize_rank_reduction, reduce_scalar_snapshot
 from nvalchemi.hooks.reporting.scalars import (
@@ -14,10 +15,30 @@ from nvalchemi.hooks.reporting.scalars import (
 )
 from nvalchemi.hooks.reporting.state import ReportingState
 
-__all__ = ["ScalarReporterBase"]
+__all__ = ["ClosesOnExit", "ScalarReporterBase"]
+
+_R = TypeVar("_R", bound="ClosesOnExit")
 
 
-class ScalarReporterBase:
+class ClosesOnExit:
+    """``with reporter:`` gives the reporter back and calls its ``close()`` on the way out."""
+
+    def close(self) -> None:
+        """Release what the reporter holds (nothing here; reporters override it)."""
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ScalarReporterBase(ClosesOnExit):
     """Collect (and optionally reduce across ranks) the scalars of an event.
 
     Rank semantics: with ``rank_reduction`` set, ``requires_all_ranks`` is True,

@@ -20,9 +20,9 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
+from nvalchemi.hooks.reporting._base import ClosesOnExit
 from nvalchemi.hooks.reporting._events import event_position, is_validation_stage
 from nvalchemi.hooks.reporting.scalars import (
     ScalarCallback,
@@ -44,7 +44,7 @@ def _metrics_path(path: str | Path) -> Path:
     return path
 
 
-class JSONLinesReporter:
+class JSONLinesReporter(ClosesOnExit):
     """Append training and validation scalars to a JSON-lines file (global rank 0 only).
 
     Args:
@@ -150,17 +150,6 @@ class JSONLinesReporter:
         if self._unflushed >= self.flush_every:
             handle.flush()
             self._unflushed = 0
-
-    def __enter__(self) -> JSONLinesReporter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Flush, fsync and close the file (reopened in append mode if reporting continues)."""

@@ -18,7 +18,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from rich.console import Console, RenderableType
@@ -467,14 +466,6 @@ class RichReporter(ScalarReporterBase):
             live.start()
             self._live = live
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Stop the live display (drawing the final frame unless ``transient``)."""

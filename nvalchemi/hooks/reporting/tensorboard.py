@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 from nvalchemi._optional import OptionalDependency
@@ -131,17 +130,6 @@ class TensorBoardReporter(ScalarReporterBase):
             writer.add_scalar(tag, snapshot.scalars[key], global_step=step)
         if self.flush:
             writer.flush()
-
-    def __enter__(self) -> TensorBoardReporter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Flush and close the writer (a new one is opened if reporting continues)."""
