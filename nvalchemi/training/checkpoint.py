@@ -267,6 +267,27 @@ def _metric(metric: Any, name: str, mode: str) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------- loading
+def _open_checkpoint(
+    root_folder: str | Path, checkpoint_index: Index = -1
+) -> tuple[CheckpointManifest, ComponentPaths]:
+    """The manifest of ``root_folder`` and the file paths of one of its checkpoints."""
+    root = Path(root_folder)
+    manifest = CheckpointManifest.read(root)
+    return manifest, ComponentPaths(root, manifest.entry(checkpoint_index))
+
+
+def _rebuild(cls, paths, manifest, map_location, hooks, training_fn, validators, trust,
+             overrides, allow_spec_changes) -> dict[str, Any]:  # fmt: skip
+    """Build the saved strategy as ``cls``, then restore its state; the loader's result."""
+    meta = read_json(paths.strategy(), "strategy metadata")
+    strategy, approved = build_strategy(
+        cls, paths, meta, map_location, hooks, training_fn, trust, overrides
+    )
+    return restore_into(
+        strategy, paths, manifest, map_location, validators, trust, allow_spec_changes, approved
+    )
+
+
 def load_checkpoint(
     root_folder: str | Path,
     checkpoint_index: Index = -1,
@@ -311,47 +332,21 @@ def load_checkpoint(
         if strategy is not None:
             raise ValueError("load_checkpoint: adapter=... cannot restore into a strategy.")
         return load_adapter(root_folder, adapter, adapter_kwargs or {}, map_location)
-    root = Path(root_folder)
-    manifest = CheckpointManifest.read(root)
-    entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry)
+    manifest, paths = _open_checkpoint(root_folder, checkpoint_index)
     meta_path = paths.strategy()
     if strategy is not None:
         if model_names is not None:
             raise ValueError("load_checkpoint: model_names cannot be combined with strategy=....")
         return restore_into(
-            strategy,
-            paths,
-            manifest,
-            map_location,
-            validators,
-            trust,
-            allow_spec_changes,
-            approved=(),
+            strategy, paths, manifest, map_location, validators, trust, allow_spec_changes, ()
         )
     if meta_path is not None and model_names is None:
         from nvalchemi.training.strategy import TrainingStrategy
 
-        built, approved = build_strategy(
-            TrainingStrategy,
-            paths,
-            read_json(meta_path, "strategy metadata"),
-            map_location,
-            hooks,
-            training_fn,
-            trust,
-            overrides,
-        )
-        return restore_into(
-            built,
-            paths,
-            manifest,
-            map_location,
-            validators,
-            trust,
-            allow_spec_changes,
-            approved=approved,
-        )
+        return _rebuild(
+            TrainingStrategy, paths, manifest, map_location, hooks, training_fn, validators,
+            trust, overrides, allow_spec_changes,
+        )  # fmt: skip
     if overrides:
         raise ValueError("load_checkpoint: overrides apply to strategy checkpoints only.")
     return load_components(
@@ -381,10 +376,8 @@ def load_models_from_checkpoint(
     that model is stored, else the trained weights. The fine-tuning entry point and
     evaluation use this.
     """
-    root = Path(root_folder)
-    manifest = CheckpointManifest.read(root)
-    entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry)
+    _, paths = _open_checkpoint(root_folder, checkpoint_index)
+    entry = paths.entry
     names = list(entry.models) if model_names is None else list(model_names)
     unknown = sorted(set(names) - set(entry.models))
     if unknown:
@@ -427,10 +420,7 @@ def read_strategy_metadata(
     root_folder: str | Path, checkpoint_index: Index = "latest"
 ) -> dict | None:
     """The saved strategy recipe (``to_checkpoint_dict()`` output) or ``None``; loads no tensors."""
-    root = Path(root_folder)
-    manifest = CheckpointManifest.read(root)
-    paths = ComponentPaths(root, manifest.entry(checkpoint_index))
-    meta = paths.strategy()
+    meta = _open_checkpoint(root_folder, checkpoint_index)[1].strategy()
     return None if meta is None else read_json(meta, "strategy metadata")
 
 
@@ -487,28 +477,14 @@ def strategy_load_checkpoint(
     See :func:`load_checkpoint` for the arguments; hooks are not saved, so pass the same
     hooks again (e.g. ``EMAHook``) to restore their state.
     """
-    root = Path(root_folder)
-    manifest = CheckpointManifest.read(root)
-    entry = manifest.entry(checkpoint_index)
-    paths = ComponentPaths(root, entry)
-    meta_path = paths.strategy()
-    if meta_path is None:
+    manifest, paths = _open_checkpoint(root_folder, checkpoint_index)
+    if paths.strategy() is None:
         raise ValueError(
             f"{cls.__name__}.load_checkpoint requires a checkpoint saved from a TrainingStrategy "
-            f"(checkpoint {entry.index} in {root} holds components only); use "
+            f"(checkpoint {paths.entry.index} in {paths.root} holds components only); use "
             "load_checkpoint(...) or load_model_from_checkpoint(...)."
         )
-    strategy, approved = build_strategy(
-        cls,
-        paths,
-        read_json(meta_path, "strategy metadata"),
-        map_location,
-        hooks,
-        training_fn,
-        trust,
-        overrides,
-    )
-    restore_into(
-        strategy, paths, manifest, map_location, validators, trust, allow_spec_changes, approved
-    )
-    return strategy
+    return _rebuild(
+        cls, paths, manifest, map_location, hooks, training_fn, validators, trust, overrides,
+        allow_spec_changes,
+    )["strategy"]  # fmt: skip

@@ -265,8 +265,8 @@ class FineTuningStrategy(TrainingStrategy):
                 metadata; no loss or optimizer configs.
         """
         from nvalchemi.training._checkpoint_files import read_json
-        from nvalchemi.training._checkpoint_manifest import CheckpointManifest, ComponentPaths
         from nvalchemi.training.checkpoint import (
+            _open_checkpoint,
             load_models_from_checkpoint,
             read_strategy_metadata,
         )
@@ -278,9 +278,8 @@ class FineTuningStrategy(TrainingStrategy):
                 "models=... (use from_pretrained_weights(model, weights) for your own model)."
             )
         reject_new_run_conflicts(kwargs, "from_pretrained_checkpoint")
-        root = Path(checkpoint_dir)
-        manifest = CheckpointManifest.read(root)
-        entry = manifest.entry(checkpoint_index)
+        manifest, paths = _open_checkpoint(checkpoint_dir, checkpoint_index)
+        root, entry = paths.root, paths.entry
         names = list(entry.models)
         if not names:
             raise ValueError(
@@ -297,7 +296,6 @@ class FineTuningStrategy(TrainingStrategy):
         if missing:
             raise ValueError(f"Checkpoint {entry.index} in {root}: models {missing} not loaded.")
         if validators:
-            paths = ComponentPaths(root, entry)
             run_validators(
                 validators,
                 {
