@@ -56,7 +56,7 @@ def restore_into(strategy, paths, manifest, map_location, validators, trust, all
             "schedulers": {},
             "metadata": {"associations": manifest.associations.get(name, {})},
         }
-    _run_validators(validators, out_models, paths.root)
+    run_validators(validators, out_models, paths.root)
     return {
         "strategy": strategy,
         "models": out_models,
@@ -214,7 +214,7 @@ def load_components(paths, manifest, map_location, model_names, trust, validator
             },
             "metadata": {"associations": assoc},
         }
-    _run_validators(validators, per_model, paths.root)
+    run_validators(validators, per_model, paths.root)
     if not has_metadata and model_names is None:
         return manifest.model_copy(
             update={"models": models, "optimizers": optimizers, "schedulers": schedulers}
@@ -272,7 +272,8 @@ def _scheduler_optimizer(name: str, associations: Mapping[str, Any], optimizers:
     raise ValueError(f"Cannot determine the optimizer of scheduler {name!r}.")
 
 
-def _run_validators(validators: Any, per_model: Mapping[str, Any], root: Path) -> None:
+def run_validators(validators: Any, per_model: Mapping[str, Any], root: Path) -> None:
+    """Call each checkpoint validator on each loaded model; re-raise as ``ValueError``."""
     if not validators:
         return
     items = (

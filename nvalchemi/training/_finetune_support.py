@@ -27,7 +27,6 @@ __all__ = [
     "pattern_tuple",
     "reject_new_run_conflicts",
     "rehydrate_payload",
-    "run_validators",
 ]
 
 _COUNTERS = (
@@ -190,24 +189,6 @@ def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[
         ]
         raise ValueError(f"{who} needs {' and '.join(asks)}.")
     return out
-
-
-def run_validators(validators: Any, per_model: Mapping[str, Any], root: Path) -> None:
-    """Call each checkpoint validator on each loaded model; re-raise as ``ValueError``."""
-    items = (
-        list(validators.items())
-        if isinstance(validators, Mapping)
-        else [(getattr(v, "__name__", type(v).__name__), v) for v in validators]
-    )
-    for name, entry in per_model.items():
-        for label, validator in items:
-            try:
-                validator(name, entry, entry["model"])
-            except Exception as exc:
-                raise ValueError(
-                    f"Checkpoint validator {label!r} failed for model {name!r} loaded from "
-                    f"{root}: {exc}"
-                ) from exc
 
 
 # ---------------------------------------------------------------------------- plain weights

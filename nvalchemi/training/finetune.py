@@ -41,6 +41,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi.training._checkpoint_load import run_validators
 from nvalchemi.training._finetune_support import (
     apply_reuse,
     load_patches,
@@ -48,7 +49,6 @@ from nvalchemi.training._finetune_support import (
     pattern_tuple,
     rehydrate_payload,
     reject_new_run_conflicts,
-    run_validators,
 )
 from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
 from nvalchemi.training.spec import BaseSpec
@@ -295,7 +295,7 @@ class FineTuningStrategy(TrainingStrategy):
         missing = sorted(set(names) - set(loaded))
         if missing:
             raise ValueError(f"Checkpoint {entry.index} in {root}: models {missing} not loaded.")
-        if validators:
+        if validators:  # the entries read spec files: only build them when needed
             run_validators(
                 validators,
                 {
