@@ -19,7 +19,7 @@ import click
 
 from nvalchemi.training.cli._errors import CLIError, debug_enabled, enable_debug, user_message
 
-__all__ = ["debug_option", "main"]
+__all__ = ["debug_option", "main", "parse_checkpoint_index"]
 
 _EPILOG = """\b
 Examples:
@@ -50,6 +50,18 @@ def debug_option(fn: Any) -> Any:
         callback=_set_debug,
         help="Show full tracebacks instead of one-line error messages.",
     )(fn)
+
+
+def parse_checkpoint_index(text: str) -> int | str:
+    """A ``--checkpoint-index`` value: ``"latest"``, ``"best"`` or an int."""
+    if text in ("latest", "best"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CLIError(
+            f"--checkpoint-index must be an int, 'latest' or 'best'; got {text!r}"
+        ) from None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -99,14 +111,7 @@ class _Main(click.Group):
     context_settings={"max_content_width": 100, "help_option_names": ["-h", "--help"]},
     epilog=_EPILOG,
 )
-@click.option(
-    "--debug",
-    is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=_set_debug,
-    help="Show full tracebacks instead of one-line error messages.",
-)
+@debug_option
 @click.version_option(package_name="nvalchemi-training", prog_name="nvalchemi-training")
 def main() -> None:
     """Train, fine-tune and evaluate machine-learned interatomic potentials."""

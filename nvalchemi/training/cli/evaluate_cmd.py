@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.training.cli._console import err_console, print_table
 from nvalchemi.training.cli._errors import CLIError
 
@@ -133,14 +133,7 @@ def evaluate(
     trust: bool,
 ) -> None:
     """Evaluate a checkpoint: energy/force/stress errors, per-element forces, parity plots."""
-    index: Any = checkpoint_index
-    if index not in ("latest", "best"):
-        try:
-            index = int(index)
-        except ValueError:
-            raise CLIError(
-                f"--checkpoint-index must be an int, 'latest' or 'best'; got {index!r}"
-            ) from None
+    index = parse_checkpoint_index(checkpoint_index)
     model = load_checkpoint_model(checkpoint_dir, index=index, device=device, use_ema=ema,
                                   trust=trust)  # fmt: skip
     evaluation = evaluate_checkpoint(

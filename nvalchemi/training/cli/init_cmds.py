@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.training.cli._errors import CLIError
 from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
 from nvalchemi.training.cli.recipe import QUICKSTART
@@ -188,14 +188,7 @@ def finetune_checkpoint(
     **options: Any,
 ) -> None:
     """Fine-tune the model(s) of an nvalchemi training checkpoint."""
-    index: Any = checkpoint_index
-    if index not in ("latest", "best"):
-        try:
-            index = int(index)
-        except ValueError:
-            raise CLIError(
-                f"--checkpoint-index must be an int, 'latest' or 'best'; got {index!r}"
-            ) from None
+    index = parse_checkpoint_index(checkpoint_index)
     job = _scaffold(
         "finetune",
         "native-checkpoint",

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
+from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.training.cli._console import err_console, print_table
 
 __all__ = ["spec"]
@@ -178,18 +178,10 @@ def spec_run(
 @_run_options
 def spec_resume(checkpoint_dir: str, spec_path: str, checkpoint_index: str, **kwargs: Any) -> None:
     """Continue a run exactly from one of its checkpoints."""
-    from nvalchemi.training.cli._errors import CLIError
     from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.runner import run_job
 
-    index: Any = checkpoint_index
-    if index not in ("latest", "best"):
-        try:
-            index = int(index)
-        except ValueError:
-            raise CLIError(
-                f"--checkpoint-index must be an int, 'latest' or 'best'; got {index!r}"
-            ) from None
+    index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
     job, resolved = load_job(spec_path, trust=options.trust)
     console = err_console()
