@@ -111,28 +111,31 @@ def make_batches(n: int, atoms: int, size: int, device: torch.device) -> list[Ba
     return batches
 
 
+def hand_loss(model, loss_fn, batch: Batch, step: int, with_forces: bool) -> torch.Tensor:
+    """Forward pass and the same loss module the strategy evaluates, written by hand."""
+    out = model(batch)
+    predictions = {"predicted_energy": out["energy"]}
+    targets = {"energy": batch.energy}
+    if with_forces:
+        predictions["predicted_forces"] = out["forces"]
+        targets["forces"] = batch.forces
+    return loss_fn(
+        predictions,
+        targets,
+        step=step,
+        epoch=0,
+        batch_idx=batch.batch_idx,
+        num_graphs=batch.num_graphs,
+        num_nodes_per_graph=batch.num_nodes_per_graph,
+    )["total_loss"]
+
+
 def bare_loop(model, optimizer, loss_fn, batches, steps, with_forces) -> None:
     """The hand-written loop: zero_grad, forward, the same loss module, backward, step."""
     n = len(batches)
     for i in range(steps):
-        batch = batches[i % n]
         optimizer.zero_grad(set_to_none=True)
-        out = model(batch)
-        predictions = {"predicted_energy": out["energy"]}
-        targets = {"energy": batch.energy}
-        if with_forces:
-            predictions["predicted_forces"] = out["forces"]
-            targets["forces"] = batch.forces
-        loss = loss_fn(
-            predictions,
-            targets,
-            step=i,
-            epoch=0,
-            batch_idx=batch.batch_idx,
-            num_graphs=batch.num_graphs,
-            num_nodes_per_graph=batch.num_nodes_per_graph,
-        )["total_loss"]
-        loss.backward()
+        hand_loss(model, loss_fn, batches[i % n], i, with_forces).backward()
         optimizer.step()
 
 

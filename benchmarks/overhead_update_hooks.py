@@ -1,7 +1,6 @@
 """Framework overhead of ``TrainingStrategy`` with EMA + gradient clipping enabled.
 
-Extends ``benchmarks/overhead.py`` (same small-MLP workload, reused from it when
-importable): the strategy runs with ``EMAHook(decay=0.999)`` and
+Extends ``benchmarks/overhead.py`` (same small-MLP workload, imported from it): the strategy runs with ``EMAHook(decay=0.999)`` and
 ``GradientClipHook(max_norm=10.0)``; the hand-written loop does the same work by hand
 (``clip_grad_norm_`` and one fused ``torch._foreach_lerp_`` EMA update per step). The
 ``ratio`` (strategy / hand-written steps per second, target >= 0.85) measures what the
@@ -18,35 +17,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
+from overhead import SmallMLP, clock, hand_loss, make_batches, sync  # a sibling script
 
 from nvalchemi.training import EnergyMSELoss, ForceMSELoss, OptimizerConfig, TrainingStrategy
 from nvalchemi.training.hooks import EMAHook, GradientClipHook
-
-
-def _base_benchmark():
-    """``benchmarks/overhead.py`` as a module (it is a script, not a package member)."""
-    path = Path(__file__).with_name("overhead.py")
-    spec = importlib.util.spec_from_file_location("_nvalchemi_overhead_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-base = _base_benchmark()
-SmallMLP, make_batches, sync = base.SmallMLP, base.make_batches, base.sync
-
-
-def clock(device: torch.device):
-    if hasattr(base, "clock"):
-        return base.clock(device)
-    return time.process_time if device.type == "cpu" else time.perf_counter
 
 
 def hand_loop(model, shadow, optimizer, loss_fn, batches, steps, forces, *, extras) -> None:
@@ -56,24 +34,8 @@ def hand_loop(model, shadow, optimizer, loss_fn, batches, steps, forces, *, extr
     live_tensors = [*model.parameters(), *model.buffers()]
     n = len(batches)
     for i in range(steps):
-        batch = batches[i % n]
         optimizer.zero_grad(set_to_none=True)
-        out = model(batch)
-        predictions = {"predicted_energy": out["energy"]}
-        targets = {"energy": batch.energy}
-        if forces:
-            predictions["predicted_forces"] = out["forces"]
-            targets["forces"] = batch.forces
-        loss = loss_fn(
-            predictions,
-            targets,
-            step=i,
-            epoch=0,
-            batch_idx=batch.batch_idx,
-            num_graphs=batch.num_graphs,
-            num_nodes_per_graph=batch.num_nodes_per_graph,
-        )["total_loss"]
-        loss.backward()
+        hand_loss(model, loss_fn, batches[i % n], i, forces).backward()
         if extras:
             torch.nn.utils.clip_grad_norm_(params, 10.0)
         optimizer.step()
