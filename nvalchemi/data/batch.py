@@ -32,31 +32,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi.data._collate import (
+    collate,
+    exclusive_cumsum,
+    normalize_level,
+    offsets,
+    owners,
+    ranges,
+    repeat,
+    select_systems,
+)
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level, atomic_masses_of
 
 __all__ = ["Batch"]
 
-_LEVEL_ALIASES: dict[str, Level] = {
-    "atom": "atom",
-    "atoms": "atom",
-    "node": "atom",
-    "nodes": "atom",
-    "edge": "edge",
-    "edges": "edge",
-    "system": "system",
-    "graph": "system",
-}
 _SPEC_LEVEL_NAMES = {"atom": "node", "edge": "edge", "system": "system"}
-
-
-def _normalize_level(level: str) -> Level:
-    try:
-        return _LEVEL_ALIASES[level]
-    except KeyError:
-        raise ValueError(
-            f"Unknown level {level!r}; use 'atom' (alias 'node'), 'edge' or 'system'."
-        ) from None
 
 
 # Neighbour-list stamps (see nvalchemi.data.neighbors): which cutoff / half-list
@@ -93,41 +84,6 @@ def _common_stamps(items: Sequence[Any], target: Batch) -> Batch:
         if len(values) == 1 and None not in values:
             object.__setattr__(target, attr, values.pop())
     return target
-
-
-def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts, 0) - counts
-
-
-def _repeat(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``values[i]`` repeated ``counts[i]`` times (both 1-D int64).
-
-    On CPU this goes through numpy: ``torch.repeat_interleave`` opens an OpenMP
-    region even for a few hundred elements, which stalls for milliseconds on a busy
-    machine (data-loading workers).
-    """
-    if values.device.type == "cpu" and counts.device.type == "cpu":
-        return torch.from_numpy(np.repeat(values.numpy(), counts.numpy()))
-    return torch.repeat_interleave(values, counts)
-
-
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Concatenation of ``arange(s, s + c)`` for every pair, without a Python loop."""
-    offsets = _repeat(starts - _exclusive_cumsum(counts), counts)
-    return offsets + torch.arange(offsets.shape[0], dtype=torch.int64)
-
-
-def _missing_fill(name: str, like: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """Value for a structure that lacks ``name``, or ``None`` when it may not be missing."""
-    shape = (rows, *like.shape[1:])
-    if name == "cell":
-        return torch.zeros(shape, dtype=like.dtype)
-    if name == "pbc":
-        return torch.zeros(shape, dtype=torch.bool)
-    spec = FIELDS.get(name)
-    if spec is not None and spec.label:
-        return torch.full(shape, float("nan"), dtype=like.dtype)
-    return None
 
 
 class Batch:
@@ -206,7 +162,7 @@ class Batch:
         edge_counts = torch.tensor([d.num_edges for d in data_list], dtype=torch.int64)
         parts = [(d._data, d._levels) for d in data_list]
         ones = torch.ones(len(data_list), dtype=torch.int64)
-        data, levels = _collate(
+        data, levels = collate(
             parts, node_counts, edge_counts, ones, set(exclude_keys or ()), field_levels
         )
         target = torch.device(device) if device is not None else data_list[0].device
@@ -222,10 +178,9 @@ class Batch:
         edge_counts: torch.Tensor,
         device: torch.device,
     ) -> Batch:
-        batch_idx = _repeat(torch.arange(len(node_counts)), node_counts)
         index = {
-            "batch_idx": batch_idx,
-            "ptr": torch.cat([torch.zeros(1, dtype=torch.int64), node_counts.cumsum(0)]),
+            "batch_idx": owners(node_counts),
+            "ptr": offsets(node_counts),
             "num_nodes_per_graph": node_counts,
             "num_edges_per_graph": edge_counts,
         }
@@ -246,7 +201,7 @@ class Batch:
         graphs = torch.tensor([b.num_graphs for b in batches], dtype=torch.int64)
         part_nodes = torch.tensor([b.num_nodes for b in batches], dtype=torch.int64)
         part_edges = torch.tensor([b.num_edges for b in batches], dtype=torch.int64)
-        data, levels = _collate(parts, part_nodes, part_edges, graphs, set(), None)
+        data, levels = collate(parts, part_nodes, part_edges, graphs, set(), None)
         batch = cls._from_collated(data, levels, node_counts, edge_counts, device)
         return _common_stamps(batches, batch) if "neighbor_list" in data else batch
 
@@ -302,28 +257,19 @@ class Batch:
     @property
     def batch_idx(self) -> torch.Tensor:
         """System index of every atom, int64 ``[V]``."""
-        return self._cached(
-            "batch_idx",
-            lambda: _repeat(torch.arange(self.num_graphs), self._node_counts),
-        )
+        return self._cached("batch_idx", lambda: owners(self._node_counts))
 
     @property
     def ptr(self) -> torch.Tensor:
         """Atom offsets ``[0, n_0, n_0 + n_1, ...]``, int64 ``[B + 1]``."""
-        return self._cached(
-            "ptr",
-            lambda: torch.cat([torch.zeros(1, dtype=torch.int64), self._node_counts.cumsum(0)]),
-        )
+        return self._cached("ptr", lambda: offsets(self._node_counts))
 
     batch_ptr = ptr
 
     @property
     def edge_batch_idx(self) -> torch.Tensor:
         """System index of every edge, int64 ``[E]``."""
-        return self._cached(
-            "edge_batch_idx",
-            lambda: _repeat(torch.arange(self.num_graphs), self._edge_counts),
-        )
+        return self._cached("edge_batch_idx", lambda: owners(self._edge_counts))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -441,7 +387,7 @@ class Batch:
         tensor per system (concatenated; per-system values of shape ``[1, ...]``
         are stacked into ``[B, ...]``).
         """
-        lvl = _normalize_level(level)
+        lvl = normalize_level(level)
         if key in self._data and not overwrite:
             raise ValueError(f"Batch already has {key!r}; pass overwrite=True to replace it.")
         if not isinstance(values, torch.Tensor):
@@ -520,53 +466,15 @@ class Batch:
         """Split back into structures."""
         return [self.get_data(i) for i in range(self.num_graphs)]
 
-    def _graph_index(self, idx: Any) -> torch.Tensor:
-        n = self.num_graphs
-        if isinstance(idx, slice):
-            return torch.arange(n)[idx]
-        if isinstance(idx, (int, np.integer)):
-            idx = [int(idx)]
-        if isinstance(idx, np.ndarray):
-            idx = torch.from_numpy(idx)
-        if isinstance(idx, torch.Tensor):
-            if idx.dtype.is_floating_point:
-                raise IndexError("Batch index tensors must be integer or bool, not float.")
-            if idx.dtype == torch.bool:
-                if idx.shape != (n,):
-                    raise IndexError(f"Boolean mask must have shape [{n}]; got {list(idx.shape)}.")
-                idx = idx.nonzero().flatten()
-            out = idx.to(device="cpu", dtype=torch.int64).flatten()
-        elif isinstance(idx, Sequence) and not isinstance(idx, str):
-            items = list(idx)
-            if items and all(isinstance(i, (bool, np.bool_)) for i in items):
-                return self._graph_index(torch.tensor(items, dtype=torch.bool))
-            if not all(
-                isinstance(i, (int, np.integer)) or (isinstance(i, torch.Tensor) and i.dim() == 0)
-                for i in items
-            ):
-                raise IndexError("Batch indices must be integers.")
-            out = torch.tensor([int(i) for i in items], dtype=torch.int64)
-        else:
-            raise IndexError(f"Unsupported index type {type(idx).__name__} for Batch.")
-        if out.numel() == 0:
-            raise IndexError("Index is empty.")
-        if bool(((out < -n) | (out >= n)).any()):
-            raise IndexError(f"Batch index out of range for {n} systems: {out.tolist()}.")
-        return out % n
-
     def index_select(self, idx: Any) -> Batch:
         """A new batch with the selected systems, in the given order."""
-        graphs = self._graph_index(idx)
+        graphs = select_systems(idx, self.num_graphs)
         node_counts = self._node_counts[graphs]
         edge_counts = self._edge_counts[graphs]
-        old_node_start = _exclusive_cumsum(self._node_counts)[graphs]
-        node_rows = _ranges(old_node_start, node_counts).to(self.device)
-        edge_rows = _ranges(_exclusive_cumsum(self._edge_counts)[graphs], edge_counts).to(
-            self.device
-        )
-        shift = _repeat(_exclusive_cumsum(node_counts) - old_node_start, edge_counts).to(
-            self.device
-        )
+        old_node_start = exclusive_cumsum(self._node_counts)[graphs]
+        node_rows = ranges(old_node_start, node_counts).to(self.device)
+        edge_rows = ranges(exclusive_cumsum(self._edge_counts)[graphs], edge_counts).to(self.device)
+        shift = repeat(exclusive_cumsum(node_counts) - old_node_start, edge_counts).to(self.device)
         graph_rows = graphs.to(self.device)
         data = {}
         for key, value in self._data.items():
@@ -696,68 +604,3 @@ class Batch:
             f"Batch(num_graphs={self.num_graphs}, num_nodes={self.num_nodes}, "
             f"num_edges={self.num_edges}, device={self.device})"
         )
-
-
-def _collate(
-    parts: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Level]]],
-    part_nodes: torch.Tensor,
-    part_edges: torch.Tensor,
-    part_graphs: torch.Tensor,
-    exclude: set[str],
-    field_levels: Mapping[str, str] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Level]]:
-    """Concatenate the fields of ``parts`` (structures or batches) level by level."""
-    levels: dict[str, Level] = {}
-    for fields, part_levels in parts:
-        for key in fields:
-            if key in exclude or key in levels:
-                continue
-            level = part_levels.get(key)
-            if level is None and field_levels is not None and key in field_levels:
-                level = _normalize_level(field_levels[key])
-            levels[key] = level or "system"
-    rows = {
-        "atom": part_nodes.tolist(),
-        "edge": part_edges.tolist(),
-        "system": part_graphs.tolist(),
-    }
-    out: dict[str, torch.Tensor] = {}
-    for key, level in levels.items():
-        tensors = [fields.get(key) for fields, _ in parts]
-        present = next(t for t in tensors if t is not None)
-        missing = [i for i, t in enumerate(tensors) if t is None]
-        if missing:
-            fill_rows = rows[level]
-            if _missing_fill(key, present, 1) is None:
-                hint = (
-                    " Compute neighbour lists for all structures or none."
-                    if level == "edge"
-                    else ""
-                )
-                raise ValueError(
-                    f"Field {key!r} is present in some structures but missing in structures "
-                    f"{missing[:10]}{'...' if len(missing) > 10 else ''}; every structure in a "
-                    f"batch needs it (only labels, cell and pbc may be missing).{hint}"
-                )
-            for i in missing:
-                tensors[i] = _missing_fill(key, present, fill_rows[i])
-        first = tensors[0].dtype
-        if any(t.dtype != first for t in tensors):
-            bad = next(i for i, t in enumerate(tensors) if t.dtype != first)
-            raise ValueError(
-                f"Field {key!r} has dtype {first} in structure 0 but {tensors[bad].dtype} in "
-                f"structure {bad}; cast the structures to one dtype (e.g. data.to(dtype=...))."
-            )
-        try:
-            value = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
-        except RuntimeError as exc:
-            shapes = sorted({tuple(t.shape[1:]) for t in tensors})
-            raise ValueError(
-                f"Cannot concatenate field {key!r}: trailing shapes {shapes} or devices differ "
-                f"across structures ({exc})."
-            ) from None
-        if key == "neighbor_list" and len(tensors) > 1:
-            per_edge = _repeat(_exclusive_cumsum(part_nodes), part_edges)
-            value = value + per_edge.to(value.device).unsqueeze(1)
-        out[key] = value
-    return out, levels
