@@ -541,93 +541,26 @@ class AtomicData:
             info_keys: ``atoms.info`` entries to keep in ``info`` (default: all but
                 the consumed labels). ``info`` is metadata and is never batched.
         """
-        label_dtype = label_dtype or dtype
-        results = {}
-        calc = getattr(atoms, "calc", None)
-        if use_calculator and calc is not None:
-            results = dict(getattr(calc, "results", {}) or {})
+        from nvalchemi.data._ase_convert import fields_from_atoms
 
-        def label(key: str, result_key: str, per_atom: bool) -> Any:
-            source = atoms.arrays if per_atom else atoms.info
-            if key in source:
-                return source[key]
-            # A renamed key (e.g. "REF_energy") names one level of theory; the calculator's
-            # result may come from another, so only the default name falls back to it.
-            return results.get(result_key) if key == result_key else None
-
-        fields: dict[str, Any] = {
-            "atomic_numbers": torch.as_tensor(np.array(atoms.numbers), dtype=torch.int64),
-            "positions": torch.as_tensor(np.array(atoms.positions), dtype=dtype),
-        }
-        pbc = np.asarray(atoms.pbc, dtype=bool)
-        if pbc.any():
-            cell = np.asarray(atoms.cell.array, dtype=float)
-            if abs(np.linalg.det(cell)) < 1e-12:
-                raise ValueError(
-                    "from_atoms: periodic structure with a degenerate cell (zero volume); set all "
-                    "three cell vectors, e.g. with atoms.center(vacuum=10.0) for a slab."
-                )
-            fields["cell"] = torch.as_tensor(cell, dtype=dtype).unsqueeze(0)
-            fields["pbc"] = torch.as_tensor(pbc).unsqueeze(0)
-        for name, key, result_key, per_atom in (
-            ("energy", energy_key, "energy", False),
-            ("forces", forces_key, "forces", True),
-            ("stress", stress_key, "stress", False),
-            ("virial", virials_key, "virial", False),
-            ("dipole", dipole_key, "dipole", False),
-            ("charges", charges_key, "charges", True),
-        ):
-            value = label(key, result_key, per_atom)
-            if value is not None:
-                fields[name] = torch.as_tensor(np.array(value, dtype=float), dtype=label_dtype)
-        charge = atoms.info.get("charge")
-        if charge is not None:
-            if not float(charge).is_integer():
-                raise ValueError(f"from_atoms: atoms.info['charge']={charge!r} is not an integer.")
-            fields["charge"] = torch.tensor([[float(charge)]], dtype=label_dtype)
-        if z_table is not None:
-            idx = torch.as_tensor(atomic_numbers_to_indices(atoms.numbers, z_table))
-            fields["node_attrs"] = to_one_hot(idx.unsqueeze(-1), len(z_table)).to(dtype)
-        consumed = {energy_key, stress_key, virials_key, dipole_key, "charge"}
-        info = {
-            key: value
-            for key, value in atoms.info.items()
-            if key not in consumed and (info_keys is None or key in info_keys)
-        }
+        fields, info = fields_from_atoms(
+            atoms,
+            keys={"energy": energy_key, "forces": forces_key, "stress": stress_key,
+                  "virial": virials_key, "dipole": dipole_key, "charges": charges_key},
+            dtype=dtype,
+            label_dtype=label_dtype or dtype,
+            z_table=z_table,
+            use_calculator=use_calculator,
+            info_keys=info_keys,
+        )  # fmt: skip
         data = cls(**fields, info=info)
         return data.to(device) if torch.device(device) != data.device else data
 
     def to_atoms(self) -> Any:
         """Convert to ``ase.Atoms`` with labels on a ``SinglePointCalculator``."""
-        from ase import Atoms
-        from ase.calculators.singlepoint import SinglePointCalculator
+        from nvalchemi.data._ase_convert import atoms_from_data
 
-        def np_(key: str) -> np.ndarray | None:
-            value = self._data.get(key)
-            return None if value is None else value.detach().cpu().double().numpy()
-
-        cell = np_("cell")
-        pbc = self._data.get("pbc")
-        atoms = Atoms(
-            numbers=self._data["atomic_numbers"].cpu().numpy(),
-            positions=np_("positions"),
-            cell=None if cell is None else cell[0],
-            pbc=False if pbc is None else pbc[0].cpu().numpy(),
-        )
-        results = {}
-        if (energy := np_("energy")) is not None:
-            results["energy"] = results["free_energy"] = float(energy.reshape(-1)[0])
-        if (forces := np_("forces")) is not None:
-            results["forces"] = forces
-        if (stress := np_("stress")) is not None:
-            results["stress"] = stress[0]
-        if (charges := np_("charges")) is not None:
-            results["charges"] = charges
-        if results:
-            atoms.calc = SinglePointCalculator(atoms, **results)
-        for key, value in self.info.items():
-            atoms.info[key] = value.cpu().numpy() if isinstance(value, torch.Tensor) else value
-        return atoms
+        return atoms_from_data(self)
 
 
 def _clone_value(value: Any) -> Any:
