@@ -42,48 +42,13 @@ from nvalchemi.data._collate import (
     repeat,
     select_systems,
 )
+from nvalchemi.data._neighbor_stamps import clear_stamps, common_stamps, copy_stamps
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level, atomic_masses_of
 
 __all__ = ["Batch"]
 
 _SPEC_LEVEL_NAMES = {"atom": "node", "edge": "edge", "system": "system"}
-
-
-# Neighbour-list stamps (see nvalchemi.data.neighbors): which cutoff / half-list
-# setting the stored edges were built with. They describe the edge level, so every
-# operation that keeps the edges keeps them; the record of which positions tensor
-# the list was built from is deliberately not carried over.
-_STAMP_ATTRS = (
-    "_neighbor_list_cutoff",
-    "_neighbor_list_half_list",
-    "_neighbor_matrix_cutoff",
-    "_neighbor_matrix_half_list",
-)
-_INFO_STAMPS = (
-    ("neighbor_list_cutoff", "_neighbor_list_cutoff"),
-    ("neighbor_list_half_list", "_neighbor_list_half_list"),
-)
-
-
-def _copy_stamps(source: Batch, target: Batch) -> Batch:
-    for name in _STAMP_ATTRS:
-        value = source.__dict__.get(name)
-        if value is not None:
-            object.__setattr__(target, name, value)
-    return target
-
-
-def _common_stamps(items: Sequence[Any], target: Batch) -> Batch:
-    """Stamp ``target`` when every item (structure or batch) carries the same stamp."""
-    for info_key, attr in _INFO_STAMPS:
-        values = {
-            (it.info.get(info_key) if isinstance(it, AtomicData) else it.__dict__.get(attr))
-            for it in items
-        }
-        if len(values) == 1 and None not in values:
-            object.__setattr__(target, attr, values.pop())
-    return target
 
 
 class Batch:
@@ -167,7 +132,7 @@ class Batch:
         )
         target = torch.device(device) if device is not None else data_list[0].device
         batch = cls._from_collated(data, levels, node_counts, edge_counts, target)
-        return _common_stamps(data_list, batch) if "neighbor_list" in data else batch
+        return common_stamps(data_list, batch) if "neighbor_list" in data else batch
 
     @classmethod
     def _from_collated(
@@ -203,7 +168,7 @@ class Batch:
         part_edges = torch.tensor([b.num_edges for b in batches], dtype=torch.int64)
         data, levels = collate(parts, part_nodes, part_edges, graphs, set(), None)
         batch = cls._from_collated(data, levels, node_counts, edge_counts, device)
-        return _common_stamps(batches, batch) if "neighbor_list" in data else batch
+        return common_stamps(batches, batch) if "neighbor_list" in data else batch
 
     # ------------------------------------------------------------ counts/index
     @property
@@ -417,8 +382,7 @@ class Batch:
             del self._data[key], self._level_of[key]
         for key in ("edge_batch_idx", "num_edges_per_graph"):
             self._index.pop(key, None)
-        for name in _STAMP_ATTRS:
-            self.__dict__.pop(name, None)
+        clear_stamps(self)
         counts = num_edges_per_graph.to(device="cpu", dtype=torch.int64)
         object.__setattr__(self, "_edge_counts", counts)
         fields = {"neighbor_list": neighbor_list, "neighbor_list_shifts": neighbor_list_shifts}
@@ -490,7 +454,7 @@ class Batch:
         selected = Batch._from_collated(
             data, dict(self._level_of), node_counts, edge_counts, self.device
         )
-        return _copy_stamps(self, selected)
+        return copy_stamps(self, selected)
 
     def append(self, other: Batch) -> None:
         """Append ``other``'s systems in place (``other`` is not modified)."""
@@ -505,9 +469,8 @@ class Batch:
             merged.device,
             merged._index,
         )
-        for name in _STAMP_ATTRS:
-            self.__dict__.pop(name, None)
-        _copy_stamps(merged, self)
+        clear_stamps(self)
+        copy_stamps(merged, self)
 
     def append_data(self, data_list: Sequence[AtomicData]) -> None:
         """Append structures in place."""
@@ -523,7 +486,7 @@ class Batch:
         out = Batch._construct(
             data, dict(self._level_of), self._node_counts, self._edge_counts, device, index
         )
-        return _copy_stamps(self, out)
+        return copy_stamps(self, out)
 
     def to(
         self,

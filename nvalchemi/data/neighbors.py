@@ -24,7 +24,8 @@ Lists built here carry a *stamp* (cutoff and half/full) so that consumers such a
 ``Batch`` it is the attributes ``_neighbor_list_cutoff`` /
 ``_neighbor_list_half_list`` (``_neighbor_matrix_*`` for the matrix format), tied
 to the positions tensor they were built from; on an ``AtomicData`` the ``info``
-keys ``"neighbor_list_cutoff"`` / ``"neighbor_list_half_list"``.
+keys ``"neighbor_list_cutoff"`` / ``"neighbor_list_half_list"``
+(:mod:`nvalchemi.data._neighbor_stamps` keeps them).
 
 Example:
     >>> import numpy as np
@@ -37,15 +38,21 @@ Example:
 
 from __future__ import annotations
 
-import math
-import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from nvalchemi.data._neighbor_stamps import (
+    STAMP_CUTOFF,
+    STAMP_HALF,
+    has_neighbor_list,
+    stamp_batch,
+    stamp_of,
+)
+from nvalchemi.data._vesin import as_numpy, box_and_periodic, calculator, vesin_method
+from nvalchemi.data._vesin import run_vesin as _run_vesin
 from nvalchemi.data.atomic_data import AtomicData
 
 __all__ = [
@@ -57,14 +64,9 @@ __all__ = [
     "resolve_neighbor_options",
 ]
 
-STAMP_CUTOFF = "neighbor_list_cutoff"
-STAMP_HALF = "neighbor_list_half_list"
 # Edge fields that compute_neighbors owns (recomputed), versus user edge fields that
 # would silently stop matching a new edge set.
 _OWNED_EDGE_FIELDS = ("neighbor_list", "neighbor_list_shifts", "shifts")
-_VESIN_METHODS = {"auto": "auto", "cell_list": "cell_list", "naive": "auto", "brute_force": "auto"}
-
-_local = threading.local()
 
 
 # --------------------------------------------------------------------------- options
@@ -108,120 +110,7 @@ def resolve_neighbor_options(
     return cutoff, bool(half_list), fmt
 
 
-def _vesin_method(method: str | None) -> str:
-    if method is None:
-        return "auto"
-    try:
-        return _VESIN_METHODS[str(method).lower()]
-    except KeyError:
-        raise ValueError(
-            f"Unknown neighbour-list method {method!r}; use one of {sorted(_VESIN_METHODS)}."
-        ) from None
-
-
-def _calculator(cutoff: float, full_list: bool, method: str = "auto", n_threads: int = 0):
-    """One reusable vesin ``NeighborList`` per (options, thread)."""
-    cache = getattr(_local, "calculators", None)
-    if cache is None:
-        cache = _local.calculators = {}
-    key = (cutoff, full_list, method, n_threads)
-    calc = cache.get(key)
-    if calc is None:
-        import vesin
-
-        if len(cache) > 16:  # many distinct cutoffs: keep memory bounded
-            cache.clear()
-        calc = cache[key] = vesin.NeighborList(
-            cutoff=cutoff, full_list=full_list, sorted=True, algorithm=method, n_threads=n_threads
-        )
-    return calc
-
-
 # ------------------------------------------------------------------- one structure
-def _as_numpy(value: Any, dtype: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if value.device.type != "cpu":
-            value = value.cpu()
-        value = value.numpy()
-    return np.asarray(value, dtype=dtype)
-
-
-def _box_and_periodic(cell: Any, pbc: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """The vesin box (float64 [3,3]) and periodic flags for one structure.
-
-    vesin needs a box even without periodicity; rows of non-periodic directions are
-    zeroed (they never enter a displacement because their shift is always 0), which
-    is also how vesin handles open boundaries. Degenerate periodic rows would make
-    vesin crash the process (SIGFPE), so they are rejected here.
-    """
-    if pbc is None or cell is None:
-        if pbc is not None and np.asarray(_as_numpy(pbc, bool)).any():
-            raise ValueError(f"{where}: pbc is set but no cell was given.")
-        return np.zeros((3, 3)), np.zeros(3, dtype=bool)
-    periodic = _as_numpy(pbc, bool).reshape(-1)
-    if periodic.shape == (1,):
-        periodic = np.repeat(periodic, 3)
-    box = _as_numpy(cell, np.float64).reshape(-1)
-    if periodic.shape != (3,) or box.shape != (9,):
-        raise ValueError(
-            f"{where}: expected cell [3, 3] and pbc [3]; got {box.size} cell values and "
-            f"{periodic.size} pbc flags."
-        )
-    if not periodic.any():
-        return np.zeros((3, 3)), periodic
-    box = np.where(periodic[:, None], box.reshape(3, 3), 0.0)
-    rows = [row for row, p in zip(box.tolist(), periodic.tolist()) if p]
-    if not _independent(rows):
-        raise ValueError(
-            f"{where}: periodic cell vectors {rows} are zero, non-finite or linearly dependent "
-            f"(pbc={periodic.tolist()}); give independent lattice vectors for every periodic "
-            "direction."
-        )
-    return box, periodic
-
-
-def _independent(rows: list[list[float]]) -> bool:
-    """Whether 1-3 vectors are finite and linearly independent (Gram determinant test).
-
-    Plain Python on at most 9 numbers: several times cheaper than numpy here, and
-    this runs once per structure.
-    """
-    if not all(math.isfinite(x) for row in rows for x in row):
-        return False
-
-    def dot(u, v):
-        return u[0] * v[0] + u[1] * v[1] + u[2] * v[2]
-
-    norms = [dot(r, r) for r in rows]
-    scale = math.prod(norms)
-    if scale == 0.0:
-        return False
-    if len(rows) == 1:
-        return True
-    if len(rows) == 2:
-        a, b = rows
-        return norms[0] * norms[1] - dot(a, b) ** 2 > 1e-10 * scale
-    a, b, c = rows
-    det = (
-        a[0] * (b[1] * c[2] - b[2] * c[1])
-        - a[1] * (b[0] * c[2] - b[2] * c[0])
-        + a[2] * (b[0] * c[1] - b[1] * c[0])
-    )
-    return det * det > 1e-10 * scale
-
-
-def _run_vesin(calc, positions: np.ndarray, box, periodic, where: str):
-    if positions.shape[0] == 0:
-        return np.zeros((0, 2), dtype=np.int64), np.zeros((0, 3), dtype=np.int64)
-    try:
-        pairs, shifts = calc.compute(positions, box, periodic, "PS", copy=False)
-    except RuntimeError as exc:
-        raise ValueError(f"{where}: neighbour-list computation failed: {exc}") from exc
-    # The outputs are views into vesin's buffers; astype copies them out (once).
-    return pairs.astype(np.int64), shifts.astype(np.int64)
-
-
 def neighbor_list_for_system(
     positions: Any,
     cell: Any,
@@ -254,97 +143,12 @@ def neighbor_list_for_system(
         ValueError: bad cutoff, non-finite positions or a degenerate periodic cell.
     """
     cutoff, _, _ = resolve_neighbor_options(cutoff)
-    pos = _as_numpy(positions, np.float64)
+    pos = as_numpy(positions, np.float64)
     if pos.ndim != 2 or pos.shape[1] != 3:
         raise ValueError(f"positions must have shape [n_atoms, 3]; got {list(pos.shape)}.")
-    box, periodic = _box_and_periodic(cell, pbc, "neighbor_list_for_system")
-    calc = _calculator(cutoff, bool(full_list), _vesin_method(method), int(n_threads))
+    box, periodic = box_and_periodic(cell, pbc, "neighbor_list_for_system")
+    calc = calculator(cutoff, bool(full_list), vesin_method(method), int(n_threads))
     return _run_vesin(calc, pos, box, periodic, "neighbor_list_for_system")
-
-
-# ------------------------------------------------------------------------- stamps
-# Batch attributes of a stamp, per format: "<prefix>_cutoff", "<prefix>_half_list" and
-# "<prefix>_positions" (what the list was built from).
-_PREFIX = {"coo": "_neighbor_list", "matrix": "_neighbor_matrix"}
-
-
-def _stamp_of(obj: Any, format: str = "coo") -> tuple[float, bool] | None:
-    """``(cutoff, half_list)`` of the valid list of ``format`` that ``obj`` carries, if known."""
-    info = getattr(obj, "info", None)
-    if format == "coo" and isinstance(info, Mapping) and STAMP_CUTOFF in info:
-        return float(info[STAMP_CUTOFF]), bool(info.get(STAMP_HALF, False))
-    attrs = getattr(obj, "__dict__", {})
-    prefix = _PREFIX[format]
-    cutoff = attrs.get(prefix + "_cutoff")
-    if cutoff is None:
-        return None
-    # A list built here remembers which positions tensor (and which in-place version
-    # of it) it was built from, so moved atoms (dynamics) are never served a stale list.
-    built_from = attrs.get(prefix + "_positions")
-    if built_from is not None and not built_from.matches(attrs.get("_data", {}).get("positions")):
-        return None
-    return float(cutoff), bool(attrs.get(prefix + "_half_list", False))
-
-
-class _BuiltFrom:
-    """The positions tensor (weakly) and its in-place version a list was built from.
-
-    Pickles (and deep-copies) to ``None``: an unpickled batch has new tensors
-    holding the same values, for which the list is valid.
-    """
-
-    __slots__ = ("ref", "version")
-
-    def __init__(self, positions: torch.Tensor) -> None:
-        self.ref = weakref.ref(positions)
-        self.version = positions._version
-
-    def matches(self, positions: Any) -> bool:
-        return self.ref() is positions and positions._version == self.version
-
-    def __reduce__(self) -> tuple:
-        return (_no_record, ())
-
-
-def _no_record() -> None:
-    return None
-
-
-def remember_positions(batch: Any, format: str = "coo") -> None:
-    """Tie ``batch``'s neighbour-list stamp to its current positions.
-
-    Later in-place changes or replacement of ``batch.positions`` then invalidate
-    the stamp (see :func:`has_neighbor_list`).
-    """
-    object.__setattr__(batch, _PREFIX[format] + "_positions", _BuiltFrom(batch.positions))
-
-
-def _stamp_batch(batch: Any, cutoff: float, half_list: bool, format: str = "coo") -> None:
-    prefix = _PREFIX[format]
-    object.__setattr__(batch, prefix + "_cutoff", cutoff)
-    object.__setattr__(batch, prefix + "_half_list", half_list)
-    remember_positions(batch, format)
-
-
-def _format_name(format: Any) -> str:
-    return str(getattr(format, "value", format)).lower()
-
-
-def has_neighbor_list(
-    obj: Any, cutoff: float, *, half_list: bool = False, format: Any = "coo"
-) -> bool:
-    """Whether ``obj`` (a ``Batch`` or ``AtomicData``) holds a list built for these options.
-
-    True only when the list's stamp (see the module docstring) says it was built
-    with this cutoff, half/full choice and format and, for lists built by
-    :func:`compute_neighbors`, the positions have not been replaced or modified in
-    place since; a list of unknown origin is not trusted.
-    """
-    fmt = _format_name(format)
-    if fmt not in _PREFIX or ("neighbor_matrix" if fmt == "matrix" else "neighbor_list") not in obj:
-        return False
-    stamp = _stamp_of(obj, fmt)
-    return stamp is not None and stamp == (float(cutoff), bool(half_list))
 
 
 # -------------------------------------------------------------------------- batches
@@ -379,7 +183,7 @@ def _system_lists(
         if pbcs is None or cells is None or not pbcs[g].any():
             box, periodic = no_box
         else:
-            box, periodic = _box_and_periodic(cells[g], pbcs[g], where)
+            box, periodic = box_and_periodic(cells[g], pbcs[g], where)
         pairs, shifts = _run_vesin(calc, positions[start:stop], box, periodic, where)
         if start:
             pairs += start
@@ -460,13 +264,13 @@ def compute_neighbors(
     if fmt == "coo":
         _check_edge_fields(batch, "compute_neighbors")
     device = batch.device
-    positions = _as_numpy(batch.positions, np.float64)
+    positions = as_numpy(batch.positions, np.float64)
     counts = batch.num_nodes_list
     cells = pbcs = None
     if "pbc" in batch and "cell" in batch:
-        pbcs = _as_numpy(batch.pbc, bool).reshape(-1, 3)
-        cells = _as_numpy(batch.cell, np.float64).reshape(-1, 3, 3) if pbcs.any() else None
-    calc = _calculator(cutoff, not half_list, _vesin_method(method), int(n_threads))
+        pbcs = as_numpy(batch.pbc, bool).reshape(-1, 3)
+        cells = as_numpy(batch.cell, np.float64).reshape(-1, 3, 3) if pbcs.any() else None
+    calc = calculator(cutoff, not half_list, vesin_method(method), int(n_threads))
     pairs_np, shifts_np, counts_np = _system_lists(positions, counts, cells, pbcs, calc)
     pairs = torch.from_numpy(pairs_np)
     shifts = torch.from_numpy(shifts_np)
@@ -491,7 +295,7 @@ def compute_neighbors(
                 "ej,ejk->ek", shifts.to(device, cell.dtype), cell.index_select(0, graph)
             )
         batch.set_edges(pairs.to(device), shifts.to(device), torch.from_numpy(counts_np), **extra)
-    _stamp_batch(batch, cutoff, half_list, fmt)
+    stamp_batch(batch, cutoff, half_list, fmt)
 
 
 # ------------------------------------------------------------------- edge vectors
@@ -607,7 +411,7 @@ class NeighborListTransform:
         )
         if half_list is not None:
             self.half_list = bool(half_list)
-        self.method = _vesin_method(method)
+        self.method = vesin_method(method)
         self.n_threads = n_threads
         self.cache = bool(cache)
         self._cache: dict[Any, tuple] = {}
@@ -642,10 +446,10 @@ class NeighborListTransform:
             meta_stamp = None
             if metadata and STAMP_CUTOFF in metadata:
                 meta_stamp = (float(metadata[STAMP_CUTOFF]), bool(metadata.get(STAMP_HALF)))
-            if _stamp_of(data) == stamp or meta_stamp == stamp:
+            if stamp_of(data) == stamp or meta_stamp == stamp:
                 data.info[STAMP_CUTOFF], data.info[STAMP_HALF] = stamp
                 return data, metadata
-        positions = _as_numpy(data.positions, np.float64)
+        positions = as_numpy(data.positions, np.float64)
         cell = data.cell if "cell" in data else None
         pbc = data.pbc if "pbc" in data else None
         key = fingerprint = None
@@ -659,8 +463,8 @@ class NeighborListTransform:
                 shifts = hit[2].astype(np.int64)
                 self._store(data, pairs, shifts)
                 return data, metadata
-        box, periodic = _box_and_periodic(cell, pbc, _where(metadata))
-        calc = _calculator(self.cutoff, not self.half_list, self.method, self._threads())
+        box, periodic = box_and_periodic(cell, pbc, _where(metadata))
+        calc = calculator(self.cutoff, not self.half_list, self.method, self._threads())
         pairs, shifts = _run_vesin(calc, positions, box, periodic, _where(metadata))
         if key is not None:
             self._cache[key] = (fingerprint, pairs.astype(np.int32), _compact(shifts))
@@ -691,7 +495,7 @@ def _where(metadata: Mapping | None) -> str:
 def _fingerprint(positions: np.ndarray, cell: Any, pbc: Any) -> int:
     parts = [positions.tobytes()]
     for value in (cell, pbc):
-        parts.append(b"" if value is None else _as_numpy(value, None).tobytes())
+        parts.append(b"" if value is None else as_numpy(value, None).tobytes())
     return hash(b"|".join(parts))
 
 

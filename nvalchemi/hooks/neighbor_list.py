@@ -24,13 +24,9 @@ from typing import Any
 
 import torch
 
-from nvalchemi.data.neighbors import (
-    _vesin_method,
-    compute_neighbors,
-    has_neighbor_list,
-    remember_positions,
-    resolve_neighbor_options,
-)
+from nvalchemi.data._neighbor_stamps import remember_positions
+from nvalchemi.data._vesin import vesin_method
+from nvalchemi.data.neighbors import compute_neighbors, has_neighbor_list, resolve_neighbor_options
 
 __all__ = ["NeighborListHook"]
 
@@ -88,7 +84,7 @@ class NeighborListHook:
         self.max_neighbors = max_neighbors
         self.stage = stage
         self.method = method
-        self._vesin_method = _vesin_method(method)
+        self.vesin_method = vesin_method(method)
         self.frequency = 1
         self.builds = 0
         self.skips = 0
@@ -130,7 +126,7 @@ class NeighborListHook:
             half_list=self.half_list,
             format=self.format,
             max_neighbors=self.max_neighbors,
-            method=self._vesin_method,
+            method=self.vesin_method,
         )
         self._restamp(batch)
         self.builds += 1

@@ -162,20 +162,20 @@ class _Payload:
     """Validated numpy view of the data to write: counts, fields and levels."""
 
     def __init__(self, data: Any) -> None:
+        from nvalchemi.data._neighbor_stamps import stamp_of
         from nvalchemi.data.atomic_data import AtomicData
         from nvalchemi.data.batch import Batch
-        from nvalchemi.data.neighbors import _stamp_of
 
         if isinstance(data, AtomicData):
             data = [data]
         if isinstance(data, Batch):
-            stamp = _stamp_of(data)
+            stamp = stamp_of(data)
             batch = data
         else:
             items = list(data)
             if not items:
                 raise ValueError("No data provided to write.")
-            stamps = {_stamp_of(d) for d in items}
+            stamps = {stamp_of(d) for d in items}
             stamp = stamps.pop() if len(stamps) == 1 else None
             batch = Batch.from_data_list(items, device="cpu")
         if batch.num_graphs == 0:
