@@ -20,7 +20,7 @@ from nvalchemi.data.atomic_data import (
     to_one_hot,
 )
 
-__all__ = ["atoms_from_data", "fields_from_atoms"]
+__all__ = ["atoms_from_data", "fields_from_atoms", "valid_calculator_results"]
 
 # field name -> (name of the calculator result, per atom?)
 _LABELS = {
@@ -31,6 +31,25 @@ _LABELS = {
     "dipole": ("dipole", False),
     "charges": ("charges", True),
 }
+
+
+def valid_calculator_results(atoms: Any) -> dict[str, Any]:
+    """The results stored on ``atoms.calc`` that are valid for ``atoms`` as it is now.
+
+    ASE keeps a calculator's results after the atoms move (``atoms.rattle()``,
+    ``atoms.positions += ...``); they describe the old geometry until the next
+    calculation. ``calc.check_state(atoms)`` (ASE's own test, which neither
+    recomputes nor clears anything) lists what changed since; any change, or a
+    calculator that cannot tell, means no result is used.
+    """
+    calc = getattr(atoms, "calc", None)
+    results = getattr(calc, "results", None)
+    if not results:
+        return {}
+    check_state = getattr(calc, "check_state", None)
+    if not callable(check_state) or check_state(atoms):
+        return {}
+    return dict(results)
 
 
 def fields_from_atoms(
@@ -48,10 +67,7 @@ def fields_from_atoms(
     ``keys`` maps each label field (``energy``, ``forces``, ``stress``, ``virial``,
     ``dipole``, ``charges``) to its key in ``atoms.info``/``atoms.arrays``.
     """
-    results = {}
-    calc = getattr(atoms, "calc", None)
-    if use_calculator and calc is not None:
-        results = dict(getattr(calc, "results", {}) or {})
+    results = valid_calculator_results(atoms) if use_calculator else {}
 
     def label(key: str, result_key: str, per_atom: bool) -> Any:
         source = atoms.arrays if per_atom else atoms.info

@@ -530,14 +530,25 @@ class AtomicData:
 
         Labels come from ``atoms.info`` / ``atoms.arrays`` under the given keys, else
         from the results already stored on ``atoms.calc`` (nothing is recomputed).
+        Calculator results are used only while they are valid for the atoms as they
+        are now (``atoms.calc.check_state(atoms)`` reports no change): after
+        ``atoms.rattle()`` or any other change of positions, numbers, cell or pbc,
+        ASE still holds the old geometry's results, and such a label is treated as
+        absent (call ``atoms.get_potential_energy()`` first to recompute it).
         Units are ASE's: eV, Å, eV/Å, eV/Å³ (stress positive = tensile).
 
+        ASE stores labels as float64; they are converted to ``label_dtype``, which
+        defaults to ``dtype`` (float32 unless given). To keep float64 labels with
+        float32 positions, pass ``label_dtype=torch.float64``.
+
         Args:
-            dtype: dtype of positions and cell.
-            label_dtype: dtype of labels (defaults to ``dtype``).
+            dtype: dtype of positions and cell (and of labels unless ``label_dtype``
+                is given).
+            label_dtype: dtype every label (energy, forces, stress, virial, dipole,
+                charges, charge) is converted to; defaults to ``dtype``.
             z_table: when given, also store one-hot ``node_attrs``.
             use_calculator: read labels from ``atoms.calc.results`` when absent
-                from info/arrays.
+                from info/arrays (only results valid for the current geometry).
             info_keys: ``atoms.info`` entries to keep in ``info`` (default: all but
                 the consumed labels). ``info`` is metadata and is never batched.
         """

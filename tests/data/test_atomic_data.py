@@ -196,6 +196,37 @@ def test_from_atoms_reads_info_arrays_and_calculator():
     assert np.allclose(back.cell.array, atoms.cell.array)
 
 
+def test_from_atoms_ignores_calculator_results_of_an_old_geometry():
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+
+    atoms = bulk("Cu", "fcc", a=3.6) * (2, 2, 2)
+    atoms.calc = EMT()
+    atoms.get_forces()
+    atoms.rattle(0.1, seed=3)  # the calculator still holds the unrattled results
+    stale = AtomicData.from_atoms(atoms, dtype=torch.float64)
+    assert stale.energy is None and stale.forces is None and stale.stress is None
+    assert "energy" in atoms.calc.results  # reading did not clear the user's calculator
+
+    energy = atoms.get_potential_energy()  # recomputed for the rattled geometry
+    fresh = AtomicData.from_atoms(atoms, dtype=torch.float64)
+    assert fresh.energy.item() == pytest.approx(energy)
+    assert np.allclose(fresh.forces.numpy(), atoms.get_forces())
+
+
+def test_from_atoms_converts_labels_to_label_dtype():
+    from ase.build import bulk
+    from ase.calculators.emt import EMT
+
+    atoms = bulk("Cu", "fcc", a=3.6, cubic=True)
+    atoms.calc = EMT()
+    atoms.get_forces()
+    default = AtomicData.from_atoms(atoms)
+    assert default.energy.dtype == torch.float32 and default.forces.dtype == torch.float32
+    kept = AtomicData.from_atoms(atoms, label_dtype=torch.float64)
+    assert kept.positions.dtype == torch.float32 and kept.energy.dtype == torch.float64
+
+
 def test_from_atoms_molecule_has_no_cell_and_keeps_info():
     from ase.build import molecule
 
