@@ -145,6 +145,20 @@ def test_ase_database_by_row_id_with_custom_keys(tmp_path):
     assert meta["info"]["tag"] == "x"
 
 
+def test_calculator_labels_of_extxyz_and_trajectory_frames_are_read(tmp_path, xyz):
+    from ase.io import write
+
+    # extxyz labels arrive as SinglePointCalculator results valid for the frame
+    assert ASEReader(xyz, required_labels=("energy", "forces")).read_data(1).energy is not None
+    # other ASE formats are read whole; each frame keeps its calculator's labels
+    frames = [labelled(k) for k in range(2)]
+    write(tmp_path / "frames.traj", frames)
+    reader = ASEReader(tmp_path / "frames.traj", required_labels=("energy", "forces", "stress"))
+    data = reader.read_data(1)
+    assert data.energy.item() == pytest.approx(-1.0)
+    assert np.allclose(data.forces.numpy(), frames[1].calc.results["forces"], atol=1e-6)
+
+
 def test_pickled_reader_reads_in_another_process_style(xyz):
     import pickle
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi.data._ase_convert import valid_calculator_results
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.datapipes.reader import Reader
 
@@ -292,7 +293,16 @@ class _EagerSource:
         pass
 
     def atoms(self, frame: int) -> Any:
-        return self.frames[frame].copy()
+        # Atoms.copy() leaves the calculator behind, and with it the labels of
+        # formats that store them as calculator results (ASE trajectories).
+        original = self.frames[frame]
+        atoms = original.copy()
+        results = valid_calculator_results(original)
+        if results:
+            from ase.calculators.singlepoint import SinglePointCalculator
+
+            atoms.calc = SinglePointCalculator(atoms, **results)
+        return atoms
 
 
 def _open_source(path: Path, format: str | None, cache_dir: Path | None) -> Any:
