@@ -211,6 +211,21 @@ def test_malformed_atom_count_names_file_frame_and_line(tmp_path):
         ASEReader(path)
 
 
+def test_missing_atom_line_also_points_at_the_previous_frame(tmp_path):
+    short = FRAME.format(e=2, f=0).replace("Cu 1.5 1.5 0 0 0 0\n", "")  # 2 atoms, 1 line
+    path = write(tmp_path, FRAME.format(e=1, f=0) + short + FRAME.format(e=3, f=0))
+    # frame 1 swallows frame 2's count line, so the error surfaces at frame 2's comment
+    with pytest.raises(ValueError, match=r"frame 2 \(line 9\) is malformed") as err:
+        ASEReader(path)
+    assert "previous frame 1 (line 5) may have more or fewer atom lines than its count of 2" in (
+        str(err.value)
+    )
+    first = write(tmp_path, "two\ncomment\n", "first.xyz")
+    with pytest.raises(ValueError, match="frame 0") as err:
+        ASEReader(first)
+    assert "previous frame" not in str(err.value)
+
+
 def test_truncated_file_names_the_last_frame(tmp_path):
     text = FRAME.format(e=1, f=0) + FRAME.format(e=2, f=0)
     path = write(tmp_path, text.rsplit("Cu 1.5", 1)[0])

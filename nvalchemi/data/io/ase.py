@@ -98,7 +98,8 @@ def scan_extxyz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     starts: list[int] = []
     lines: list[int] = []
     skip = 0  # lines left in the current frame
-    header_line = 0
+    header_line = 0  # line and atom count of the last frame header
+    header_count = 0
     line_no = 0  # lines consumed before buffer[0]
     buffer = b""
     base = 0  # file offset of buffer[0]
@@ -128,11 +129,13 @@ def scan_extxyz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
                     except ValueError:
                         raise ValueError(
                             f"{path}: frame {len(starts)} (line {line_no + i + 1}) is malformed: "
-                            f"expected the number of atoms, got {text[:60]!r}."
+                            f"expected the number of atoms, got {text[:60].decode(errors='replace')!r}."
+                            + _previous_frame_hint(len(starts), header_line, header_count)
                         ) from None
                     starts.append(base + start)
                     lines.append(line_no + i + 1)
                     header_line = line_no + i + 1
+                    header_count = count
                     skip = count + 1
                 i += 1
                 start = end + 1
@@ -149,6 +152,17 @@ def scan_extxyz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         )
     offsets = np.asarray([*starts, min(base, size)], dtype=np.int64)
     return offsets, np.asarray(lines, dtype=np.int64)
+
+
+def _previous_frame_hint(frame: int, header_line: int, count: int) -> str:
+    # A frame with one atom line too few or too many shifts every later line, so the
+    # error shows up at the next header: point at the frame that is really wrong.
+    if frame == 0:
+        return ""
+    return (
+        f" If this line looks right, the previous frame {frame - 1} (line {header_line}) "
+        f"may have more or fewer atom lines than its count of {count}: check that frame."
+    )
 
 
 class _ExtxyzSource:
