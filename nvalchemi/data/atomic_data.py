@@ -110,6 +110,22 @@ def to_one_hot(indices: torch.Tensor, num_classes: int) -> torch.Tensor:
     return out.scatter_(-1, indices.long(), 1.0)
 
 
+def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and values on any device, NaN equal to NaN (missing labels).
+
+    Compares on the CPU (it syncs): for tests and checks, not for hot loops.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
 def _as_tensor(name: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -496,10 +512,7 @@ class AtomicData:
             return NotImplemented
         if self._data.keys() != other._data.keys():
             return False
-        return all(
-            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
-            for a, b in ((self._data[k], other._data[k]) for k in self._data)
-        )
+        return all(tensors_equal(self._data[k], other._data[k]) for k in self._data)
 
     __hash__ = None  # mutable container
 

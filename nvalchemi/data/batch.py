@@ -43,7 +43,7 @@ from nvalchemi.data._collate import (
     select_systems,
 )
 from nvalchemi.data._neighbor_stamps import clear_stamps, common_stamps, copy_stamps
-from nvalchemi.data.atomic_data import AtomicData
+from nvalchemi.data.atomic_data import AtomicData, tensors_equal
 from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level, atomic_masses_of
 
 __all__ = ["Batch"]
@@ -554,6 +554,23 @@ class Batch:
             "num_edges_list": self.num_edges_list,
             **self._data,
         }
+
+    def __eq__(self, other: object) -> bool:
+        """Same fields at the same levels, same per-system atom and edge counts, and
+        equal values (any device; NaN-filled missing labels compare equal). Syncs:
+        meant for tests and checks, not for the training loop."""
+        if not isinstance(other, Batch):
+            return NotImplemented
+        if self._level_of != other._level_of:
+            return False
+        if not (
+            torch.equal(self._node_counts, other._node_counts)
+            and torch.equal(self._edge_counts, other._edge_counts)
+        ):
+            return False
+        return all(tensors_equal(value, other._data[key]) for key, value in self._data.items())
+
+    __hash__ = None  # mutable container; identity checks use ``is``
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -276,3 +276,34 @@ def test_neighbor_list_stamps_follow_the_edges():
     assert "_neighbor_list_cutoff" not in Batch.from_data_list([a, c]).__dict__
     batch.set_edges(torch.tensor([[0, 1]]), None, torch.tensor([1, 0]))
     assert "_neighbor_list_cutoff" not in batch.__dict__
+
+
+def test_equal_batches_compare_equal_with_nan_filled_labels():
+    items = [molecule(2), crystal(3)]  # the molecule's stress is filled with NaN
+    batch = Batch.from_data_list(items)
+    assert batch.stress.isnan().any()
+    assert batch == Batch.from_data_list(items)
+    assert batch == pickle.loads(pickle.dumps(batch)) and batch == batch.clone()
+    assert batch != Batch.from_data_list(items[::-1])  # other order, other counts
+    moved = batch.clone()
+    moved.positions.add_(1e-3)
+    assert batch != moved
+    assert batch != batch.to(dtype=torch.float64)
+    extra = batch.clone()
+    extra.add_key("weight", torch.ones(2), level="system")
+    assert batch != extra and batch != "not a batch"
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(batch)
+
+
+def test_atomic_data_equality_treats_nan_as_equal():
+    def item(x: float) -> AtomicData:  # unvalidated data (e.g. split from a batch) may hold NaN
+        return AtomicData(
+            atomic_numbers=torch.tensor([1]),
+            positions=torch.zeros(1, 3),
+            forces=torch.tensor([[float("nan"), x, 0.0]]),
+            validate=False,
+        )
+
+    assert item(1.0) == item(1.0)
+    assert item(1.0) != item(2.0)
