@@ -119,8 +119,23 @@ class DemoModelWrapper(nn.Module, BaseModelMixin):
         h = self.model.hidden_dim
         return {"node_embeddings": (h,), "graph_embeddings": (h,)}
 
+    def _check_species(self, atomic_numbers: torch.Tensor) -> None:
+        """Atomic numbers must index the species table; 0 is its padding row."""
+        if atomic_numbers.is_cuda and self.training:
+            return  # the check syncs; keep the training step sync-free (as MACEWrapper)
+        n = self.model.num_atom_types
+        bad = (atomic_numbers < 1) | (atomic_numbers >= n)
+        if bool(bad.any()):
+            values = sorted(set(atomic_numbers[bad].tolist()))
+            raise ValueError(
+                f"DemoModel(num_atom_types={n}) handles atomic numbers 1..{n - 1}; got Z values "
+                f"{values} (0 is the padding index). Build DemoModel(num_atom_types="
+                f"{max(n, max(values) + 1)}) or remove those atoms."
+            )
+
     def adapt_input(self, data: Any, **kwargs: Any) -> dict[str, Any]:
         inputs = super().adapt_input(data, **kwargs)
+        self._check_species(inputs["atomic_numbers"])
         batch_idx, num_graphs = graph_layout(data)
         inputs["positions"] = inputs["positions"].to(self.dtype)
         inputs["batch_indices"] = batch_idx
@@ -150,6 +165,7 @@ class DemoModelWrapper(nn.Module, BaseModelMixin):
         """Write ``node_embeddings [V, H]`` and sum-pooled ``graph_embeddings [B, H]``."""
         batch_idx, num_graphs = graph_layout(data)
         positions = data["positions"].to(self.dtype)
+        self._check_species(data["atomic_numbers"])
         nodes = self.model.node_features(data["atomic_numbers"], positions)
         graphs = nodes.new_zeros(num_graphs, nodes.shape[-1]).index_add(0, batch_idx, nodes)
         data["node_embeddings"] = nodes

@@ -104,3 +104,13 @@ def test_constructor_arguments_are_recoverable_from_attributes():
     rebuilt.load_state_dict(model.state_dict())
     batch = _batch()
     torch.testing.assert_close(rebuilt(batch)["forces"], model(batch)["forces"])
+
+
+@pytest.mark.parametrize("bad", [0, 10, 29])
+def test_atomic_numbers_outside_the_species_table_are_a_value_error(bad):
+    model = _wrapper()  # num_atom_types=10: Z in 1..9
+    data = AtomicData(atomic_numbers=torch.tensor([1, bad]), positions=torch.randn(2, 3))
+    with pytest.raises(ValueError, match=rf"num_atom_types=10.*Z values \[{bad}\]"):
+        model(Batch.from_data_list([data]))
+    with pytest.raises(ValueError, match=rf"Z values \[{bad}\]"):
+        model.compute_embeddings(data)
