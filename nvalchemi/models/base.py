@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import functools
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from enum import Enum
@@ -257,9 +258,18 @@ class BaseModelMixin(abc.ABC):
         upstream graph stays connected); the tensors stored on ``data`` are never
         modified.
 
+        Checks, besides presence: a neighbour list whose stamp (see
+        :func:`nvalchemi.data.neighbors.has_neighbor_list`) says it was built with a
+        smaller cutoff or the other half/full choice than ``neighbor_config`` is
+        rejected (a larger cutoff is fine: models ignore pairs beyond their cutoff);
+        unstamped lists are trusted. A model with ``needs_pbc`` rejects systems
+        whose ``pbc`` is all False (e.g. a molecule collated with crystals).
+
         Raises:
             KeyError: a required input is missing (all missing names are listed).
             TypeError: an input that needs gradients is not a tensor.
+            ValueError: the neighbour list does not fit the model, or a system is not
+                periodic for a model that needs PBC.
         """
         inputs: dict[str, Any] = {}
         grad_keys = self.gradient_inputs()
@@ -273,6 +283,9 @@ class BaseModelMixin(abc.ABC):
                 f"{type(self).__name__} needs {missing} but the input data has no such field "
                 f"(present: {sorted(_keys(data))}).{help_}"
             )
+        self._check_neighbor_stamp(data)
+        if self.model_config.needs_pbc:
+            _check_all_periodic(type(self).__name__, _get(data, "pbc"))
         for key in grad_keys:
             value = _get(data, key)
             if not isinstance(value, torch.Tensor):
@@ -290,6 +303,34 @@ class BaseModelMixin(abc.ABC):
             if value is not None:
                 inputs.setdefault(key, value)
         return inputs
+
+    def _check_neighbor_stamp(self, data: AtomicData | Batch) -> None:
+        """Reject a stamped neighbour list built for other options (Python only, no sync)."""
+        config = self.model_config.neighbor_config
+        if config is None:
+            return
+        from nvalchemi.data._neighbor_stamps import stamp_of
+
+        stamp = stamp_of(data, config.format.value)
+        if stamp is None:
+            return
+        cutoff, half_list = stamp
+        # Lists may reach further than the cutoff (Verlet skin): models drop those pairs.
+        too_short = cutoff < config.cutoff * (1.0 - 1e-9)
+        if not too_short and half_list == config.half_list:
+            return
+
+        def kind(half: bool) -> str:
+            return "half" if half else "full"
+
+        raise ValueError(
+            f"{type(self).__name__} needs a {kind(config.half_list)} neighbour list with cutoff "
+            f">= {config.cutoff:g} Å, but the input's list was built as a {kind(half_list)} list "
+            f"with cutoff {cutoff:g} Å. Rebuild it with "
+            "nvalchemi.data.neighbors.compute_neighbors(batch, "
+            "config=model.model_config.neighbor_config), or use the NeighborListHook from "
+            "model.make_neighbor_hooks(...)."
+        )
 
     def adapt_output(self, model_output: Any, data: AtomicData | Batch) -> OrderedDict:
         """Map the raw model output to the standard keys of the active outputs.
@@ -372,6 +413,38 @@ class BaseModelMixin(abc.ABC):
         if not isinstance(self, torch.nn.Module):
             raise TypeError(f"{type(self).__name__} is not an nn.Module; nothing to export.")
         torch.save(self.state_dict() if as_state_dict else self, Path(path))
+
+
+# The last accelerator ``pbc`` tensor found valid (weakly, with its in-place version):
+# a batch that is run again (dynamics, a calculator) is not read back a second time.
+_PERIODIC_CHECKED: list[tuple[weakref.ref, int]] = []
+
+
+def _check_all_periodic(model_name: str, pbc: Any) -> None:
+    """Raise when a system's ``pbc`` is all False for a model that needs PBC.
+
+    Collation gives a molecule in a batch of crystals a zero cell and ``pbc`` False,
+    on which such a model would silently return nonsense. The check reads one
+    value back from the device (once per ``pbc`` tensor); on the CPU it is free.
+    """
+    if not isinstance(pbc, torch.Tensor):
+        return
+    on_device = pbc.device.type != "cpu"
+    if on_device and _PERIODIC_CHECKED:
+        ref, version = _PERIODIC_CHECKED[0]
+        if ref() is pbc and pbc._version == version:
+            return
+    open_systems = ~pbc.reshape(-1, 3).any(dim=-1)
+    if bool(open_systems.any()):
+        indices = open_systems.nonzero().flatten().tolist()
+        raise ValueError(
+            f"{model_name} needs periodic systems (needs_pbc=True), but system(s) {indices} "
+            "of the input have pbc all False (a molecule batched with crystals gets a zero "
+            "cell and pbc False). Give every structure a cell and pbc, or use a model that "
+            "supports open boundaries for those structures."
+        )
+    if on_device:
+        _PERIODIC_CHECKED[:] = [(weakref.ref(pbc), pbc._version)]
 
 
 def _get(data: Any, key: str) -> Any:

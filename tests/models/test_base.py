@@ -215,6 +215,63 @@ def test_a_model_that_needs_pbc_rejects_a_structure_without_a_cell():
         model.adapt_input(_data())
 
 
+def _crystal(n=2):
+    return AtomicData(
+        atomic_numbers=torch.ones(n, dtype=torch.long),
+        positions=torch.randn(n, 3, dtype=torch.float64),
+        cell=torch.eye(3, dtype=torch.float64) * 3.0,
+        pbc=[True, True, True],
+    )
+
+
+def test_a_model_that_needs_pbc_rejects_open_systems_in_a_mixed_batch():
+    model = Quadratic(ModelConfig(supports_pbc=True, needs_pbc=True))
+    # collation gives the molecules a zero cell and pbc False instead of a missing field
+    batch = Batch.from_data_list([_crystal(), _data(2), _crystal(), _data(1)])
+    with pytest.raises(ValueError, match=r"needs_pbc=True.*system\(s\) \[1, 3\]"):
+        model(batch)
+    slab = _crystal()
+    slab.pbc = torch.tensor([[True, True, False]])  # periodic in some direction: accepted
+    assert model(Batch.from_data_list([_crystal(), slab]))["energy"] is not None
+
+
+def _stamped(cutoff, half_list=False, format="coo"):
+    from nvalchemi.data.neighbors import compute_neighbors
+
+    batch = Batch.from_data_list([_crystal(2), _crystal(3)])
+    compute_neighbors(batch, cutoff, half_list=half_list, format=format)
+    return batch
+
+
+@pytest.mark.parametrize("half_list", [False, True])
+def test_a_list_stamped_with_a_smaller_cutoff_or_the_other_half_full_choice_is_rejected(
+    half_list,
+):
+    config = NeighborConfig(cutoff=3.0, half_list=half_list)
+    model = Quadratic(ModelConfig(neighbor_config=config))
+    with pytest.raises(ValueError, match=r"cutoff >= 3 Å.*cutoff 2 Å.*compute_neighbors") as err:
+        model(_stamped(2.0, half_list))
+    assert "NeighborListHook" in str(err.value)
+    wanted, built = ("half", "full") if half_list else ("full", "half")
+    with pytest.raises(ValueError, match=rf"needs a {wanted} neighbour list.*as a {built} list"):
+        model(_stamped(3.0, not half_list))
+    model(_stamped(3.0, half_list))  # built for the model
+    model(_stamped(4.5, half_list))  # reaches further: pairs beyond the cutoff are ignored
+
+
+def test_stamp_check_covers_the_matrix_format_and_leaves_unstamped_lists_alone():
+    matrix = NeighborConfig(cutoff=3.0, format=NeighborListFormat.MATRIX)
+    with pytest.raises(ValueError, match="cutoff 2 Å"):
+        Quadratic(ModelConfig(neighbor_config=matrix))(_stamped(2.0, format="matrix"))
+    model = Quadratic(ModelConfig(neighbor_config=NeighborConfig(cutoff=3.0)))
+    unstamped = _data(2)
+    unstamped.neighbor_list = torch.tensor([[0, 1], [1, 0]])
+    model(unstamped)
+    moved = _stamped(2.0)
+    moved.positions = moved.positions + 0.1  # the stamp no longer applies: not checked
+    model(moved)
+
+
 def test_missing_neighbor_list_error_says_how_to_compute_it():
     model = Quadratic(ModelConfig(neighbor_config=NeighborConfig(cutoff=3.0)))
     with pytest.raises(KeyError, match=r"neighbor_list.*compute_neighbors"):

@@ -97,6 +97,22 @@ def test_train_mode_builds_a_differentiable_force_graph(wrapper, helpers):
     assert not batch.positions.requires_grad  # the batch is not modified
 
 
+def test_stamped_neighbor_lists_longer_are_harmless_shorter_are_rejected(wrapper, helpers):
+    from nvalchemi.data.neighbors import compute_neighbors
+
+    systems = [helpers.triclinic_cu_au(), helpers.au_slab(), helpers.cu_cluster()]
+    exact = wrapper(helpers.batch_of(systems, 4.0))
+    longer = wrapper(helpers.batch_of(systems, 6.0))  # MACE's envelope zeroes the extra pairs
+    torch.testing.assert_close(longer["energy"], exact["energy"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(longer["forces"], exact["forces"], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"cutoff >= 4 Å.*cutoff 3 Å"):
+        wrapper(helpers.batch_of(systems, 3.0))
+    half = helpers.batch_of(systems, 4.0)
+    compute_neighbors(half, 4.0, half_list=True)
+    with pytest.raises(ValueError, match=r"needs a full neighbour list.*as a half list"):
+        wrapper(half)
+
+
 def test_eval_under_no_grad_still_gives_forces(wrapper, helpers):
     batch = helpers.batch_of([helpers.triclinic_cu_au()], 4.0)
     wrapper.eval()

@@ -54,6 +54,19 @@ def test_outputs_with_stress_on_a_mixed_batch(helpers):
     assert out["forces"].shape == (8, 3)
 
 
+@pytest.mark.parametrize("cutoff_fn", ["cosine", "polynomial"])
+def test_stamped_neighbor_lists_longer_are_harmless_shorter_are_rejected(helpers, cutoff_fn):
+    model = _model(cutoff_fn=cutoff_fn)  # cutoff 4 Å
+    model.set_config("active_outputs", {"energy", "forces", "stress"})
+    systems = [helpers.triclinic_cu_au(), helpers.au_slab(), helpers.cu_cluster()]
+    exact = model(helpers.batch_of(systems, 4.0))
+    longer = model(helpers.batch_of(systems, 6.0))  # the envelope zeroes the extra pairs
+    for key in ("energy", "forces", "stress"):
+        torch.testing.assert_close(longer[key], exact[key], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"cutoff >= 4 Å.*cutoff 3 Å"):
+        model(helpers.batch_of(systems, 3.0))
+
+
 def test_stress_is_none_without_any_cell(helpers):
     model = _model()
     model.set_config("active_outputs", {"energy", "forces", "stress"})
