@@ -88,6 +88,13 @@ def test_energy_per_sample_values_are_unweighted_residuals():
     loss = EnergyMSELoss(per_atom=True)
     loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS)
     assert loss.per_sample_loss.tolist() == [1.0, 1.0, 4.0]
+    assert loss.per_sample_valid.tolist() == [True, True, True]
+    target = E_TARGET.clone()
+    target[1] = float("nan")  # structure 1 has no energy label
+    loss(E_PRED, target, num_nodes_per_graph=COUNTS)
+    assert loss.per_sample_valid.tolist() == [True, False, True]
+    assert loss.per_sample_loss[[0, 2]].tolist() == [1.0, 4.0]
+    assert math.isnan(loss.per_sample_loss[1].item())
 
 
 def test_energy_accepts_flat_shapes_and_padded_node_masks():
@@ -184,7 +191,10 @@ def test_force_per_graph_samples_and_missing_structure():
     target = F_TARGET.clone()
     target[3:] = NAN  # structure 1 has no force labels
     assert loss(zeros(F_TARGET), target, **F_META).item() == pytest.approx(14 / 9)
-    assert loss.per_sample_loss.tolist() == pytest.approx([14 / 9, 0.0])
+    # the unlabelled structure is NaN (not 0) and marked invalid, so per-sample means skip it
+    assert loss.per_sample_loss[0].item() == pytest.approx(14 / 9)
+    assert math.isnan(loss.per_sample_loss[1].item())
+    assert loss.per_sample_valid.tolist() == [True, False]
     l2 = ForceL2NormLoss(ignore_nonfinite=False)
     partial = F_TARGET.clone()
     partial[0, 1] = NAN  # one bad component removes the whole atom from the L2 loss
@@ -234,6 +244,8 @@ def test_stress_values_and_missing_structure():
     target[0] = NAN  # e.g. an open-boundary molecule batched with a crystal
     value = loss(pred, target)
     assert value.item() == pytest.approx(3.0)  # mean over the one labelled structure
+    assert math.isnan(loss.per_sample_loss[0].item()) and loss.per_sample_loss[1].item() == 3.0
+    assert loss.per_sample_valid.tolist() == [False, True]
     value.backward()
     assert torch.equal(pred.grad[0], torch.zeros(3, 3, dtype=torch.float64))
     assert torch.allclose(pred.grad[1], -2 * S_TARGET[1] / 9)

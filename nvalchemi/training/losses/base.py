@@ -6,7 +6,9 @@ implement ``compute_residual`` and override the other steps when they need to.
 
 NaN targets are missing labels (the data layer fills absent labels with NaN): they are
 always masked out, so a structure without a label contributes nothing and is not counted.
-``ignore_nonfinite=True`` additionally masks ``inf`` targets.
+``ignore_nonfinite=True`` additionally masks ``inf`` targets. Per-structure values follow
+the same convention: a structure without a label gets NaN in ``per_sample_loss`` and
+``False`` in ``per_sample_valid``, so per-sample statistics skip it too.
 """
 
 from __future__ import annotations
@@ -110,7 +112,11 @@ class BaseLossFunction(nn.Module, abc.ABC):
     Attributes:
         requires_eval_grad: whether evaluating the loss needs autograd (force/stress losses
             need gradients of the energy). Every built-in leaf declares it.
-        per_sample_loss: detached per-structure values of the last call, or ``None``.
+        per_sample_loss: detached per-structure values of the last call, or ``None``; NaN
+            for a structure with no labelled entry.
+        per_sample_valid: boolean ``(B,)`` mask of the structures that had a label in the
+            last call (``None`` with ``per_sample_loss``). A NaN in ``per_sample_loss`` where
+            this is ``True`` is a real non-finite value (e.g. a diverged prediction).
     """
 
     requires_eval_grad: ClassVar[bool | None] = None
@@ -119,6 +125,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
         super().__init__()
         self._dtype_policy = check_dtype_policy(dtype_policy)
         self.per_sample_loss: torch.Tensor | None = None
+        self.per_sample_valid: torch.Tensor | None = None
 
     @property
     def dtype_policy(self) -> str:
@@ -133,7 +140,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Scalar loss of ``pred`` against ``target``; ``kwargs`` carry batch metadata."""
-        self.per_sample_loss = None
+        self.per_sample_loss = self.per_sample_valid = None
         pred, target = self.align_dtypes(pred, target)
         self.validate(pred, target)
         pred, target, ctx = self.normalize(pred, target, **kwargs)
@@ -190,6 +197,16 @@ class BaseLossFunction(nn.Module, abc.ABC):
             weight = weight * ctx["weights"].expand_as(residual)
         total = weight.sum()
         return (residual * weight).sum() / torch.where(total > 0, total, 1.0)
+
+    def record_per_sample(self, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """Store per-structure ``values`` (``(B,)``) with NaN where ``valid`` is ``False``.
+
+        Sync-free (no host reads), so it is safe on the training hot path.
+        """
+        valid = valid.reshape(-1)
+        values = values.detach().reshape(-1)
+        self.per_sample_loss = torch.where(valid, values, torch.nan)
+        self.per_sample_valid = valid
 
     # -- algebra and serialization -------------------------------------------------------
 

@@ -123,7 +123,8 @@ class ComposedLossOutput(TypedDict):
     per_component_unweighted: dict[str, torch.Tensor]
     per_component_weight: dict[str, float]  # effective (after normalization)
     per_component_raw_weight: dict[str, float]  # before normalization
-    per_component_sample: dict[str, torch.Tensor]  # effective weight * per-structure values
+    # effective weight * per-structure values; NaN for a structure without a label
+    per_component_sample: dict[str, torch.Tensor]
 
 
 class ComposedLossFunction(nn.Module):
@@ -291,7 +292,7 @@ class ComposedLossFunction(nn.Module):
             pred, target = self._inputs(name, leaf, predictions, targets)
             if leaf._dtype_policy is None:
                 pred, target = cast_for_policy(pred, target, self._dtype_policy)
-            leaf.per_sample_loss = None
+            leaf.per_sample_loss = leaf.per_sample_valid = None
             value = leaf(pred, target, **kwargs)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must return a torch.Tensor, got {type(value).__name__}")

@@ -6,7 +6,8 @@ concatenated atoms of the batch, stresses ``(B, 3, 3)``. Per-graph reductions ta
 passes them from the batch; a ``batch=`` keyword is used as a fallback source).
 
 Missing labels (NaN targets) are always masked; a structure with no label contributes nothing
-and is not counted in any mean; an all-missing batch gives 0 with zero gradient.
+and is not counted in any mean (its ``per_sample_loss`` entry is NaN and its
+``per_sample_valid`` entry ``False``); an all-missing batch gives 0 with zero gradient.
 
 >>> import torch
 >>> loss = EnergyMSELoss()
@@ -72,8 +73,9 @@ def _graph_balanced(
         item_sum = per_graph_sum(item_sum, batch_idx, num_graphs)
         item_count = per_graph_sum(item_count, batch_idx, num_graphs)
     per_graph = item_sum / item_count.clamp_min(1)
-    loss.per_sample_loss = per_graph.detach()
-    return per_graph.sum() / (item_count > 0).sum().clamp_min(1)
+    labelled = item_count > 0
+    loss.record_per_sample(per_graph, labelled)
+    return per_graph.sum() / labelled.sum().clamp_min(1)
 
 
 # ------------------------------------------------------------------------------- energy
@@ -106,7 +108,7 @@ class _EnergyLoss(BaseLossFunction):
 
     def reduce(self, residual, valid, ctx, **kwargs):
         if residual.ndim == 1 or (residual.ndim == 2 and residual.shape[1] == 1):
-            self.per_sample_loss = residual.detach().reshape(-1)
+            self.record_per_sample(residual, valid)
         return super().reduce(residual, valid, ctx)
 
 
