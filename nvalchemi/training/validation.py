@@ -10,7 +10,9 @@ Summary keys (``strategy.last_validation`` / ``ctx.validation``):
 
 * ``total_loss``: mean over batches of the total loss (0-d float64 CPU tensor);
   ``per_component_unweighted`` (mean over batches), ``per_component_sample`` and
-  ``per_component_sample_count`` (per-structure weighted values), ``per_component_weight``
+  ``per_component_sample_count`` (mean and number of the per-structure weighted values of
+  the structures that have the component's label; unlabelled ones are not counted),
+  ``per_component_weight``
   and ``per_component_raw_weight`` (weights at the current step), ``num_batches``;
 * metrics, for whichever of ``predicted_energy``/``energy``, ``predicted_forces``/``forces``
   and ``predicted_stress``/``stress`` are present (NaN labels are missing and excluded):
@@ -374,7 +376,7 @@ class ValidationLoop:
         )
         before, after = self._forward_hooks()
         ctx = strategy._validation_context() if (before or after) else None
-        totals = _Totals(self.loss_fn.component_names, self.device)
+        totals = _Totals(self.loss_fn.component_names, self.device, self.loss_fn.components)
         workflow = strategy if strategy is not None else self
         callback = self.config.batch_callback
         grad_context = torch.enable_grad if self.grad_enabled else torch.no_grad
@@ -452,20 +454,23 @@ class ValidationLoop:
 class _Totals:
     """Device-side sums and counts of one pass, read (and all-reduced) once at the end."""
 
-    def __init__(self, component_names: list[str], device: torch.device) -> None:
+    def __init__(
+        self, component_names: list[str], device: torch.device, leaves: Iterable[Any] = ()
+    ) -> None:
         self.names = list(component_names)
+        self.leaves = list(leaves)
         self.device = device
         zeros = torch.zeros(self._size(), dtype=torch.float64, device=device)
         self.sums = zeros  # layout: see _size()
         self.num_batches = 0
         self.num_structures = 0
-        self.sample_counts = [0] * len(self.names)
         self.last_weights: tuple[dict[str, float], dict[str, float]] | None = None
 
     def _size(self) -> int:
-        # total, then per component (unweighted, sample sum), then metric blocks:
-        # energy (abs, sq, n, abs/atom, sq/atom), forces (abs, sq, n), stress (abs, sq, n)
-        return 1 + 2 * len(self.names) + 5 + 3 + 3
+        # total, then per component (unweighted, labelled-sample sum, labelled-sample count),
+        # then metric blocks: energy (abs, sq, n, abs/atom, sq/atom), forces (abs, sq, n),
+        # stress (abs, sq, n). Counts live on the device too, so nothing syncs per batch.
+        return 1 + 3 * len(self.names) + 5 + 3 + 3
 
     def add(self, loss: Mapping[str, Any], predictions: Mapping[str, Any], batch: Any) -> None:
         parts = [loss["total_loss"].detach().reshape(())]
@@ -475,11 +480,14 @@ class _Totals:
         for i, name in enumerate(self.names):
             parts.append(unweighted[name].detach().reshape(()) if name in unweighted else zero)
             sample = samples.get(name)
-            if sample is not None:
-                parts.append(sample.detach().sum())
-                self.sample_counts[i] += int(sample.numel())
-            else:
-                parts.append(zero)
+            if sample is None:
+                parts += [zero, zero]
+                continue
+            sample = sample.detach()
+            labelled = self._labelled(i, sample)
+            # Unlabelled structures (NaN) are left out; a NaN where a label exists stays.
+            parts.append(torch.where(labelled, sample, 0.0).sum())
+            parts.append(labelled.sum())
         for pred_key, target_key, _, per_atom in _METRICS:
             parts.extend(_errors(predictions, batch, pred_key, target_key, per_atom, zero))
         self.sums += torch.stack([p.to(torch.float64) for p in parts])
@@ -490,11 +498,17 @@ class _Totals:
             dict(loss.get("per_component_raw_weight", {})),
         )
 
+    def _labelled(self, index: int, sample: torch.Tensor) -> torch.Tensor:
+        """The leaf's mask of labelled structures, else the non-NaN entries of ``sample``."""
+        leaf = self.leaves[index] if index < len(self.leaves) else None
+        valid = getattr(leaf, "per_sample_valid", None)
+        if isinstance(valid, torch.Tensor) and valid.shape == sample.shape:
+            return valid.to(device=sample.device, dtype=torch.bool)
+        return ~torch.isnan(sample)
+
     def summary(self, loss_fn: Any, step: int, epoch: int, manager: Any) -> dict[str, Any]:
         counts = torch.tensor(
-            [self.num_batches, self.num_structures, *self.sample_counts],
-            dtype=torch.float64,
-            device=self.device,
+            [self.num_batches, self.num_structures], dtype=torch.float64, device=self.device
         )
         packed = torch.cat([self.sums, counts])
         reduced = _all_reduce(packed, manager)
@@ -502,15 +516,15 @@ class _Totals:
         n = len(self.names)
         sums, tail = values[: self.sums.numel()], values[self.sums.numel() :]
         num_batches, num_structures = int(tail[0]), int(tail[1])
-        sample_counts = [int(c) for c in tail[2 : 2 + n]]
         if num_batches == 0:
             raise ValueError("validation_data produced no batches.")
+        sample_counts = [int(sums[3 + 3 * i]) for i in range(n)]
         out: dict[str, Any] = {"total_loss": sums[0] / num_batches}
         out["per_component_unweighted"] = {
-            name: sums[1 + 2 * i] / num_batches for i, name in enumerate(self.names)
+            name: sums[1 + 3 * i] / num_batches for i, name in enumerate(self.names)
         }
         out["per_component_sample"] = {
-            name: sums[2 + 2 * i] / max(sample_counts[i], 1)
+            name: sums[2 + 3 * i] / sample_counts[i]
             for i, name in enumerate(self.names)
             if sample_counts[i] > 0
         }
@@ -520,7 +534,7 @@ class _Totals:
         out["per_component_raw_weight"] = raw
         out["num_batches"] = num_batches
         out["num_structures"] = num_structures
-        out.update(_metrics(sums[1 + 2 * n :]))
+        out.update(_metrics(sums[1 + 3 * n :]))
         out["distributed_reduced"] = reduced is not None
         return out
 

@@ -143,7 +143,14 @@ def test_metrics_match_a_hand_computed_case():
         sum(float(o["per_component_unweighted"]["ForceMSELoss"]) for o in per_batch) / 2
     )
     assert summary["per_component_weight"] == {"EnergyMSELoss": 0.5, "ForceMSELoss": 0.5}
-    assert summary["per_component_sample_count"] == {"EnergyMSELoss": 4, "ForceMSELoss": 4}
+    # structures without the component's label are not counted (one each in batch b)
+    assert summary["per_component_sample_count"] == {"EnergyMSELoss": 3, "ForceMSELoss": 3}
+    assert float(summary["per_component_sample"]["EnergyMSELoss"]) == pytest.approx(
+        0.5 * (0.25 + 1.0 + 0.0) / 3
+    )
+    assert float(summary["per_component_sample"]["ForceMSELoss"]) == pytest.approx(
+        0.5 * (0.01 + 0.01 + 0.04) / 3
+    )
     assert (summary["model_source"], summary["precision"], summary["distributed_reduced"]) == (
         "live",
         "float32",
