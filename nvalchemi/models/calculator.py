@@ -42,8 +42,10 @@ class NvalchemiCalculator(Calculator):
         **kwargs: passed to ``ase.calculators.calculator.Calculator``.
 
     Raises:
-        PropertyNotImplementedError: stress of a non-periodic system, or a property
-            the model cannot compute.
+        PropertyNotImplementedError: stress of a non-periodic system or of a periodic
+            one whose cell has zero volume (give it a full cell, e.g.
+            ``atoms.center(vacuum=10.0, axis=2)``), or a property the model cannot
+            compute.
     """
 
     implemented_properties = ["energy", "free_energy", "forces", "stress"]
@@ -125,11 +127,23 @@ class NvalchemiCalculator(Calculator):
         system_changes: list[str] = all_changes,
     ) -> None:
         super().calculate(atoms, properties, system_changes)
-        periodic = bool(np.asarray(self.atoms.pbc).any())
-        if "stress" in properties and not periodic:
-            raise PropertyNotImplementedError("stress is only defined for periodic systems.")
+        pbc = np.asarray(self.atoms.pbc, dtype=bool)
+        periodic = bool(pbc.any())
+        # ASE allows a zero cell vector along a non-periodic direction (a slab from
+        # fcc111(..., vacuum=None)); stress divides by the volume, so it has none.
+        has_volume = abs(float(np.linalg.det(self.atoms.cell.array))) > 1e-12
+        if "stress" in properties:
+            if not periodic:
+                raise PropertyNotImplementedError("stress is only defined for periodic systems.")
+            if not has_volume:
+                raise PropertyNotImplementedError(
+                    f"stress needs the cell volume, but this periodic system (pbc={pbc.tolist()}) "
+                    "has a zero-volume cell (a zero cell vector along a non-periodic "
+                    "direction). Give it a full cell, e.g. atoms.center(vacuum=10.0, axis=2) "
+                    "for a slab."
+                )
         wanted = {"energy", "forces"} & set(self.model.model_config.outputs)
-        if periodic and "stress" in self.model.model_config.outputs:
+        if periodic and has_volume and "stress" in self.model.model_config.outputs:
             wanted.add("stress")
         config = self.model.model_config
         previous, was_training = config.active_outputs, self.model.training

@@ -50,6 +50,24 @@ def test_free_energy_and_non_periodic_systems(helpers):
         atoms.get_stress()
 
 
+def test_stress_of_a_periodic_cell_without_volume_is_an_error_not_zeros():
+    from ase.build import fcc111
+
+    slab = fcc111("Cu", (2, 2, 3), vacuum=None)  # pbc T, T, F; third cell vector zero
+    assert slab.pbc.tolist() == [True, True, False] and slab.cell.volume == 0
+    model = _painn()
+    model.set_config("active_outputs", {"energy", "forces", "stress"})
+    slab.calc = NvalchemiCalculator(model)
+    energy = slab.get_potential_energy()  # energy and forces need no volume
+    assert np.isfinite(energy) and slab.get_forces().shape == (12, 3)
+    assert "stress" not in slab.calc.results  # no zeros kept for a later get_stress
+    with pytest.raises(PropertyNotImplementedError, match=r"zero-volume cell.*atoms\.center"):
+        slab.get_stress()
+    slab.center(vacuum=5.0, axis=2)
+    stress = slab.get_stress()
+    assert np.abs(stress).max() > 0
+
+
 def test_results_are_cached_until_the_atoms_change(helpers):
     model = _painn()
     calls = []
