@@ -30,6 +30,20 @@ from nvalchemi.data.atomic_data import AtomicData
 __all__ = ["NvalchemiCalculator"]
 
 
+# The keyword arguments of ase.calculators.calculator.Calculator.__init__; ASE would
+# keep any other keyword as a "parameter" that nothing here reads.
+_ASE_KEYWORDS = ("restart", "ignore_bad_restart_file", "label", "atoms", "directory")
+
+
+def _check_ase_keywords(kwargs: dict[str, Any], where: str) -> None:
+    unknown = sorted(set(kwargs) - set(_ASE_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"{where}() got unexpected keyword argument(s) {unknown}; it accepts its own "
+            f"arguments and the ASE Calculator options {list(_ASE_KEYWORDS)}."
+        )
+
+
 class NvalchemiCalculator(Calculator):
     """ASE calculator around an nvalchemi model.
 
@@ -39,7 +53,9 @@ class NvalchemiCalculator(Calculator):
             differ from the model's, the calculator works on a copy.
         device: where to run (default: the model's device).
         dtype: run in this dtype (default: the model's dtype).
-        **kwargs: passed to ``ase.calculators.calculator.Calculator``.
+        **kwargs: ASE ``Calculator`` options (``restart``, ``ignore_bad_restart_file``,
+            ``label``, ``atoms``, ``directory``); anything else raises ``TypeError``
+            (the model has no calculator parameters that ASE could store).
 
     Raises:
         PropertyNotImplementedError: stress of a non-periodic system or of a periodic
@@ -58,6 +74,7 @@ class NvalchemiCalculator(Calculator):
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
+        _check_ase_keywords(kwargs, "NvalchemiCalculator")
         super().__init__(**kwargs)
         first = next(iter(model.parameters()), None)
         current_device = first.device if first is not None else torch.device("cpu")
@@ -79,14 +96,46 @@ class NvalchemiCalculator(Calculator):
         path: str | Path,
         *,
         model_key: str = "main",
+        checkpoint_index: int | str = "latest",
+        use_ema: bool = True,
+        trust: bool = False,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> NvalchemiCalculator:
-        """Build from a training checkpoint directory (weights of model ``model_key``)."""
+        """Build from a training checkpoint directory (the weights of model ``model_key``).
+
+        Args:
+            path: the checkpoint root folder (``.../checkpoints``).
+            model_key: which saved model.
+            checkpoint_index: which checkpoint: ``"latest"`` (default), ``"best"``,
+                ``-1`` (latest) or a checkpoint number ``N >= 0``.
+            use_ema: load the EMA (averaged) weights when the checkpoint has them,
+                else the trained weights.
+            trust: allow model spec paths outside the import allow-list (only for
+                checkpoints you trust).
+            device: where to load and run the model (``map_location``).
+            dtype: run in this dtype (default: the saved model's).
+            **kwargs: ASE ``Calculator`` options (``label``, ``directory``, ...).
+
+        Raises:
+            TypeError: an unknown keyword argument.
+
+        Example:
+            >>> calc = NvalchemiCalculator.from_checkpoint(
+            ...     "runs/x/checkpoints", checkpoint_index=0, use_ema=False)  # doctest: +SKIP
+        """
+        _check_ase_keywords(kwargs, "NvalchemiCalculator.from_checkpoint")
         from nvalchemi.training.checkpoint import load_model_from_checkpoint
 
-        model = load_model_from_checkpoint(path, map_location=device, model_key=model_key)
+        model = load_model_from_checkpoint(
+            path,
+            map_location=device,
+            model_key=model_key,
+            use_ema=use_ema,
+            checkpoint_index=checkpoint_index,
+            trust=trust,
+        )
         return cls(model, device=device, dtype=dtype, **kwargs)
 
     @property

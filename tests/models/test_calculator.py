@@ -133,3 +133,51 @@ def test_from_checkpoint_directory(tmp_path, helpers):
     atoms, reference = helpers.triclinic_cu_au(), helpers.triclinic_cu_au()
     atoms.calc, reference.calc = calc, NvalchemiCalculator(model)
     np.testing.assert_allclose(atoms.get_forces(), reference.get_forces(), atol=1e-12)
+
+
+def test_from_checkpoint_honours_checkpoint_index_and_passes_every_option(
+    tmp_path, helpers, monkeypatch
+):
+    checkpoint = pytest.importorskip("nvalchemi.training.checkpoint")
+    first, second = _painn(), _painn()
+    with torch.no_grad():
+        second.readout[-1].bias.add_(1.0)  # another energy
+    assert checkpoint.save_checkpoint(tmp_path / "ckpt", models={"main": first}) == 0
+    assert checkpoint.save_checkpoint(tmp_path / "ckpt", models={"main": second}) == 1
+
+    def energy(calc):
+        atoms = helpers.triclinic_cu_au()
+        atoms.calc = calc
+        return atoms.get_potential_energy()
+
+    expected = [energy(NvalchemiCalculator(m)) for m in (first, second)]
+    assert expected[0] != pytest.approx(expected[1])
+    load = NvalchemiCalculator.from_checkpoint
+    assert energy(load(tmp_path / "ckpt")) == pytest.approx(expected[1], abs=1e-12)
+    assert energy(load(tmp_path / "ckpt", checkpoint_index=0)) == pytest.approx(
+        expected[0], abs=1e-12
+    )
+
+    seen = {}
+
+    def fake_load(path, map_location=None, model_key="main", **options):
+        seen.update(options, map_location=map_location, model_key=model_key)
+        return _painn()
+
+    monkeypatch.setattr(checkpoint, "load_model_from_checkpoint", fake_load)
+    calc = load(tmp_path / "ckpt", checkpoint_index=0, use_ema=False, trust=True, label="x")
+    assert seen == {
+        "use_ema": False,
+        "checkpoint_index": 0,
+        "trust": True,
+        "map_location": "cpu",
+        "model_key": "main",
+    }
+    assert calc.label == "x"
+
+
+def test_unknown_keywords_are_a_type_error(tmp_path):
+    with pytest.raises(TypeError, match=r"\['checkpoint_idx'\].*ASE Calculator options"):
+        NvalchemiCalculator.from_checkpoint(tmp_path, checkpoint_idx=0)
+    with pytest.raises(TypeError, match=r"\['use_emma'\]"):
+        NvalchemiCalculator(_painn(), use_emma=True)
