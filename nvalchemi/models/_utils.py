@@ -72,6 +72,8 @@ def cell_volume(cell: torch.Tensor) -> torch.Tensor:
 def _stress_from_grad(grad: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
     # Systems without a cell (zero volume, e.g. a molecule in a mixed batch) get zero
     # stress: a NaN here would poison gradients even where the loss masks the label.
+    # Periodic cells of zero volume are stopped before they get here (from_atoms
+    # rejects them; NvalchemiCalculator refuses their stress).
     volume = cell_volume(cell.to(grad.dtype))
     has_volume = volume > 0
     safe = torch.where(has_volume, volume, torch.ones_like(volume))
