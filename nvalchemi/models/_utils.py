@@ -72,8 +72,9 @@ def cell_volume(cell: torch.Tensor) -> torch.Tensor:
 def _stress_from_grad(grad: torch.Tensor, cell: torch.Tensor) -> torch.Tensor:
     # Systems without a cell (zero volume, e.g. a molecule in a mixed batch) get zero
     # stress: a NaN here would poison gradients even where the loss masks the label.
-    # Periodic cells of zero volume are stopped before they get here (from_atoms
-    # rejects them; NvalchemiCalculator refuses their stress).
+    # A periodic cell of zero volume has no stress either; from_atoms rejects such
+    # cells and NvalchemiCalculator refuses their stress, but an AtomicData built by
+    # hand with one still gets zeros here.
     volume = cell_volume(cell.to(grad.dtype))
     has_volume = volume > 0
     safe = torch.where(has_volume, volume, torch.ones_like(volume))
