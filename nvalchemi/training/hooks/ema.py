@@ -3,6 +3,11 @@
 After every executed optimizer step ``k`` (1-based) with ``k >= start_step`` and
 ``k % update_every == 0`` the shadow weights are updated as
 ``ema = decay * ema + (1 - decay) * weights`` (the first update copies the weights).
+Until that first update the shadow tracks the live weights: it is copied from them at
+``SETUP`` and after every executed optimizer step, so validation, checkpoints, best-K
+ranking and ``load_model_from_checkpoint(use_ema=True)`` see the live model rather than
+the untrained initial weights (``EMAHook(start_step=1000)`` with a 500-step run publishes
+the trained weights).
 The average lives in a ``torch.optim.swa_utils.AveragedModel`` of the unwrapped model
 (DDP's ``.module``), built lazily at ``SETUP``, and is published as the strategy's
 inference model (``strategy.set_inference_model``), which validation uses per
@@ -101,6 +106,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         update_every: update on optimizer steps that are multiples of this.
         start_step: first optimizer step (1-based count of executed steps) that updates.
             The modulo is global: ``start_step=5, update_every=10`` updates at 10, 20, ...
+            Before the first update the shadow is a copy of the live weights.
         use_buffers: also average floating buffers (else buffers are copied from the model).
         num_updates: updates done so far (restored from checkpoints).
 
@@ -140,11 +146,15 @@ class EMAHook(BaseModel, TrainingUpdateHook):
                 completed = ctx.step_count + 1  # the strategy advances step_count afterwards
                 if completed >= self.start_step and completed % self.update_every == 0:
                     self._update(ctx)
+                elif self.num_updates == 0:
+                    self._track(ctx)
         elif stage is _SETUP:
             averaged = self._ensure_initialized(ctx)
             source = self._source(ctx)
             _align(averaged.module, source)
             self._publish(ctx, force=True)
+            if self.num_updates == 0:
+                self._track(ctx)
             self._runtime.plan = None  # devices may have changed: rebuild the tensor lists
         return True, ctx.loss
 
@@ -203,16 +213,29 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         self.__dict__["num_updates"] += 1
         self._publish(ctx)
 
+    @torch.no_grad()
+    def _track(self, ctx: Any) -> None:
+        """Copy the live weights into the shadow (before the first update; not an update)."""
+        averaged = self._ensure_initialized(ctx)
+        plan = self._plan(averaged, self._source(ctx))
+        _copy(plan.lerp_dst, plan.lerp_src)
+        if plan.copy_dst:
+            _copy(plan.copy_dst, plan.copy_src)
+
+    def _plan(self, averaged: AveragedModel, source: nn.Module) -> _UpdatePlan:
+        rt = self._runtime
+        plan = rt.plan
+        if plan is None or plan.source_id != id(source):
+            plan = rt.plan = _UpdatePlan(averaged.module, source, self.use_buffers)
+        return plan
+
     def _fused_update(self, averaged: AveragedModel, source: nn.Module) -> None:
         """``AveragedModel.update_parameters`` with the EMA rule, without its device syncs.
 
         ``averaged.n_averaged`` is brought up to date lazily (:meth:`get_averaged_model`,
         :meth:`state_dict`), saving a kernel launch per step.
         """
-        rt = self._runtime
-        plan = rt.plan
-        if plan is None or plan.source_id != id(source):
-            plan = rt.plan = _UpdatePlan(averaged.module, source, self.use_buffers)
+        plan = self._plan(averaged, source)
         if self.num_updates == 0:  # the first update copies
             _copy(plan.lerp_dst, plan.lerp_src)
         elif plan.lerp_dst:
