@@ -335,13 +335,32 @@ def load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_locatio
 
 
 def ema_weights(states: Any, model_key: str) -> dict[str, torch.Tensor] | None:
-    """The averaged weights of ``model_key`` from saved hook states (EMAHook format)."""
+    """The averaged weights of ``model_key`` from saved hook states (EMAHook format).
+
+    ``None`` (use the trained weights) when no average is saved, or when it has had no
+    update yet: such a shadow is not an average (checkpoints written before the shadow
+    tracked the live weights hold the untrained initial weights there).
+    """
     if isinstance(states, Mapping):
         averaged = states.get("averaged_model_state")
-        if isinstance(averaged, Mapping) and states.get("model_key", "main") == model_key:
+        if (
+            isinstance(averaged, Mapping)
+            and states.get("model_key", "main") == model_key
+            and _ema_updates(states, averaged) != 0
+        ):
             return {k.removeprefix("module."): v for k, v in averaged.items() if k != "n_averaged"}
         for value in states.values():
             found = ema_weights(value, model_key)
             if found is not None:
                 return found
     return None
+
+
+def _ema_updates(states: Mapping[str, Any], averaged: Mapping[str, Any]) -> int | None:
+    """The saved EMA update count (``num_updates``, else ``n_averaged``); ``None`` if unknown."""
+    count = states.get("num_updates")
+    if count is None:
+        count = averaged.get("n_averaged")
+    if isinstance(count, torch.Tensor) and count.numel() == 1:
+        return int(count)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
