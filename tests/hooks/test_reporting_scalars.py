@@ -56,6 +56,18 @@ def test_composed_loss_keys_use_component_class_names():
     )
 
 
+def test_sample_means_skip_structures_without_the_label():
+    # losses mark structures without a label NaN in per_component_sample
+    ctx = TrainContext(
+        batch=None,
+        losses={
+            "total_loss": torch.tensor(1.0),
+            "per_component_sample": {"StressMSELoss": torch.tensor([1.0, float("nan"), 3.0])},
+        },
+    )
+    assert extract_loss_scalars(ctx)["loss/StressMSELoss/sample_mean"] == pytest.approx(2.0)
+
+
 def test_other_loss_entries_are_flattened():
     ctx = TrainContext(
         batch=None, losses={"aux": {"a": 1.0, "b": {"c": torch.tensor(2.0)}}, "x": 3}

@@ -192,16 +192,17 @@ def extract_scalars(mapping: Mapping[str, Any], *, prefix: str | None = None) ->
 
 # --------------------------------------------------------------------------- losses
 def _sample_mean(value: Any) -> Any:
+    """Mean over the structures that have the label (losses mark the others NaN)."""
     if isinstance(value, torch.Tensor):
         if value.numel() == 0:
             return None
-        return (
-            value.detach().to(torch.float32 if value.device.type == "mps" else torch.float64).mean()
-        )
+        dtype = torch.float32 if value.device.type == "mps" else torch.float64
+        return value.detach().to(dtype).nanmean()
     if isinstance(value, numbers.Real):
         return value
     if isinstance(value, Iterable):
         items = [float(v) for v in value]
+        items = [v for v in items if v == v]
         return sum(items) / len(items) if items else None
     return value
 
