@@ -15,6 +15,17 @@ Both the path as written and the place the object is really defined must be trus
 alias such as ``"torch.nn.functional.torch.load"`` is refused too. Anything else raises
 :class:`UnsafeImportError` *before* its module is imported.
 
+Passing the allow-list is not enough for every object: what a path *resolves to* is checked
+too, so re-exports and aliases cannot dodge the rules.
+
+* Callables that read files with full unpickling (``torch.load`` without ``weights_only``,
+  mace model files) are marked with :func:`requires_trust`; :func:`import_path` refuses
+  them without trust whatever path names them, and inside an :func:`untrusted_build`
+  block they refuse to run even when reached indirectly.
+* A spec's ``cls_path`` is *called* with keyword arguments taken from the file, so
+  :func:`check_spec_target` lets an untrusted spec call only classes (constructors) and
+  callables marked safe with :func:`spec_factory`.
+
 >>> import_path("torch.optim.adam.Adam").__name__
 'Adam'
 >>> import_path("os.system")
@@ -46,6 +57,13 @@ __all__ = [
     "allow_import_path",
     "register_trusted",
     "trusted_imports",
+    "requires_trust",
+    "is_trust_required",
+    "spec_factory",
+    "register_spec_factory",
+    "is_spec_factory",
+    "check_spec_target",
+    "untrusted_build",
     "register_type_serializer",
     "encode_value",
     "decode_tagged",
@@ -92,6 +110,7 @@ _DENIED: set[str] = {
     "torch.library",
 }
 _TRUST_ALL = contextvars.ContextVar("nvalchemi_trust_all_imports", default=False)
+_UNTRUSTED_BUILD = contextvars.ContextVar("nvalchemi_untrusted_build", default=False)
 
 
 def _under(path: str, prefixes: set[str]) -> bool:
@@ -151,6 +170,162 @@ def trusted_imports() -> Iterator[None]:
         yield
     finally:
         _TRUST_ALL.reset(token)
+
+
+# ------------------------------------------------------- markers on resolved objects
+
+REQUIRES_TRUST_ATTR = "__nvalchemi_requires_trust__"
+SPEC_FACTORY_ATTR = "__nvalchemi_spec_factory__"
+_SPEC_FACTORIES: set[Any] = set()  # functions marked safe from outside their module
+
+
+def _function_of(obj: Any) -> Any:
+    """The plain function behind a (class/static/bound) method; else ``obj`` itself."""
+    return getattr(obj, "__func__", obj)
+
+
+def _trusted_now(trust: bool = False) -> bool:
+    return trust or _TRUST_ALL.get()
+
+
+def requires_trust(obj: Any) -> Any:
+    """Mark a callable (or class) that loads files with full unpickling: untrusted input may
+    neither name it nor reach it.
+
+    Put it under ``@classmethod``. The marked function is refused by :func:`import_path`
+    without trust, and refuses to run inside an :func:`untrusted_build` block (unless a
+    :func:`trusted_imports` block is open), so a spec cannot reach it through another
+    factory either. Direct calls from Python code are not affected.
+
+    >>> @requires_trust
+    ... def load_pickle(path): ...
+    >>> is_trust_required(load_pickle)
+    True
+    """
+    if isinstance(obj, type):
+        setattr(obj, REQUIRES_TRUST_ATTR, True)
+        return obj
+    wrapper = type(obj) if isinstance(obj, (classmethod, staticmethod)) else None
+    func = _function_of(obj)
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if _UNTRUSTED_BUILD.get() and not _TRUST_ALL.get():
+            raise UnsafeImportError(
+                f"Refusing to run {func.__module__}.{func.__qualname__} while building an "
+                "untrusted spec or checkpoint: it loads pickled files, and unpickling runs code "
+                "from the file. Pass trust=True to the loader only if you trust the input and "
+                "every file it names."
+            )
+        return func(*args, **kwargs)
+
+    setattr(guarded, REQUIRES_TRUST_ATTR, True)
+    return wrapper(guarded) if wrapper is not None else guarded
+
+
+def is_trust_required(obj: Any) -> bool:
+    """Whether ``obj`` (a class, function or method) is marked with :func:`requires_trust`."""
+    return getattr(_function_of(obj), REQUIRES_TRUST_ATTR, False) is True
+
+
+def spec_factory(obj: Any) -> Any:
+    """Mark a function or classmethod as safe for an untrusted spec to call.
+
+    Only for factories that build from their plain keyword arguments and read no files
+    with pickle (``MACEWrapper.from_mace_kwargs``); without the mark, untrusted specs may
+    call classes only. Put it under ``@classmethod``.
+    """
+    setattr(_function_of(obj), SPEC_FACTORY_ATTR, True)
+    return obj
+
+
+def register_spec_factory(obj: Any) -> Any:
+    """Like :func:`spec_factory` for a callable you do not own (no attribute is set)."""
+    _SPEC_FACTORIES.add(_function_of(obj))
+    return obj
+
+
+def is_spec_factory(obj: Any) -> bool:
+    """Whether ``obj`` is a routine marked safe with :func:`spec_factory` (classes are not)."""
+    if isinstance(obj, type) or is_trust_required(obj):
+        return False
+    func = _function_of(obj)
+    try:
+        registered = func in _SPEC_FACTORIES
+    except TypeError:  # unhashable callable
+        registered = False
+    return registered or getattr(func, SPEC_FACTORY_ATTR, False) is True
+
+
+def _defined_path(obj: Any) -> str:
+    try:
+        return object_to_path(obj)
+    except TypeError:
+        return repr(obj)
+
+
+def _pickle_refusal(path: str, obj: Any, where: str) -> UnsafeImportError:
+    prefix = f"{where}: " if where else ""
+    return UnsafeImportError(
+        f"{prefix}Refusing {path!r} without trust=True: it resolves to "
+        f"{_defined_path(obj)!r}, which loads pickled files (full unpickling runs code stored "
+        "in the file). Pass trust=True only if you trust this input and every file it names."
+    )
+
+
+def check_spec_target(
+    obj: Any,
+    *,
+    path: str,
+    where: str = "",
+    expect: type | tuple[type, ...] | None = None,
+    trust: bool = False,
+) -> None:
+    """Refuse what an untrusted spec may not call, judged on the resolved object ``obj``.
+
+    Without trust (``trust=True`` or a :func:`trusted_imports` block) the target must be a
+    class, or a callable marked with :func:`spec_factory` / :func:`register_spec_factory`,
+    and never one marked with :func:`requires_trust`. With ``expect``, the class (or the
+    class owning a classmethod factory) must subclass it. ``where`` (e.g. the spec file and
+    key) starts the error message. Raises :class:`UnsafeImportError`.
+    """
+    if _trusted_now(trust):
+        return
+    if is_trust_required(obj):
+        raise _pickle_refusal(path, obj, where)
+    prefix = f"{where}: " if where else ""
+    hint = (
+        "Pass trust=True only if you trust this input; or mark a safe factory with "
+        "nvalchemi._serialization.spec_factory."
+    )
+    owner = getattr(obj, "__self__", None)
+    if isinstance(obj, type):
+        cls = obj
+    elif is_spec_factory(obj):
+        cls = owner if isinstance(owner, type) else None
+    else:
+        raise UnsafeImportError(
+            f"{prefix}{path!r} resolves to {_defined_path(obj)!r}, which is neither a class nor "
+            f"a callable marked safe for specs; an untrusted spec may only call those. {hint}"
+        )
+    if expect is not None and (cls is None or not issubclass(cls, expect)):
+        items = expect if isinstance(expect, tuple) else (expect,)
+        wanted = " or ".join(t.__name__ for t in items)
+        raise UnsafeImportError(
+            f"{prefix}{path!r} is not a subclass of {wanted} (or a marked factory of one); an "
+            f"untrusted spec here may only name such classes. {hint}"
+        )
+
+
+@contextlib.contextmanager
+def untrusted_build() -> Iterator[None]:
+    """Code in this block runs for untrusted input: :func:`requires_trust` callables refuse
+    to run in it (a :func:`trusted_imports` block inside lifts that again)."""
+    token = _UNTRUSTED_BUILD.set(True)
+    try:
+        yield
+    finally:
+        _UNTRUSTED_BUILD.reset(token)
 
 
 def object_to_path(obj: Any) -> str:
@@ -215,19 +390,22 @@ def import_path(path: str, *, trust: bool = False) -> Any:
     """Import the object named by dotted ``path`` through the allow-list.
 
     Raises :class:`UnsafeImportError` (a ``ValueError``) for untrusted paths, before importing
-    anything, and ``ValueError`` when the path does not resolve.
+    anything; for an allowed path whose object is marked :func:`requires_trust` (whatever
+    alias names it), before it is called; and ``ValueError`` when the path does not resolve.
     """
     if not isinstance(path, str):
         raise TypeError(f"import path must be a str, got {type(path).__name__}")
     check_import_path(path, trust=trust)
     obj, problem = _resolve(path)
-    if not (trust or _TRUST_ALL.get()):
+    if not _trusted_now(trust):
         problem = problem or _defined_at_problem(path, obj)
         if problem:
             raise UnsafeImportError(
                 f"Refusing to import {path!r}: {problem}. Name objects by the trusted module that "
                 "defines them, or pass trust=True if you trust this input."
             )
+        if is_trust_required(obj):  # judged on the object: aliases and re-exports too
+            raise _pickle_refusal(path, obj, "")
     return obj
 
 

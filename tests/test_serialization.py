@@ -1,5 +1,6 @@
 """Import allow-list, trust controls and value codecs of nvalchemi._serialization."""
 
+import inspect
 import sys
 import textwrap
 
@@ -14,6 +15,7 @@ from nvalchemi._serialization import (
     SerializableTaggedClass,
     UnsafeImportError,
     allow_import_path,
+    check_spec_target,
     decode_tagged,
     device_from_str,
     dtype_from_str,
@@ -21,12 +23,18 @@ from nvalchemi._serialization import (
     import_path,
     init_kwargs_from_attrs,
     is_import_allowed,
+    is_spec_factory,
+    is_trust_required,
     object_to_path,
+    register_spec_factory,
     register_trusted,
     register_type_serializer,
+    requires_trust,
+    spec_factory,
     tensor_from_dict,
     tensor_to_dict,
     trusted_imports,
+    untrusted_build,
 )
 
 
@@ -275,3 +283,97 @@ class _WithAttrs:
 
 def test_init_kwargs_from_attrs_skips_missing_attributes():
     assert init_kwargs_from_attrs(_WithAttrs(1, c=5)) == {"a": 1, "c": 5}
+
+
+# ------------------------------------------------ markers judged on resolved objects
+@pytest.mark.parametrize(
+    "path",
+    [
+        "nvalchemi.models.mace.MACEWrapper.from_checkpoint",
+        "nvalchemi.models.MACEWrapper.from_checkpoint",  # lazy re-export: same object
+        "nvalchemi.training.finetune.FineTuningStrategy.from_mace",
+        "nvalchemi.training.FineTuningStrategy.from_mace",
+    ],
+)
+def test_pickle_loaders_are_refused_by_any_path_without_trust(path):
+    with pytest.raises(UnsafeImportError, match=r"loads pickled files.*trust=True"):
+        import_path(path)
+    assert is_trust_required(import_path(path, trust=True))
+    with trusted_imports():
+        assert callable(import_path(path))
+
+
+@requires_trust
+def _unpickle(path):
+    return f"loaded {path}"
+
+
+class _Factories:
+    def __init__(self, width: int = 1):
+        self.width = width
+
+    @classmethod
+    @requires_trust
+    def from_pickle(cls, path: str) -> "_Factories":
+        return cls()
+
+    @requires_trust  # either order with classmethod
+    @classmethod
+    def from_pickle_too(cls, path: str) -> "_Factories":
+        return cls()
+
+    @classmethod
+    @spec_factory
+    def from_width(cls, width: int) -> "_Factories":
+        return cls(width)
+
+    @classmethod
+    def unmarked(cls) -> "_Factories":
+        return cls()
+
+
+def test_requires_trust_guard_refuses_to_run_only_inside_untrusted_builds():
+    assert _unpickle("a") == "loaded a"  # direct calls are the caller's decision
+    assert list(inspect.signature(_Factories.from_pickle).parameters) == ["path"]
+    with untrusted_build():
+        for call in (lambda: _unpickle("a"), lambda: _Factories.from_pickle_too("a")):
+            with pytest.raises(
+                UnsafeImportError, match=r"Refusing to run .*(_unpickle|from_pickle_too) while"
+            ):
+                call()
+        with trusted_imports():  # a trusted spec built inside lifts the guard
+            assert isinstance(_Factories.from_pickle("a"), _Factories)
+    assert is_trust_required(_Factories.from_pickle) and is_trust_required(_unpickle)
+    assert not is_trust_required(_Factories.from_width)
+
+
+def test_check_spec_target_allows_classes_and_marked_factories_only(restore_spec_factories):
+    check_spec_target(_Factories, path="x")
+    check_spec_target(_Factories.from_width, path="x", expect=_Factories)
+    for obj, pattern in (
+        (_Factories.unmarked, "neither a class nor a callable marked safe"),
+        (torch.nn.init.zeros_, "neither a class nor a callable marked safe"),
+        (_Factories.from_pickle, "loads pickled files"),
+        (_unpickle, "loads pickled files"),
+    ):
+        with pytest.raises(UnsafeImportError, match=pattern) as info:
+            check_spec_target(obj, path="p", where="spec.json, key 'model.cls_path'")
+        assert str(info.value).startswith("spec.json, key 'model.cls_path': ")
+        check_spec_target(obj, path="p", trust=True)
+    with pytest.raises(UnsafeImportError, match=r"not a subclass of Module"):
+        check_spec_target(_Factories, path="p", expect=torch.nn.Module)
+    with pytest.raises(UnsafeImportError, match=r"not a subclass of Module"):
+        check_spec_target(_Factories.from_width, path="p", expect=torch.nn.Module)
+    assert not is_spec_factory(_Factories.unmarked)
+    register_spec_factory(_Factories.unmarked)
+    assert is_spec_factory(_Factories.unmarked)
+    check_spec_target(_Factories.unmarked, path="x")
+    assert not is_spec_factory(register_spec_factory(_unpickle))  # trust marker wins
+
+
+@pytest.fixture
+def restore_spec_factories():
+    saved = set(ser._SPEC_FACTORIES)
+    yield
+    ser._SPEC_FACTORIES.clear()
+    ser._SPEC_FACTORIES.update(saved)
