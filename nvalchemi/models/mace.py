@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from nvalchemi._optional import OptionalDependency
+from nvalchemi._serialization import requires_trust, spec_factory
 from nvalchemi.models._utils import graph_layout
 from nvalchemi.models.base import BaseModelMixin, ModelConfig, NeighborConfig
 from nvalchemi.models.statistics import atomic_number
@@ -237,6 +238,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
 
     # --------------------------------------------------------- construction
     @classmethod
+    @spec_factory  # builds from plain JSON values: safe for untrusted checkpoint specs
     def from_mace_kwargs(
         cls,
         *,
@@ -341,6 +343,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         return wrapper
 
     @classmethod
+    @requires_trust  # unpickles the file: specs may name it only with trust=True
     def from_checkpoint(
         cls,
         checkpoint_path: str | Path,
@@ -352,7 +355,9 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         """Load a pickled mace-torch model file (e.g. ``*.model`` from ``mace_run_train``).
 
         .. warning:: MACE model files are Python pickles: loading one runs code from
-           the file. Only load files you trust.
+           the file. Only load files you trust. Marked
+           :func:`~nvalchemi._serialization.requires_trust`: a spec or checkpoint names it,
+           or reaches it while being built, only when loaded with ``trust=True``.
 
         Args:
             checkpoint_path: a local file (named foundation models are not downloaded).

@@ -41,6 +41,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi._serialization import requires_trust
 from nvalchemi.training._checkpoint_load import run_validators
 from nvalchemi.training._finetune_support import (
     apply_reuse,
@@ -365,6 +366,7 @@ class FineTuningStrategy(TrainingStrategy):
         return cls(models=model, **kwargs)
 
     @classmethod
+    @requires_trust  # unpickles model files: specs may name it only with trust=True
     def from_mace(
         cls,
         source: Any,
