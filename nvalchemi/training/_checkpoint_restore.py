@@ -4,7 +4,10 @@
 states and this rank's RNG state into a live strategy, after checking that the
 strategy's specs match the checkpoint's (or that the differences were approved).
 :func:`load_spec` rehydrates a ``spec.json`` through the import allow-list and, unless
-trusted, only lets it name the kind of class it should build.
+trusted, only lets it call classes of the right kind and factories marked safe, judged on
+the resolved objects; :func:`build_model` builds inside
+:func:`~nvalchemi._serialization.untrusted_build`, so factories that unpickle files refuse
+to run unless the spec was trusted.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nvalchemi._serialization import encode_value
+from nvalchemi._serialization import (
+    UnsafeImportError,
+    check_spec_target,
+    encode_value,
+    import_path,
+    register_spec_factory,
+    untrusted_build,
+)
 from nvalchemi.training._checkpoint_files import read_json, safe_torch_load
 from nvalchemi.training._checkpoint_manifest import (
     KINDS,
@@ -39,59 +49,82 @@ __all__ = ["SCHEDULER_BASES", "build_model", "load_spec", "restore_strategy"]
 
 
 def load_spec(path: Path, *, trust: bool, expect: type | tuple[type, ...] | None) -> BaseSpec:
-    """Read and rehydrate a ``spec.json``; refuse targets of the wrong kind unless trusted.
+    """Read and rehydrate a ``spec.json``; without trust, refuse what it may not call.
 
-    Besides the import allow-list, an untrusted model spec must name an ``nn.Module``
-    subclass (or a classmethod factory of one), an optimizer spec an optimizer class,
-    and nested specs must name classes: so a checkpoint cannot make the loader call an
-    arbitrary allow-listed function.
+    Every object the spec resolves is judged as resolved, not by its path string (so
+    re-exports such as ``nvalchemi.models.MACEWrapper`` change nothing), before anything is
+    built: each ``cls_path`` (top-level or nested) must be a class or a callable marked
+    :func:`~nvalchemi._serialization.spec_factory`, never one marked
+    :func:`~nvalchemi._serialization.requires_trust` (factories that unpickle files); the
+    top-level one a subclass of ``expect``; and ``{"__type__": ...}`` values and class
+    arguments must not be ``requires_trust`` objects. Refusals raise
+    :class:`~nvalchemi._serialization.UnsafeImportError` naming the file and the key.
     """
     data = read_json(path, "spec file")
     if not isinstance(data, Mapping):
         raise ValueError(f"{path} must hold a JSON object (a BaseSpec dump).")
-    spec = create_model_spec_from_json(data, trust=trust)
     if not trust:
-        _check_targets(spec, expect, path)
+        _register_known_factories()
+        _check_json(data, path, "", expect)
+    try:
+        spec = create_model_spec_from_json(data, trust=trust)
+    except UnsafeImportError as exc:
+        raise UnsafeImportError(f"{path}: {exc}") from None
+    if not trust:
+        _check_decoded(data, spec, path, "")
     return spec
 
 
-# Allow-listed factories that unpickle files: never callable from an untrusted spec.
-_REQUIRES_TRUST = {"nvalchemi.models.mace.MACEWrapper.from_checkpoint"}
+def _register_known_factories() -> None:
+    # Safe factories in modules this one does not own; they could carry @spec_factory instead.
+    from nvalchemi.training.hooks.finetune import PatchedModule
+
+    register_spec_factory(PatchedModule.from_patches)
 
 
-def _check_targets(spec: BaseSpec, expect: Any, path: Path, top: bool = True) -> None:
-    target = spec.target()
-    if spec.cls_path in _REQUIRES_TRUST or getattr(target, "__nvalchemi_requires_trust__", False):
-        raise ValueError(
-            f"{path}: cls_path {spec.cls_path!r} loads pickled files, which can run code; "
-            "pass trust=True only if you trust this checkpoint and the files it names."
-        )
-    owner = getattr(target, "__self__", None)  # classmethod factories
-    cls = target if isinstance(target, type) else owner if isinstance(owner, type) else None
-    if cls is None or (top and expect is not None and not issubclass(cls, expect)):
-        wanted = "a class" if expect is None or not top else f"a subclass of {_names(expect)}"
-        raise ValueError(
-            f"{path}: cls_path {spec.cls_path!r} is not {wanted}; an untrusted checkpoint may "
-            "only name such classes. Pass trust=True if you trust this checkpoint."
-        )
-    for value in spec.kwargs.values():
-        for nested in _nested_specs(value):
-            _check_targets(nested, None, path, top=False)
+def _key(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
 
 
-def _nested_specs(value: Any) -> list[BaseSpec]:
-    if isinstance(value, BaseSpec):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _nested_specs(v)]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _nested_specs(v)]
-    return []
+def _resolve(path: str, where: str) -> Any:
+    try:
+        return import_path(path)
+    except UnsafeImportError as exc:
+        raise UnsafeImportError(f"{where}: {exc}") from None
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ValueError(f"{where}: cannot resolve {path!r}: {exc}") from exc
 
 
-def _names(expect: Any) -> str:
-    items = expect if isinstance(expect, tuple) else (expect,)
-    return " or ".join(t.__name__ for t in items)
+def _check_json(value: Any, file: Path, key: str, expect: Any) -> None:
+    """Check every ``cls_path`` and ``__type__`` in the raw JSON (nothing built yet)."""
+    if isinstance(value, Mapping):
+        target = value.get("cls_path")
+        if isinstance(target, str):
+            where = f"{file}, key {_key(key, 'cls_path')!r}"
+            check_spec_target(_resolve(target, where), path=target, where=where, expect=expect)
+        elif set(value) == {"__type__"} and isinstance(value["__type__"], str):
+            _resolve(value["__type__"], f"{file}, key {_key(key, '__type__')!r}")
+        for name, item in value.items():
+            if name not in ("cls_path", "timestamp"):
+                _check_json(item, file, _key(key, str(name)), None)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, file, f"{key}[{i}]", None)
+
+
+def _check_decoded(raw: Any, decoded: Any, file: Path, key: str) -> None:
+    """Strings rehydrated into callables (``type``-annotated arguments) must be classes."""
+    if isinstance(decoded, BaseSpec) and isinstance(raw, Mapping):
+        for name, value in decoded.kwargs.items():
+            _check_decoded(raw.get(name), value, file, _key(key, name))
+    elif isinstance(raw, str) and callable(decoded):
+        check_spec_target(decoded, path=raw, where=f"{file}, key {key!r}")
+    elif isinstance(raw, list) and isinstance(decoded, (list, tuple)):
+        for i, (r, d) in enumerate(zip(raw, decoded)):
+            _check_decoded(r, d, file, f"{key}[{i}]")
+    elif isinstance(raw, Mapping) and isinstance(decoded, Mapping):
+        for name, value in decoded.items():
+            _check_decoded(raw.get(name), value, file, _key(key, str(name)))
 
 
 SCHEDULER_BASES: tuple[type, ...] = (
@@ -311,11 +344,17 @@ def _v1_hook_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_model(spec: BaseSpec, device: Any) -> nn.Module:
-    """Build a model from ``spec`` (on ``device`` if the factory takes one)."""
-    if device is not None and spec.accepts_kwarg("device"):
-        model = spec.build(device=device)
-    else:
-        model = spec.build()
+    """Build a model from ``spec`` (on ``device`` if the factory takes one).
+
+    The build runs in :func:`~nvalchemi._serialization.untrusted_build`: a spec rehydrated
+    with ``trust=True`` lifts that while its target runs; any other spec cannot reach a
+    ``requires_trust`` factory, not even through another factory.
+    """
+    with untrusted_build():
+        if device is not None and spec.accepts_kwarg("device"):
+            model = spec.build(device=device)
+        else:
+            model = spec.build()
     if not isinstance(model, nn.Module):
         raise RuntimeError(
             f"Spec {spec.cls_path} built {type(model).__name__}; expected nn.Module."

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import _checkpoint_support as C
 import pytest
 import torch
 
-from nvalchemi._serialization import UnsafeImportError
-from nvalchemi.training import TrainingStrategy
+from nvalchemi._serialization import UnsafeImportError, trusted_imports
+from nvalchemi.training import TrainingStrategy, create_model_spec
+from nvalchemi.training._checkpoint_restore import build_model
 from nvalchemi.training.checkpoint import (
     UnsafeCheckpointError,
     load_checkpoint,
@@ -112,7 +114,7 @@ def test_allow_listed_functions_that_are_not_models_are_refused(saved):
         "root_folder": str(marker),
     }
     (folder / "models" / "main" / "spec.json").write_text(json.dumps(writer))
-    with pytest.raises(ValueError, match="not a subclass of Module"):
+    with pytest.raises(UnsafeImportError, match="neither a class nor a callable marked safe"):
         load_checkpoint(root)
     mace = {
         "cls_path": "nvalchemi.models.mace.MACEWrapper.from_checkpoint",
@@ -120,7 +122,7 @@ def test_allow_listed_functions_that_are_not_models_are_refused(saved):
         "checkpoint_path": str(marker),
     }
     (folder / "models" / "main" / "spec.json").write_text(json.dumps(mace))
-    with pytest.raises(ValueError, match="loads pickled files"):
+    with pytest.raises(UnsafeImportError, match="loads pickled files"):
         load_checkpoint(root)
     assert not marker.exists()
 
@@ -175,3 +177,163 @@ def test_models_outside_the_allow_list_load_only_with_trust(tmp_path, monkeypatc
     loaded = load_model_from_checkpoint(tmp_path / "ckpt", trust=True)
     assert isinstance(loaded, ckpt_custom_model.Custom) and loaded.width == 3
     assert torch.equal(loaded.layer.weight, model.layer.weight)
+
+
+# ------------------------------------------ factories that unpickle files (audit P2)
+_ALIAS = "nvalchemi.models.MACEWrapper.from_checkpoint"  # lazy re-export of mace.MACEWrapper
+_FROM_MACE = "nvalchemi.training.finetune.FineTuningStrategy.from_mace"
+
+
+@pytest.fixture
+def evil_file(saved):
+    """A plain ``torch.save`` of a payload: fully unpickling it would create the marker."""
+    _, folder, marker = saved
+    path = folder.parent.parent / "evil.pt"
+    torch.save(Payload(marker), path)
+    return path
+
+
+def _attack(variant: str, evil: Path) -> tuple[dict, str]:
+    """The spec edit of each audited variant and the key the refusal must name."""
+    if variant == "A_top_alias":
+        return {"cls_path": _ALIAS, "checkpoint_path": str(evil)}, "cls_path"
+    if variant == "B_nested_from_mace":
+        return {"model": {"cls_path": _FROM_MACE, "timestamp": "t", "source": str(evil)}}, (
+            "model.cls_path"
+        )
+    return {"model": {"cls_path": _ALIAS, "timestamp": "t", "checkpoint_path": str(evil)}}, (
+        "model.cls_path"
+    )
+
+
+_LOADERS = {
+    "load_checkpoint": lambda root: load_checkpoint(root),
+    "load_model_from_checkpoint": lambda root: load_model_from_checkpoint(root),
+    "load_checkpoint(model_names)": lambda root: load_checkpoint(root, model_names=["main"]),
+    "strategy_load_checkpoint": lambda root: strategy_load_checkpoint(TrainingStrategy, root),
+}
+
+
+@pytest.mark.parametrize("loader", sorted(_LOADERS))
+@pytest.mark.parametrize("variant", ["A_top_alias", "B_nested_from_mace", "C_nested_alias"])
+def test_specs_reaching_pickle_loaders_are_refused_without_trust(saved, evil_file, variant, loader):
+    root, folder, marker = saved
+    spec_file = folder / "models" / "main" / "spec.json"
+    edit, key = _attack(variant, evil_file)
+    _edit_json(spec_file, lambda d: d.update(edit))
+    with pytest.raises(UnsafeImportError) as info:
+        _LOADERS[loader](root)
+    message = str(info.value)
+    assert str(spec_file) in message and f"key {key!r}" in message
+    assert "trust=True" in message and "pickled files" in message
+    assert not marker.exists()
+
+
+def test_pickle_loader_named_as_a_value_or_in_strategy_json_is_refused(saved, evil_file):
+    root, folder, marker = saved
+    spec_file = folder / "models" / "main" / "spec.json"
+    original = spec_file.read_text()
+    _edit_json(spec_file, lambda d: d.update(extra={"__type__": _ALIAS}))
+    with pytest.raises(UnsafeImportError, match=r"key 'extra\.__type__'.*pickled files"):
+        load_checkpoint(root)
+    spec_file.write_text(original)
+    evil = {"cls_path": _ALIAS, "timestamp": "t", "checkpoint_path": str(evil_file)}
+    _edit_json(folder / "strategy.json", lambda d: d.update(loss_fn_spec=evil))
+    with pytest.raises(ValueError, match="pickled files"):
+        strategy_load_checkpoint(TrainingStrategy, root)
+    assert not marker.exists()
+
+
+def test_untrusted_nested_specs_may_call_only_classes(saved):
+    root, folder, marker = saved
+    spec_file = folder / "models" / "main" / "spec.json"
+    # An allow-listed classmethod that is not marked safe (it reads a file, weights_only).
+    reader = {"cls_path": "nvalchemi.models.demo.DemoModelWrapper.from_checkpoint", "path": "x"}
+    _edit_json(spec_file, lambda d: d.update(reader))
+    with pytest.raises(UnsafeImportError, match=r"key 'cls_path'.*neither a class nor"):
+        load_model_from_checkpoint(root)
+    _edit_json(spec_file, lambda d: d.update(cls_path="nvalchemi.models.demo.DemoModelWrapper"))
+    writer = {"cls_path": "nvalchemi.training.checkpoint.save_checkpoint", "timestamp": "t"}
+    _edit_json(spec_file, lambda d: d.update(model={**writer, "root_folder": str(marker)}))
+    with pytest.raises(UnsafeImportError, match=r"key 'model\.cls_path'.*neither a class nor"):
+        load_model_from_checkpoint(root)
+    assert not marker.exists()
+
+
+def test_pickle_loader_reached_through_a_safe_factory_refuses_to_run(tmp_path):
+    from nvalchemi.models.mace import MACEWrapper
+    from nvalchemi.training.hooks.finetune import PatchedModule
+
+    marker = tmp_path / "marker"
+    torch.save(Payload(marker), tmp_path / "evil.pt")
+    inner = create_model_spec(
+        MACEWrapper.from_checkpoint, checkpoint_path=str(tmp_path / "evil.pt")
+    )
+    chain = create_model_spec(PatchedModule.from_patches, model=inner, paths=[], modules=[])
+    with pytest.raises(UnsafeImportError, match=r"Refusing to run .*from_checkpoint"):
+        build_model(chain, None)
+    assert not marker.exists()
+    missing = create_model_spec(MACEWrapper.from_checkpoint, checkpoint_path="none")
+    with warnings.catch_warnings(), trusted_imports():  # trust lifts the guard: the call runs
+        warnings.simplefilter("ignore")
+        with pytest.raises((FileNotFoundError, ImportError)):
+            build_model(missing, None)
+
+
+def test_mace_file_checkpoints_need_trust_and_mace_kwargs_ones_do_not(tmp_path):
+    pytest.importorskip("mace", reason="mace-torch is not installed (optional extra [mace])")
+    from nvalchemi.models.mace import MACEWrapper
+
+    tiny = {"atomic_numbers": [29], "r_max": 3.0, "num_bessel": 4, "max_ell": 1}
+    tiny |= {"num_interactions": 1, "hidden_irreps": "4x0e", "MLP_irreps": "4x0e"}
+    tiny |= {"correlation": 1, "radial_MLP": [8], "seed": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = MACEWrapper.from_mace_kwargs(**tiny)
+        save_checkpoint(tmp_path / "kwargs", {"main": (built, None)})
+        again = load_model_from_checkpoint(tmp_path / "kwargs")  # marked safe: no trust needed
+        built.export_model(tmp_path / "tiny.model")
+        from_file = MACEWrapper.from_checkpoint(tmp_path / "tiny.model")
+        save_checkpoint(tmp_path / "file", {"main": (from_file, None)})
+        spec_file = tmp_path / "file" / "checkpoints" / "0" / "models" / "main" / "spec.json"
+        assert json.loads(spec_file.read_text())["cls_path"].endswith("from_checkpoint")
+        with pytest.raises(UnsafeImportError, match=r"key 'cls_path'.*trust=True"):
+            load_model_from_checkpoint(tmp_path / "file")
+        trusted = load_model_from_checkpoint(tmp_path / "file", trust=True)
+    assert isinstance(again, MACEWrapper) and isinstance(trusted, MACEWrapper)
+    for model in (again, trusted):
+        for name, value in built.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_class_arguments_naming_functions_or_pickle_loaders_are_refused(tmp_path, monkeypatch):
+    from nvalchemi import _serialization as ser
+
+    package = tmp_path / "site"
+    package.mkdir()
+    (package / "ckpt_class_arg_model.py").write_text(
+        "import torch\n"
+        "class WithFactory(torch.nn.Module):\n"
+        "    def __init__(self, factory: type = torch.nn.Linear):\n"
+        "        super().__init__()\n"
+        "        self.factory = factory\n"
+        "        self.layer = torch.nn.Linear(2, 1)\n"
+    )
+    monkeypatch.syspath_prepend(str(package))
+    monkeypatch.setattr(ser, "_ALLOWED", {*ser._ALLOWED, "ckpt_class_arg_model"})
+    import ckpt_class_arg_model
+
+    save_checkpoint(tmp_path / "ckpt", {"main": (ckpt_class_arg_model.WithFactory(), None)})
+    spec_file = tmp_path / "ckpt" / "checkpoints" / "0" / "models" / "main" / "spec.json"
+    assert json.loads(spec_file.read_text())["factory"] == "torch.nn.modules.linear.Linear"
+    assert isinstance(
+        load_model_from_checkpoint(tmp_path / "ckpt"), ckpt_class_arg_model.WithFactory
+    )
+    for value, pattern in (
+        ("nvalchemi.training.checkpoint.save_checkpoint", "key 'factory'.*neither a class nor"),
+        (_ALIAS, "pickled files"),
+    ):
+        _edit_json(spec_file, lambda d, value=value: d.update(factory=value))
+        with pytest.raises(UnsafeImportError, match=pattern) as info:
+            load_model_from_checkpoint(tmp_path / "ckpt")
+        assert str(spec_file) in str(info.value)
