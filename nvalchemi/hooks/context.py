@@ -56,8 +56,12 @@ class TrainContext(HookContext):
     Tensor fields hold device tensors; reading a scalar from them (``float(ctx.loss)``)
     synchronises with the device, so do it only at the steps you report on.
 
-    Loss visibility: ``loss``/``losses`` are live (attached to the graph) at
-    ``AFTER_LOSS`` and ``BEFORE_BACKWARD`` and detached from ``AFTER_BACKWARD`` on.
+    Loss visibility: ``loss``/``losses``/``predictions`` are ``None`` at
+    ``BEFORE_TRAINING``, ``BEFORE_EPOCH``, ``BEFORE_BATCH`` and until the batch computes
+    them; ``loss``/``losses`` are live (attached to the graph) at ``AFTER_LOSS`` and
+    ``BEFORE_BACKWARD``, detached from ``AFTER_BACKWARD`` on (also at ``AFTER_EPOCH``
+    and ``AFTER_VALIDATION``, where they are the last training batch's), and ``None``
+    at ``AFTER_TRAINING``.
 
     Example:
         >>> ctx = TrainContext(batch=None, step_count=3)
@@ -75,6 +79,10 @@ class TrainContext(HookContext):
     """Batches consumed in the current epoch."""
     epoch: int = 0
     """Current epoch (the strategy's ``epoch_count``)."""
+    epoch_length: int | None = None
+    """Batches per epoch of the loader being trained on (``None`` when unknown: an
+    unsized loader, or ``train_batch``). Gradient accumulation closes its window at
+    the last batch of an epoch (``epoch_step_count == epoch_length - 1``)."""
     predictions: Mapping[str, Tensor] | None = None
     """Outputs of ``training_fn`` for the current batch (set at ``AFTER_FORWARD``)."""
     loss: Tensor | None = None

@@ -36,6 +36,12 @@ class CheckpointHook(BaseModel):
     changed checkpointed state at those stages would see that change twice on resume --
     none of the bundled hooks does.)
 
+    Gradient accumulation: a checkpoint is never written inside an accumulation window
+    (its partial gradients are not saved, so it would not resume exactly). A save due
+    while a window is open is deferred to the first batch boundary after the window's
+    optimizer step; the train-end save is skipped (with a warning) if training ended
+    inside a window, and an explicit :meth:`save` there warns.
+
     Best checkpoints: after each validation the ``best_metric`` value is recorded on the
     checkpoint of that step; with ``keep_best`` a validation that ranks among the best
     ``keep_best`` triggers a save of its own. ``keep_last`` bounds the number of other
@@ -120,7 +126,7 @@ class CheckpointHook(BaseModel):
 
     def __call__(self, ctx: Any, stage: TrainingStage) -> None:
         if stage is _S.BEFORE_BATCH or stage is _S.BEFORE_EPOCH:
-            if self._pending is not None:
+            if self._pending is not None and not _window_open(ctx.workflow):
                 self._save_pending(ctx.workflow)
         elif stage is _S.AFTER_BATCH:
             step = ctx.step_count
@@ -135,7 +141,13 @@ class CheckpointHook(BaseModel):
             self._on_validation(ctx)
         elif stage is _S.AFTER_TRAINING:
             strategy = ctx.workflow
-            if self._pending is not None:
+            wanted = self._pending is not None or (
+                self.save_on_train_end and not self._is_saved(strategy)
+            )
+            if wanted and _window_open(strategy):
+                self._pending = None
+                _warn_window("the train-end checkpoint was not written", strategy)
+            elif self._pending is not None:
                 self._save_pending(strategy)
             elif self.save_on_train_end and not self._is_saved(strategy):
                 self._save(strategy, "train_end", None)
@@ -144,7 +156,13 @@ class CheckpointHook(BaseModel):
 
     # ------------------------------------------------------------------ public
     def save(self, strategy: Any, *, reason: str = "manual") -> None:
-        """Save ``strategy`` now unless its current state is already saved (collective)."""
+        """Save ``strategy`` now unless its current state is already saved (collective).
+
+        Inside a gradient-accumulation window it still saves, with a warning: the
+        window's partial gradients are not in the checkpoint.
+        """
+        if _window_open(strategy) and (self._pending is not None or not self._is_saved(strategy)):
+            _warn_window("this checkpoint will not resume exactly", strategy)
         if self._pending is not None:
             self._save_pending(strategy, reason)
         elif not self._is_saved(strategy):
@@ -172,7 +190,11 @@ class CheckpointHook(BaseModel):
         error: BaseException | None = None
         try:
             if exc_type is None and self._pending is not None and self._strategy is not None:
-                self._save_pending(self._strategy)
+                if _window_open(self._strategy):
+                    self._pending = None
+                    _warn_window("a pending checkpoint was not written", self._strategy)
+                else:
+                    self._save_pending(self._strategy)
         except Exception as caught:
             error = caught
         try:
@@ -344,6 +366,23 @@ class CheckpointHook(BaseModel):
             else value > scores[self.keep_best - 1]
         )
         return bool(broadcast_object(good, 0, strategy.distributed_manager))
+
+
+def _window_open(strategy: Any) -> bool:
+    return bool(getattr(strategy, "accumulation_window_open", False))
+
+
+def _warn_window(what: str, strategy: Any) -> None:
+    import warnings
+
+    warnings.warn(
+        f"CheckpointHook: training is inside a gradient-accumulation window (step "
+        f"{strategy.step_count}, batch {strategy.batch_count}), whose partial gradients a "
+        f"checkpoint cannot hold; {what}. End runs at optimizer-step boundaries (the "
+        "strategy's request_stop() waits for the window to close).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _check_loader_seed(saved: Any, loader: Any) -> None:

@@ -112,11 +112,23 @@ class _AccumulationState:
 class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
     """Accumulate the gradients of ``steps`` batches into one optimizer step.
 
-    For ``N - 1`` of every ``N`` batches the hook vetoes the optimizer step, and for all
-    but the first of a window it vetoes the gradient zeroing; the loss is scaled by
-    ``1/N`` before backward, so with mean-reduced losses ``N`` batches of ``b`` structures
-    give the gradients of one batch of ``N*b``. ``step_count`` counts optimizer steps
-    (one per window); ``batch_count`` counts batches.
+    Within a window the hook vetoes the optimizer step until the window's last batch and
+    vetoes the gradient zeroing after its first batch; each batch's loss is scaled by
+    ``1/window length`` before backward, so with mean-reduced losses ``N`` batches of
+    ``b`` structures give the gradients of one batch of ``N*b``.
+
+    A window never spans an epoch boundary (as in PyTorch Lightning): when the epoch
+    length is known (a sized loader in ``run()``, see ``TrainContext.epoch_length``) the
+    last batch of an epoch closes the window even if it is shorter than ``steps``; a
+    short window averages over its own batches. An epoch of ``B`` batches therefore
+    takes ``ceil(B / steps)`` optimizer steps, and ``num_epochs`` counts passes over the
+    data (see ``TrainingStrategy``); ``num_steps`` counts optimizer steps. Epoch-end
+    checkpoints are never inside a window. With an unsized loader (or ``train_batch``)
+    windows are always ``steps`` batches long and may span epochs.
+
+    ``step_count`` counts optimizer steps (one per window); ``batch_count`` counts
+    batches. Vetoes that only postpone the step to the window's end are not "skips" for
+    the strategy's ``max_consecutive_skips`` guard.
 
     Args:
         steps: batches per optimizer step (``>= 1``; 1 is a no-op).
@@ -129,6 +141,8 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
     model_config = ConfigDict(extra="forbid")
     priority: ClassVar[int] = 10
     _exclusive_update_key: ClassVar[str | None] = "GradientAccumulationHook"
+    # A veto of this hook postpones the optimizer step (the window is open); it is not a skip.
+    _veto_defers_step: ClassVar[bool] = True
 
     steps: int = Field(ge=1)
 
@@ -148,24 +162,50 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
         """Batches already accumulated in the current window (``0 .. steps - 1``)."""
         return self._runtime.micro_step
 
+    @property
+    def batches_per_step(self) -> int:
+        """Batches per optimizer step in a full window (``steps``)."""
+        return self.steps
+
+    @property
+    def window_open(self) -> bool:
+        """Whether gradients of some batches wait for the window's optimizer step."""
+        return self._runtime.micro_step != 0
+
+    def _window_length(self, ctx: Any, micro: int) -> int:
+        """Length of the current window: ``steps``, or less at the end of a known epoch."""
+        length = getattr(ctx, "epoch_length", None)
+        if length is None:
+            return self.steps
+        remaining = length - ctx.epoch_step_count  # batches left in the epoch, this one included
+        if remaining <= 0:  # past the known end (counters from elsewhere): plain windows
+            return self.steps
+        return min(self.steps, micro + remaining)
+
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
         n = self.steps
         if n == 1:
             return True, ctx.loss
         state = self._runtime
         if stage is _DO_BACKWARD:
-            return True, ctx.loss * (1.0 / n)
+            return True, ctx.loss * (1.0 / self._window_length(ctx, state.micro_step))
         if stage is _BEFORE_BATCH:
             return state.micro_step == 0, ctx.loss
         if stage is _DO_OPTIMIZER_STEP:
-            return state.micro_step == n - 1, ctx.loss
+            micro = state.micro_step
+            return micro + 1 >= self._window_length(ctx, micro), ctx.loss
         if stage is _AFTER_OPTIMIZER_STEP:
-            state.micro_step = (state.micro_step + 1) % n
+            micro = state.micro_step
+            # Counters are still those of this batch here, so the window is recomputed
+            # exactly as at DO_OPTIMIZER_STEP.
+            closed = micro + 1 >= self._window_length(ctx, micro)
+            state.micro_step = 0 if closed else micro + 1
         return True, ctx.loss
 
     def state_dict(self) -> dict[str, Any]:
         """``{"steps", "micro_step"}``. Gradients of a partly accumulated window are not
-        saved: a run resumed mid-window steps with that window's remaining batches only."""
+        saved (``CheckpointHook`` never saves inside a window); a run resumed mid-window
+        steps with that window's remaining batches only."""
         return {"steps": self.steps, "micro_step": self._runtime.micro_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

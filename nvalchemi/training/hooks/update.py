@@ -17,6 +17,12 @@ stage                    a hook returns ``(proceed, loss)``   the orchestrator t
 =======================  ===================================  =====================================
 
 Vetoes do not short-circuit: every hook runs and later hooks see ``will_skip=True``.
+A hook whose class sets ``_veto_defers_step = True`` (gradient accumulation) only
+postpones the step; when it is the only one vetoing, :attr:`~TrainingUpdateOrchestrator.step_deferred`
+is set and the strategy does not count the batch as a skipped step. Just before stepping,
+the orchestrator lets the strategy run its due non-finite loss check
+(``workflow._check_nonfinite_before_step()``), so a non-finite loss raises before its
+gradients reach the weights.
 Canonical priorities: 10 gradient accumulation, 20 mixed precision, 30 clipping,
 40 spike skipping, 50 default/EMA.
 
@@ -128,6 +134,7 @@ class TrainingUpdateOrchestrator:
     Attributes:
         optimizer_step_skipped: whether the last ``DO_OPTIMIZER_STEP`` did not step
             (vetoed, or skipped by a ``GradScaler`` after an overflow).
+        step_deferred: whether that was only a postponement by gradient accumulation.
     """
 
     frequency = 1
@@ -149,12 +156,33 @@ class TrainingUpdateOrchestrator:
         _check_exclusive(children)
         self._hooks: list[Any] = _by_priority(children)
         self._optimizer_step_skipped = False
+        self._step_deferred = False
+        self._veto_deferred = False
 
     # ----------------------------------------------------------------- membership
     @property
     def optimizer_step_skipped(self) -> bool:
         """Whether the last ``DO_OPTIMIZER_STEP`` dispatch did not step the optimizers."""
         return self._optimizer_step_skipped
+
+    @property
+    def step_deferred(self) -> bool:
+        """Whether the last ``DO_OPTIMIZER_STEP`` was only postponed (an open accumulation window).
+
+        ``True`` when every hook that vetoed it sets ``_veto_defers_step``; a genuine skip
+        (spike, overflow, any other veto) leaves it ``False``.
+        """
+        return self._step_deferred
+
+    @property
+    def window_open(self) -> bool:
+        """Whether a child holds accumulated gradients that wait for a later optimizer step."""
+        return any(getattr(hook, "window_open", False) for hook in self._hooks)
+
+    @property
+    def batches_per_step(self) -> int:
+        """Batches per optimizer step of a full accumulation window (1 without accumulation)."""
+        return max((int(getattr(h, "batches_per_step", 1)) for h in self._hooks), default=1)
 
     def iter_hooks(self) -> Iterator[Any]:
         """The child hooks in dispatch (priority) order."""
@@ -197,7 +225,13 @@ class TrainingUpdateOrchestrator:
                 if clear is not None:
                     clear(ctx.optimizers)
         elif stage is _DO_OPTIMIZER_STEP:
-            ran = self._run_gated(ctx, stage) and self._step_optimizers_with_context(ctx)
+            proceed = self._run_gated(ctx, stage)
+            self._step_deferred = not proceed and self._veto_deferred
+            if proceed:
+                check = getattr(ctx.workflow, "_check_nonfinite_before_step", None)
+                if check is not None:
+                    check()  # a due non-finite check raises before the step, not after
+            ran = proceed and self._step_optimizers_with_context(ctx)
             self._optimizer_step_skipped = not ran
         elif stage is _AFTER_OPTIMIZER_STEP:
             skipped = self._optimizer_step_skipped
@@ -209,9 +243,13 @@ class TrainingUpdateOrchestrator:
 
     def _run_gated(self, ctx: Any, stage: TrainingStage) -> bool:
         will_skip = False
+        deferred = True  # every veto so far only postpones the step
         for hook in self._hooks:
             if not _check_veto(hook, stage, hook(ctx, stage, will_skip)):
                 will_skip = True
+                if deferred and not getattr(hook, "_veto_defers_step", False):
+                    deferred = False
+        self._veto_deferred = will_skip and deferred
         return not will_skip
 
     def _backward(self, ctx: Any) -> None:
