@@ -41,6 +41,7 @@ from nvalchemi._serialization import (
     import_path,
     object_to_path,
 )
+from nvalchemi.training.errors import add_note
 from nvalchemi.training.spec import BaseSpec, create_model_spec
 
 __all__ = [
@@ -192,12 +193,35 @@ class OptimizerConfig(BaseModel):
             _check_kwargs(f"param_groups[{i}] optimizer", self.optimizer_cls, options, groups=True)
         return self
 
-    def build(self, params: Iterable[Any]) -> OptSchedPair:
-        """``(optimizer_cls(params, **optimizer_kwargs), scheduler or None)``."""
-        optimizer = self.optimizer_cls(params, **self.optimizer_kwargs)
+    def build(self, params: Iterable[Any], *, where: str = "OptimizerConfig") -> OptSchedPair:
+        """``(optimizer_cls(params, **optimizer_kwargs), scheduler or None)``.
+
+        A constructor error gets a note naming ``where`` (e.g.
+        ``"optimizer_configs['main'][0]"``), the class and its keyword arguments.
+        """
+        try:
+            optimizer = self.optimizer_cls(params, **self.optimizer_kwargs)
+        except Exception as exc:
+            add_note(
+                exc,
+                f"raised while building optimizers: {where} optimizer "
+                f"{_class_path(self.optimizer_cls)}(params, **{self.optimizer_kwargs!r}); fix "
+                "optimizer_kwargs (values of the right type and range).",
+            )
+            raise
         if self.scheduler_cls is None:
             return optimizer, None
-        return optimizer, self.scheduler_cls(optimizer, **self.scheduler_kwargs)
+        try:
+            scheduler = self.scheduler_cls(optimizer, **self.scheduler_kwargs)
+        except Exception as exc:
+            add_note(
+                exc,
+                f"raised while building optimizers: {where} scheduler "
+                f"{_class_path(self.scheduler_cls)}(optimizer, **{self.scheduler_kwargs!r}); fix "
+                "scheduler_kwargs.",
+            )
+            raise
+        return optimizer, scheduler
 
     def param_groups_for(self, named: list[tuple[str, nn.Parameter]]) -> list[Any]:
         """Split this config's ``(name, parameter)`` list into optimizer parameter groups."""
@@ -394,13 +418,28 @@ def setup_optimizers(
                 f"Configured model {key!r} has no trainable parameters (requires_grad=True{suffix})."
             )
         selected = _claim(key, model_configs, named)
-        result[key] = [c.build(c.param_groups_for(s)) for c, s in zip(model_configs, selected)]
+        result[key] = [
+            c.build(c.param_groups_for(s), where=f"optimizer_configs[{key!r}][{i}]")
+            for i, (c, s) in enumerate(zip(model_configs, selected))
+        ]
     return result
+
+
+def _class_path(cls: Any) -> str:
+    try:
+        return object_to_path(cls)
+    except Exception:
+        return getattr(cls, "__qualname__", repr(cls))
 
 
 def is_metric_scheduler(scheduler: Any) -> bool:
     """Whether ``scheduler`` steps on a validation metric (``ReduceLROnPlateau`` and subclasses)."""
     return isinstance(scheduler, ReduceLROnPlateau)
+
+
+def _is_metric_scheduler_class(scheduler_cls: Any) -> bool:
+    """Whether instances of ``scheduler_cls`` step on a validation metric (``None``: no)."""
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, ReduceLROnPlateau)
 
 
 def zero_gradients(optimizers: Iterable[Optimizer]) -> None:
