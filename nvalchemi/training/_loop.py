@@ -8,7 +8,9 @@ once. Everything per batch goes through :meth:`_TrainingLoop._train_step`, which
   ``run()`` (hooks per stage, optimizers, the one ``TrainContext``);
 * dispatches only to stages that have hooks, and builds no context without hooks;
 * never synchronises with the device, except ``nonfinite_loss="skip"`` (one scalar read
-  per batch) and the periodic check of the non-finite record.
+  per batch) and the periodic check of the non-finite record, which runs after backward
+  and before the optimizer step of the batch that makes it due, so the loss that makes
+  it raise never reaches the weights.
 
 Hook frequency (fix of the reference's pre-increment gating): a hook with
 ``frequency=N`` fires on the batches that contribute to optimizer step ``k`` (1-based)
@@ -73,10 +75,21 @@ class _TrainingLoop(_LoopSetup):
         if d["_context_depth"] == 0:
             d["_auto_session"] = False
             d["_batch_session_ready"] = False
+            if exc_type is None and d["_nonfinite_record"].losses:
+                # The final pending check: a NaN in the last steps is never silent.
+                try:
+                    self.check_nonfinite()
+                except NonFiniteLossError as error:
+                    _exit_hooks(list(self.hooks), type(error), error, error.__traceback__)
+                    raise
             _exit_hooks(list(self.hooks), exc_type, exc, tb)
 
     def close(self) -> None:
-        """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts)."""
+        """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts).
+
+        Runs the final non-finite check first (``nonfinite_loss="raise"``), so a NaN in
+        the session's last batches raises here at the latest.
+        """
         if self.__dict__["_auto_session"]:
             self.__exit__(None, None, None)
 
@@ -88,7 +101,12 @@ class _TrainingLoop(_LoopSetup):
         Lifecycle: ``SETUP`` → ``BEFORE_TRAINING`` → per epoch ``BEFORE_EPOCH``, the batch
         stages, ``AFTER_EPOCH`` (+ scheduled validation) → ``AFTER_TRAINING`` → a final
         validation unless one just ran at the final step. A :meth:`request_stop` ends the
-        run after the current batch (``AFTER_EPOCH`` only if the epoch completed).
+        run after the current batch, or after the current gradient-accumulation window
+        (``AFTER_EPOCH`` only if the epoch completed).
+
+        Raises:
+            ValueError: a metric-driven scheduler (``ReduceLROnPlateau``) without a
+                ``validation_config`` (it would never step).
         """
         d = self.__dict__
         self.close()
@@ -107,7 +125,9 @@ class _TrainingLoop(_LoopSetup):
         once per session: the first call opens one that later calls reuse, so hooks such
         as DDP wrap the model once. Inside ``with strategy:`` the session ends with the
         block; otherwise call :meth:`close` when done. Does not fire epoch/training
-        stages, check targets or validate.
+        stages, check targets or validate. Under ``nonfinite_loss="raise"`` every call
+        checks its loss before the optimizer step (one device sync per call) and raises
+        :class:`NonFiniteLossError` for a non-finite one, leaving the weights untouched.
         """
         d = self.__dict__
         if d["_context_depth"] == 0:
@@ -119,11 +139,19 @@ class _TrainingLoop(_LoopSetup):
                 d["_batch_session_ready"] = True
             else:
                 self._ensure_optimizers()
+            d["_epoch_length"] = None  # no epochs here: accumulation windows stay full
             plan = self._current_plan()
+            if plan.ctx is not None:
+                plan.ctx.epoch_length = None
             batch = _to_device(batch, plan.device)
             d["_last_batch"] = batch
-            with self._mode_context():
-                (self._train_step_lean if plan.lean else self._train_step)(batch, plan)
+            capacity = plan.nonfinite_capacity
+            plan.nonfinite_capacity = 1  # strict: check this batch before its step
+            try:
+                with self._mode_context():
+                    (self._train_step_lean if plan.lean else self._train_step)(batch, plan)
+            finally:
+                plan.nonfinite_capacity = capacity
         ctx = plan.ctx
         loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
         return loss.detach() if isinstance(loss, torch.Tensor) else loss
@@ -150,13 +178,20 @@ class _TrainingLoop(_LoopSetup):
             ctx = self._context()
             self._sync_ctx(ctx)
             ctx.validation = summary
+            # The last training batch's loss, never a live graph (no sync: detach only).
+            if isinstance(ctx.loss, torch.Tensor):
+                ctx.loss = ctx.loss.detach()
+            if isinstance(ctx.losses, Mapping):
+                ctx.losses = _detached(ctx.losses)
             _fire(S.AFTER_VALIDATION, hooks, ctx, 0)
         return summary
 
     def request_stop(self, reason: str) -> None:
         """Ask ``run()`` to stop after the current batch (idempotent; the first reason wins).
 
-        The run then fires ``AFTER_EPOCH`` only if the epoch completed, then
+        Inside a gradient-accumulation window the run goes on until the window's
+        optimizer step (or the epoch end, which closes it), so it never ends with
+        accumulated gradients that a checkpoint could not hold. The run then fires ``AFTER_EPOCH`` only if the epoch completed, then
         ``AFTER_TRAINING`` and the final validation; counters stay consistent.
         """
         d = self.__dict__
@@ -180,26 +215,31 @@ class _TrainingLoop(_LoopSetup):
     def check_nonfinite(self) -> None:
         """Raise :class:`NonFiniteLossError` if a loss since the last check was NaN/inf.
 
-        One device sync. The loop calls it every ``nonfinite_check_interval`` steps,
-        before validation, before ``AFTER_EPOCH``/``AFTER_TRAINING`` hooks and at the
-        end of ``run()``; checkpoint hooks call it before saving. Under
-        ``torch.distributed`` (more than one process) the verdict is agreed across ranks,
-        so every rank raises together: call it on every rank at the same point.
+        One device sync. The loop calls it once ``nonfinite_check_interval`` losses are
+        recorded (after backward, before that batch's optimizer step), before validation,
+        before ``AFTER_EPOCH``/``AFTER_TRAINING`` hooks, at the end of ``run()`` and when a
+        ``train_batch`` session closes; ``train_batch`` calls it before every step;
+        checkpoint hooks call it before saving. With the default interval, optimizer steps
+        taken between the non-finite loss and the check have already used its gradients;
+        the error says how many. Under ``torch.distributed`` (more than one process) the
+        verdict is agreed across ranks, so every rank raises together: call it on every
+        rank at the same point.
         """
-        record = self.__dict__["_nonfinite_record"]
+        d = self.__dict__
+        record = d["_nonfinite_record"]
         bad = record.first_bad()
         if self._distributed():
             from nvalchemi.distributed.runtime import all_agree
 
             if all_agree(bad is not None, self.distributed_manager) and bad is None:
-                d = self.__dict__
                 raise NonFiniteLossError(
                     step=d["step_count"],
                     epoch=d["epoch_count"],
                     epoch_step=d["epoch_step_count"],
                     batch_count=d["batch_count"],
                     components=[],
-                    detail="Another rank reported a non-finite loss since the last check.",
+                    detail="Another rank reported a non-finite loss since the last check. "
+                    + self._nonfinite_advice(None),
                 )
         if bad is None:
             return
@@ -211,13 +251,51 @@ class _TrainingLoop(_LoopSetup):
             epoch_step=epoch_step,
             batch_count=batch_count,
             components=names or ["total_loss"],
-            detail=(
-                "Found at a non-finite check (every nonfinite_check_interval="
-                f"{self.nonfinite_check_interval} steps, before validation, epoch-end and "
-                "training-end hooks, checkpoints and at the end of run()); optimizer steps taken "
-                "since then used non-finite gradients."
-            ),
+            detail=self._nonfinite_advice(step),
         )
+
+    def _nonfinite_advice(self, step: int | None) -> str:
+        """How far a non-finite loss found now may have reached the weights."""
+        now = self.__dict__["step_count"]
+        strict = (
+            "Set TrainingStrategy(nonfinite_check_interval=1) to check every batch before its "
+            "optimizer step (strict; one device sync per step), or nonfinite_loss='skip' to "
+            "skip such batches."
+        )
+        if step is None:
+            return (
+                "Optimizer steps taken since the previous check may have used non-finite "
+                f"gradients (weights and optimizer state). {strict}"
+            )
+        taken = now - step
+        if taken <= 0:
+            return (
+                "Found before the optimizer step of that batch: no optimizer step used it, the "
+                "weights are unaffected."
+            )
+        return (
+            f"Found at a non-finite check (every nonfinite_check_interval="
+            f"{self.nonfinite_check_interval} recorded losses, before validation, epoch-end "
+            "and training-end hooks, checkpoints and at the end of run()) after optimizer "
+            f"steps {step}..{now - 1} had already used its gradients: the weights and "
+            f"optimizer state of the last {taken} step(s) may be non-finite; resume from a "
+            f"checkpoint with step_count <= {step}. {strict}"
+        )
+
+    def _check_nonfinite_before_step(self) -> None:
+        """Run the non-finite check if it is due (called right before an optimizer step)."""
+        d = self.__dict__
+        p = d["_plan"]
+        if (
+            p is not None
+            and p.nonfinite == _RAISE
+            and len(d["_nonfinite_record"].losses) >= p.nonfinite_capacity
+        ):
+            try:
+                self.check_nonfinite()
+            except Exception as exc:
+                self._annotate(exc, "the non-finite loss check before the optimizer step")
+                raise
 
     def _distributed(self) -> bool:
         from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
@@ -240,6 +318,7 @@ class _TrainingLoop(_LoopSetup):
     # ------------------------------------------------------------------ run
     def _train_run(self, dataloader: Any) -> None:
         d = self.__dict__
+        self._check_metric_schedulers()
         loader = self._begin(dataloader)
         batches_per_epoch = _sized(loader)
         target = self._target_steps(batches_per_epoch)
@@ -254,6 +333,8 @@ class _TrainingLoop(_LoopSetup):
             except Exception as exc:
                 self._annotate(exc, "the training loop")
                 raise
+            finally:
+                d["_epoch_length"] = None
             if not trained:
                 return
             self.check_nonfinite()
@@ -274,14 +355,15 @@ class _TrainingLoop(_LoopSetup):
         d = self.__dict__
         started = False
         train_step = self._train_step_lean if plan.lean else self._train_step
+        d["_epoch_length"] = per_epoch
+        if plan.ctx is not None:
+            plan.ctx.epoch_length = per_epoch
         while True:
             _set_sampler_epoch(loader, d["epoch_count"])
             skip = self._seek(loader)
             processed = 0
-            finished = False
-            iterator = iter(loader)
-            index = 0
-            while True:
+            iterator, finished = self._open_epoch(loader, skip)
+            while not finished:
                 try:
                     batch = next(iterator)
                 except StopIteration:
@@ -290,9 +372,6 @@ class _TrainingLoop(_LoopSetup):
                 except Exception as exc:
                     self._annotate(exc, "loading the next batch from the dataloader")
                     raise
-                index += 1
-                if index <= skip:
-                    continue
                 if d["_hooks_version"] != plan.hooks_version:
                     plan = self._current_plan()
                     train_step = self._train_step_lean if plan.lean else self._train_step
@@ -304,10 +383,12 @@ class _TrainingLoop(_LoopSetup):
                     started = True
                     if plan.before_training:
                         self._sync_ctx(plan.ctx)
+                        plan.ctx.clear_step_outputs()
                         plan.ctx.batch = batch
                         _fire(S.BEFORE_TRAINING, plan.before_training, plan.ctx, 0)
                 if d["epoch_step_count"] == 0 and plan.before_epoch:
                     self._sync_ctx(plan.ctx)
+                    plan.ctx.clear_step_outputs()  # no stale loss/predictions of the last epoch
                     plan.ctx.batch = batch
                     _fire(S.BEFORE_EPOCH, plan.before_epoch, plan.ctx, d["epoch_count"] + 1)
                 ran = train_step(batch, plan)
@@ -318,7 +399,9 @@ class _TrainingLoop(_LoopSetup):
                 if per_epoch is not None and d["epoch_step_count"] >= per_epoch:
                     finished = True
                     break
-                if d["step_count"] >= target or d["_stop_reason"] is not None:
+                if d["step_count"] >= target or (
+                    d["_stop_reason"] is not None and self._at_step_boundary(plan)
+                ):
                     break
             if processed == 0 and d["step_count"] < target and d["_stop_reason"] is None:
                 raise ValueError(
@@ -328,8 +411,47 @@ class _TrainingLoop(_LoopSetup):
                 )
             if finished and processed:
                 self._end_epoch(plan)
-            if d["step_count"] >= target or d["_stop_reason"] is not None:
+            if d["step_count"] >= target or (
+                d["_stop_reason"] is not None and (processed == 0 or self._at_step_boundary(plan))
+            ):
                 return started
+
+    def _open_epoch(self, loader: Any, skip: int) -> tuple[Any, bool]:
+        """``iter(loader)`` past ``skip`` consumed batches; return ``(iterator, exhausted)``.
+
+        Loaders that shuffle with the global torch RNG (``DataLoader(shuffle=True)``
+        without a generator draws its sampler seed, and its workers' base seed, from it
+        when iterated) get the same order on a mid-epoch resume: the RNG state at each
+        epoch start is recorded (saved in ``runtime_state``); a resume iterates from that
+        state, skips the consumed batches, then restores the current (checkpoint) state.
+        CPU RNG only: no device sync, once per epoch.
+        """
+        d = self.__dict__
+        resume_rng = None
+        if d["epoch_step_count"] == 0:
+            d["_epoch_rng_state"] = torch.get_rng_state()
+        elif skip and d["_epoch_rng_state"] is not None:
+            resume_rng = torch.get_rng_state()
+            torch.set_rng_state(d["_epoch_rng_state"])
+        try:
+            iterator = iter(loader)
+            for _ in range(skip):  # materialized but not trained
+                next(iterator)
+        except StopIteration:
+            return iterator, True
+        except Exception as exc:
+            self._annotate(exc, "loading the next batch from the dataloader")
+            raise
+        finally:
+            if resume_rng is not None:
+                torch.set_rng_state(resume_rng)
+        return iterator, False
+
+    @staticmethod
+    def _at_step_boundary(plan: _Plan) -> bool:
+        """Whether no gradient-accumulation window is open (a requested stop waits for it)."""
+        orchestrator = plan.orchestrator
+        return orchestrator is None or not orchestrator.window_open
 
     def _end_epoch(self, plan: _Plan) -> None:
         d = self.__dict__
@@ -391,6 +513,10 @@ class _TrainingLoop(_LoopSetup):
                 return self._skip_batch(p, out)
             stage = "the backward pass"
             loss.backward()
+            if mode == _RAISE and len(record.losses) >= p.nonfinite_capacity:
+                # Due now: check before the step, so a non-finite loss never lands.
+                stage = "the non-finite loss check before the optimizer step"
+                self.check_nonfinite()
             stage = "the optimizer step"
             step_optimizers(optimizers)
             for scheduler in p.time_schedulers:
@@ -400,9 +526,6 @@ class _TrainingLoop(_LoopSetup):
             d["step_count"] = step + 1
             d["global_step_count"] += p.world_size
             d["_consecutive_skips"] = 0
-            if mode == _RAISE and len(record.losses) >= p.nonfinite_capacity:
-                stage = "the periodic non-finite loss check"
-                self.check_nonfinite()
             return True
         except Exception as exc:
             self._annotate(exc, stage)
@@ -488,6 +611,15 @@ class _TrainingLoop(_LoopSetup):
             stage = S.BEFORE_OPTIMIZER_STEP
             if p.before_optimizer_step:
                 _fire(stage, p.before_optimizer_step, ctx, gate)
+            # A due non-finite check runs before the step (the orchestrator runs it itself,
+            # after its vetoes, so a window its hooks skip is never reported).
+            if (
+                mode == _RAISE
+                and p.orchestrator is None
+                and len(d["_nonfinite_record"].losses) >= p.nonfinite_capacity
+            ):
+                stage = "the non-finite loss check before the optimizer step"
+                self.check_nonfinite()
             stage = S.DO_OPTIMIZER_STEP
             if p.do_step is not None:
                 p.do_step(ctx, stage)
@@ -513,6 +645,7 @@ class _TrainingLoop(_LoopSetup):
             if p.after_batch:
                 _fire(stage, p.after_batch, ctx, gate if ran else -1)
             if mode == _RAISE and len(d["_nonfinite_record"].losses) >= p.nonfinite_capacity:
+                # Still due: the step was vetoed or postponed, so no weights changed yet.
                 stage = "the periodic non-finite loss check"
                 self.check_nonfinite()
             return ran
@@ -555,7 +688,8 @@ class _TrainingLoop(_LoopSetup):
             d["step_count"] += 1
             d["global_step_count"] += p.world_size
             d["_consecutive_skips"] = 0
-        else:
+        elif skipped_nonfinite or p.orchestrator is None or not p.orchestrator.step_deferred:
+            # A step postponed by an open accumulation window is not a skip.
             d["_consecutive_skips"] += 1
             limit = self.max_consecutive_skips
             if limit is not None and d["_consecutive_skips"] >= limit:
@@ -579,7 +713,7 @@ class _TrainingLoop(_LoopSetup):
             f"{n} consecutive batches made no optimizer step (latest: {why}); stopping instead "
             f"of looping forever at step {self.step_count}. Check the data and learning rate, "
             "the update hooks' veto conditions, or raise max_consecutive_skips (None disables "
-            "the guard; it must exceed any gradient-accumulation length)."
+            "the guard; batches that only accumulate gradients are not counted)."
         )
 
     # ------------------------------------------------------------------ errors

@@ -19,6 +19,7 @@ import torch
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.training.errors import add_note
 from nvalchemi.training.optimizers import (
+    _is_metric_scheduler_class,
     is_metric_scheduler,
     iter_qualified_named_parameters,
     setup_optimizers,
@@ -162,15 +163,22 @@ class _LoopSetup:
             if key == d["_optimizer_signature"]:
                 return
             allowed = d.get("_optimizer_parameter_names")
-            pairs = setup_optimizers(
-                self.models, self.optimizer_configs, allowed_parameter_names=allowed
-            )
+            try:
+                pairs = setup_optimizers(
+                    self.models, self.optimizer_configs, allowed_parameter_names=allowed
+                )
+            except Exception as exc:
+                self._annotate(exc, "building optimizers")
+                raise
             optimizers, schedulers, records = [], [], []
             for model_key, configs in self.optimizer_configs.items():
-                for config, (optimizer, scheduler) in zip(configs, pairs[model_key]):
+                for i, (config, (optimizer, scheduler)) in enumerate(
+                    zip(configs, pairs[model_key])
+                ):
                     optimizers.append(optimizer)
                     schedulers.append(scheduler)
-                    records.append((optimizer, scheduler, config.scheduler_metric_adapter))
+                    label = f"optimizer_configs[{model_key!r}][{i}]"
+                    records.append((optimizer, scheduler, config.scheduler_metric_adapter, label))
             d["_filtered_grad_params"] = (
                 () if allowed is None else _unoptimized_trainable(self, optimizers)
             )
@@ -249,6 +257,13 @@ class _LoopSetup:
         return stack
 
     def _target_steps(self, per_epoch: int | None) -> int:
+        """The run's target ``step_count`` (optimizer steps).
+
+        ``num_epochs`` means passes over the data: a budget of ``ceil(num_epochs *
+        len(loader) * epoch_step_modifier)`` batches, converted to optimizer steps with
+        gradient accumulation over ``N`` batches whose windows close at each epoch end:
+        ``full_epochs * ceil(len(loader) / N) + ceil(remaining_batches / N)``.
+        """
         if self.num_steps is not None:
             return self.num_steps
         if per_epoch is None:
@@ -260,7 +275,30 @@ class _LoopSetup:
             raise ValueError(
                 "dataloader must contain at least one batch when num_epochs is configured."
             )
-        return math.ceil(self.num_epochs * per_epoch * self.epoch_step_modifier)
+        budget = math.ceil(self.num_epochs * per_epoch * self.epoch_step_modifier)
+        orchestrator = self._orchestrator()
+        n = orchestrator.batches_per_step if orchestrator is not None else 1
+        if n <= 1:
+            return budget
+        full_epochs, remaining = divmod(budget, per_epoch)
+        return full_epochs * math.ceil(per_epoch / n) + math.ceil(remaining / n)
+
+    def _check_metric_schedulers(self) -> None:
+        """A metric-driven scheduler needs validation summaries, or it would never step."""
+        if self.validation_config is not None:
+            return
+        for key, configs in self.optimizer_configs.items():
+            for i, config in enumerate(configs):
+                if _is_metric_scheduler_class(config.scheduler_cls):
+                    name = getattr(config.scheduler_cls, "__name__", config.scheduler_cls)
+                    raise ValueError(
+                        f"optimizer_configs[{key!r}][{i}] uses the metric-driven scheduler "
+                        f"{name}, which steps on validation summaries, but the strategy has no "
+                        "validation_config, so it would never step. Add "
+                        "validation_config=ValidationConfig(validation_data=..., "
+                        "every_n_epochs=1) (or every_n_steps=...), or use a time-based "
+                        "scheduler (e.g. StepLR, CosineAnnealingLR)."
+                    )
 
     def _position_counters(self, per_epoch: int | None) -> None:
         """Make restart counters consistent with the loader (spec 2.5 step 9)."""
@@ -404,6 +442,7 @@ class _LoopSetup:
         ctx.lr_schedulers = self._lr_schedulers
         ctx.global_rank = get_rank(self.distributed_manager)
         ctx.validation = self.last_validation
+        ctx.epoch_length = self.__dict__["_epoch_length"]
 
     def _sync_ctx(self, ctx: TrainContext) -> None:
         d = self.__dict__
@@ -421,8 +460,12 @@ class _LoopSetup:
 
     # ------------------------------------------------------------------ validation helpers
     def _validation_checkpoint(self) -> None:
-        self.validate()
-        self._step_metric_schedulers()
+        try:
+            self.validate()
+            self._step_metric_schedulers()
+        except Exception as exc:
+            self._annotate(exc, "validation / metric schedulers")
+            raise
 
     def _step_metric_schedulers(self) -> None:
         d = self.__dict__
@@ -432,7 +475,17 @@ class _LoopSetup:
             return
         # Called right after each validation only, so a summary never steps twice; unlike
         # the reference, ``last_validation`` stays readable afterwards.
-        step_metric_schedulers([r[1] for r in records], [r[2] for r in records], summary)
+        for _, scheduler, adapter, label in records:
+            try:
+                step_metric_schedulers([scheduler], [adapter], summary)
+            except Exception as exc:
+                add_note(
+                    exc,
+                    f"raised while stepping the {type(scheduler).__name__} of {label} "
+                    f"(scheduler_metric_adapter={adapter!r}); set scheduler_metric_adapter to a "
+                    "key of the validation summary or a callable(summary) -> float.",
+                )
+                raise
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -26,6 +26,7 @@ Extension seams used by checkpointing and DDP hooks: :meth:`runtime_state` /
 
 from __future__ import annotations
 
+import base64
 import functools
 import inspect
 import typing
@@ -104,8 +105,12 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             configs are frozen and in eval mode during training (restored afterwards).
         optimizer_configs: an :class:`OptimizerConfig`, a list of them (single model), or
             ``{model key: [OptimizerConfig, ...]}``.
-        num_epochs / num_steps: exactly one; the target counts executed optimizer steps
-            (``ceil(num_epochs * len(loader) * epoch_step_modifier)`` for epochs).
+        num_epochs / num_steps: exactly one. ``num_steps`` counts executed optimizer
+            steps. ``num_epochs`` counts passes over the data: a budget of
+            ``ceil(num_epochs * len(loader) * epoch_step_modifier)`` batches, converted to
+            optimizer steps (the run's target); with ``GradientAccumulationHook(N)``, whose
+            windows close at every epoch end, an epoch of ``B`` batches is ``ceil(B / N)``
+            steps, so ``num_epochs=3`` still means three passes.
         loss_fn: a leaf loss or a ``ComposedLossFunction``.
         training_fn: ``fn(model_or_models, batch) -> predictions`` (default
             :func:`default_training_fn`); a dotted path is resolved.
@@ -114,14 +119,21 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         hooks: hooks (update hooks are folded into one orchestrator).
         validation_config: when and how to validate.
         nonfinite_loss: ``"raise"`` (default) records losses on the device and raises
-            :class:`NonFiniteLossError` at the next check (every ``nonfinite_check_interval``
-            steps, before validation, epoch/training-end hooks and checkpoints) naming the
-            step; ``"skip"`` reads the loss every batch and skips backward/step of
+            :class:`NonFiniteLossError` at the next check naming the step. The check runs
+            once ``nonfinite_check_interval`` losses are recorded, after backward and
+            before that batch's optimizer step (so with ``nonfinite_check_interval=1`` a
+            non-finite loss never reaches the weights; with the default 100, up to 99
+            earlier steps may have used it, and the error says how many), and also before
+            validation, epoch/training-end hooks, checkpoints, at the end of ``run()``,
+            when a ``train_batch`` session closes, and before every ``train_batch`` step;
+            ``"skip"`` reads the loss every batch and skips backward/step of
             non-finite batches (the read costs about a microsecond on CPU; on a GPU it
             waits for the forward pass every batch, and under DDP it adds one small
             all-reduce so every rank skips together); ``"ignore"`` does nothing.
         max_consecutive_skips: raise :class:`TrainingStalledError` after this many batches
-            in a row without an optimizer step (skipped or vetoed); ``None`` disables.
+            in a row without an optimizer step (skipped or vetoed; batches that only
+            accumulate gradients in an open accumulation window are not counted);
+            ``None`` disables.
 
     Counters ``step_count``, ``global_step_count``, ``batch_count``, ``epoch_count``
     (alias ``epoch``) and ``epoch_step_count`` may be given to resume.
@@ -328,6 +340,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         d["_validated_at"] = None
         d["_consecutive_skips"] = 0
         d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
+        d["_epoch_length"] = None  # batches per epoch of the running loader (sized loaders)
+        d["_epoch_rng_state"] = None  # torch CPU RNG state at the current epoch's start
         d["_target_keys"] = loss_target_keys(self.loss_fn)
         hooks = list(self.hooks)
         self.hooks = []
@@ -442,6 +456,16 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         self.__dict__["_active_dataloader"] = loader
 
     @property
+    def accumulation_window_open(self) -> bool:
+        """Whether gradients of some batches wait for a later optimizer step.
+
+        ``True`` between the batches of a gradient-accumulation window; checkpoints are
+        only exact outside one (``CheckpointHook`` defers its saves to the window's end).
+        """
+        orchestrator = self._orchestrator()
+        return orchestrator is not None and orchestrator.window_open
+
+    @property
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called during the current run."""
         return self.__dict__["_stop_reason"] is not None
@@ -476,17 +500,24 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         self.inference_model = slot
 
     def runtime_state(self) -> dict[str, Any]:
-        """Counters and loop state to resume exactly (plain ints; JSON-ready).
+        """Counters and loop state to resume exactly (JSON-ready).
 
+        ``epoch_rng_state`` (base64 of the torch CPU RNG state at the current epoch's
+        start) lets a mid-epoch resume reproduce the order of loaders that shuffle with
+        the global RNG, such as ``DataLoader(shuffle=True)`` without a generator. Under
+        DDP it is rank 0's state (shuffle with a seeded ``DistributedSampler`` there).
         Checkpoint hooks should call :meth:`check_nonfinite` first (on every rank), so a
         checkpoint never captures a run that already diverged; this method itself does
         not synchronise.
         """
         d = self.__dict__
-        state = {name: int(d[name]) for name in _COUNTERS}
+        state: dict[str, Any] = {name: int(d[name]) for name in _COUNTERS}
         state["consecutive_skips"] = int(d["_consecutive_skips"])
         validated = d["_validated_at"]
         state["validated_at"] = list(validated) if validated is not None else None
+        rng = d["_epoch_rng_state"]
+        if rng is not None:
+            state["epoch_rng_state"] = base64.b64encode(rng.numpy().tobytes()).decode("ascii")
         return state
 
     def load_runtime_state(self, state: Mapping[str, Any]) -> None:
@@ -514,6 +545,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         validated = state.get("validated_at")
         d["_validated_at"] = tuple(int(v) for v in validated) if validated else None
         d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
+        d["_epoch_rng_state"] = _decode_rng_state(state.get("epoch_rng_state"))
 
     def _inference_autocast(
         self, device: torch.device, mode: str = "auto"
@@ -624,6 +656,21 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
 
 
 # ---------------------------------------------------------------------------- validation helpers
+def _decode_rng_state(value: Any) -> torch.Tensor | None:
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (TypeError, ValueError):
+        raw = b""
+    if not raw:
+        raise ValueError(
+            "runtime_state['epoch_rng_state'] must be the base64 string runtime_state() "
+            f"wrote; got {str(value)[:40]!r}. Remove the entry to resume without it."
+        )
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
 def _normalize_configs(configs: Any, single: bool) -> Any:
     if configs is None:
         return {}

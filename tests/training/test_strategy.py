@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -619,16 +620,28 @@ def test_raise_policy_checks_at_the_interval():
     )
     with pytest.raises(NonFiniteLossError) as info:
         s.run(_nan_batches())
-    assert info.value.step == 2 and s.step_count == 3  # found at the check after step 3
+    # found at the check that the third loss makes due, before that batch's optimizer step
+    assert info.value.step == 2 and s.step_count == 2
+    assert "no optimizer step used it" in str(info.value)
 
 
 def test_check_nonfinite_is_public_and_clears():
-    s = strategy(_NaNOnBigBatches(), loss_fn=EnergyMSELoss(), num_steps=3)
-    s.train_batch(make_batch(3))
-    with pytest.raises(NonFiniteLossError):
-        s.check_nonfinite()
-    s.check_nonfinite()  # the record was consumed
-    s.close()
+    seen = []
+
+    def check(ctx):
+        with pytest.raises(NonFiniteLossError) if ctx.step_count == 3 else nullcontext():
+            ctx.workflow.check_nonfinite()
+        ctx.workflow.check_nonfinite()  # the record was consumed
+        seen.append(ctx.step_count)
+
+    s = strategy(
+        _NaNOnBigBatches(),
+        loss_fn=EnergyMSELoss(),
+        num_steps=3,
+        hooks=[StageHook(S.AFTER_BATCH, check)],
+    )
+    s.run(_nan_batches())
+    assert seen == [1, 2, 3]
 
 
 def test_skip_policy_skips_backward_and_step_of_nonfinite_batches():
