@@ -40,6 +40,11 @@ def test_run_writes_checkpoints_metrics_and_plots(trained_run):
     assert all(isinstance(r["loss/total"], float) for r in train)
     assert validation and "validation/forces_mae" in validation[-1]
     assert is_png(run / "learning_curves.png")
+    # Parity plots of the final (EMA) model on the validation split, listed in the summary.
+    for name in ("parity_energy_per_atom.png", "parity_forces.png"):
+        assert is_png(run / name), name
+        assert f"plot:          {run / name}" in trained_run["output"]
+    assert "parity plots:  EMA weights on the 4 validation structures" in trained_run["output"]
     assert json.loads((run / "job.json").read_text())["workflow"] == "train"
     meta = read_strategy_metadata(trained_run["checkpoints"])
     assert meta["runtime_state"]["step_count"] == 4

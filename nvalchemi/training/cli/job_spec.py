@@ -288,7 +288,11 @@ class OutputSpec(_Block):
     tensorboard: bool | None = Field(
         default=None, description="write TensorBoard events (default: when installed)"
     )
-    plots: bool = Field(default=True, description="write learning-curve PNGs at the end")
+    plots: bool = Field(
+        default=True,
+        description="write learning curves and, with validation data, parity plots of the "
+        "final model (PNGs in run_dir) at the end",
+    )
 
     @property
     def checkpoint_root(self) -> str:

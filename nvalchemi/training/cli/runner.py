@@ -10,7 +10,8 @@ Order of work in :func:`run_job`:
 5. validation (CLI flags, else the job's ``validation`` block, else every epoch);
 6. hooks added by the CLI: reporting, a time budget, and a ``PreemptionHandler``
    (``SIGTERM``/``SIGUSR1`` -> checkpoint and exit 75) when a ``CheckpointHook`` exists;
-7. ``strategy.run(loader)``, then learning curves.
+7. ``strategy.run(loader)``, then learning curves and, on rank 0 with validation data,
+   parity plots of the final model (EMA weights when the run kept them) on that data.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class RunResult:
     run_dir: Path
     checkpoint_dir: Path | None
     plots: list[Path] = field(default_factory=list)
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    final_weights: str | None = None
     num_train: int = 0
     num_validation: int = 0
     is_main: bool = True
@@ -139,11 +142,7 @@ def run_job(
         neighbor_config_of,
         open_sources,
     )
-    from nvalchemi.training.cli.run_reporting import (
-        TimeBudgetHook,
-        learning_curves,
-        reporting_hook,
-    )
+    from nvalchemi.training.cli.run_reporting import TimeBudgetHook, reporting_hook
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
@@ -206,6 +205,7 @@ def run_job(
             drop_last=options.drop_last,
             balance_ranks=True,
         )
+        validation = None
         if sources.validation:
             validation = make_dataset(
                 sources.validation, neighbor_config=neighbors, in_memory=data.in_memory
@@ -216,18 +216,33 @@ def run_job(
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_job(job, run_dir / "job.json")
         strategy.run(loader)
+        result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
+        if job.output.plots and is_main:
+            _final_plots(result, job, validation, options.batch_size or data.batch_size, console)
     finally:
         sources.close()
-    plots = []
-    if job.output.plots and is_main:
-        curve = learning_curves(run_dir)
-        if curve is not None:
-            plots.append(curve)
-    return RunResult(
-        strategy=strategy,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        plots=plots,
-        is_main=is_main,
-        **counts,
+    return result
+
+
+def _final_plots(
+    result: RunResult, job: TrainingJobSpec, validation: Any, batch_size: int, console: Any
+) -> None:
+    """Learning curves, and parity plots of the final model on the validation data."""
+    from nvalchemi.training.cli.final_eval import final_parity_plots
+    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, learning_curves, plots_available
+
+    if not plots_available():
+        if console is not None:
+            console.print(PLOTS_HINT)
+        return
+    curve = learning_curves(result.run_dir)
+    if curve is not None:
+        result.plots.append(curve)
+    if validation is None:
+        return
+    use_ema = job.validation.use_ema if job.validation is not None else "auto"
+    paths, metrics, weights = final_parity_plots(
+        result.strategy, validation, result.run_dir, batch_size=batch_size, use_ema=use_ema
     )
+    result.plots += paths
+    result.final_metrics, result.final_weights = metrics, weights

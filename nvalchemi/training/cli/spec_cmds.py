@@ -111,6 +111,12 @@ def _summary(result: Any, console: Any) -> None:
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
         console.print(f"checkpoints:   {result.checkpoint_dir}")
+    if result.final_weights is not None and result.final_metrics:
+        weights = "EMA" if result.final_weights == "ema" else "final"
+        console.print(
+            f"parity plots:  {weights} weights on the {result.num_validation:,} validation "
+            "structures (MAE/RMSE in the legends)"
+        )
     for plot in result.plots:
         console.print(f"plot:          {plot}")
 
