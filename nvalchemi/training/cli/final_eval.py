@@ -32,7 +32,7 @@ def final_model(strategy: Any, use_ema: str = "auto") -> tuple[Any, str]:
         return None, "live"
     slot = None if use_ema == "never" else strategy.inference_model
     if isinstance(slot, nn.ModuleDict):
-        slot = slot["main"] if "main" in slot else None
+        slot = dict(slot.items()).get("main")
     if isinstance(slot, nn.Module):
         return slot, "ema"
     return models["main"], "live"
