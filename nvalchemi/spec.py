@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator, model_
 from nvalchemi._serialization import (
     _NOT_TAGGED,
     UnsafeImportError,
+    check_spec_target,
     decode_tagged,
     device_from_str,
     dtype_from_str,
@@ -41,6 +42,7 @@ from nvalchemi._serialization import (
     object_to_path,
     register_type_serializer,
     trusted_imports,
+    untrusted_build,
 )
 
 __all__ = [
@@ -100,6 +102,8 @@ class BaseSpec(BaseModel):
     timestamp: str = ""
     _target: Any = PrivateAttr(default=None)
     _trusted: bool = PrivateAttr(default=False)
+    # read from JSON without trust: building may not reach code that unpickles files
+    _untrusted_json: bool = PrivateAttr(default=False)
 
     @field_validator("cls_path")
     @classmethod
@@ -139,7 +143,13 @@ class BaseSpec(BaseModel):
             for k, v in self.kwargs.items()
         }
         kwargs.update(extra_kwargs)
-        with trusted_imports() if self._trusted else contextlib.nullcontext():
+        if self._trusted:
+            scope = trusted_imports()
+        elif self._untrusted_json:
+            scope = untrusted_build()
+        else:
+            scope = contextlib.nullcontext()
+        with scope:
             try:
                 return target(*args, **kwargs)
             except TypeError as exc:
@@ -290,13 +300,16 @@ def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = F
         raise ValueError(
             f"Could not resolve cls_path={path!r} while rehydrating spec JSON: {exc}"
         ) from exc
+    check_spec_target(target, path=path, trust=trust)
     params = _parameters(target)
     kwargs = {
         k: _decode(v, params[k].annotation if k in params else _EMPTY, k, trust)
         for k, v in spec_dict.items()
         if k not in ("cls_path", "timestamp")
     }
-    return _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
+    spec = _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
+    spec._untrusted_json = not trust
+    return spec
 
 
 # ------------------------------------------------------------------- annotation helpers

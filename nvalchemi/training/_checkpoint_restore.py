@@ -25,7 +25,6 @@ from nvalchemi._serialization import (
     check_spec_target,
     encode_value,
     import_path,
-    register_spec_factory,
     untrusted_build,
 )
 from nvalchemi.training._checkpoint_files import read_json, safe_torch_load
@@ -64,7 +63,6 @@ def load_spec(path: Path, *, trust: bool, expect: type | tuple[type, ...] | None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path} must hold a JSON object (a BaseSpec dump).")
     if not trust:
-        _register_known_factories()
         _check_json(data, path, "", expect)
     try:
         spec = create_model_spec_from_json(data, trust=trust)
@@ -73,13 +71,6 @@ def load_spec(path: Path, *, trust: bool, expect: type | tuple[type, ...] | None
     if not trust:
         _check_decoded(data, spec, path, "")
     return spec
-
-
-def _register_known_factories() -> None:
-    # Safe factories in modules this one does not own; they could carry @spec_factory instead.
-    from nvalchemi.training.hooks.finetune import PatchedModule
-
-    register_spec_factory(PatchedModule.from_patches)
 
 
 def _key(parent: str, child: str) -> str:

@@ -244,6 +244,21 @@ def test_pickle_loader_named_as_a_value_or_in_strategy_json_is_refused(saved, ev
     assert not marker.exists()
 
 
+def test_strategy_json_may_not_call_a_loader_that_reaches_a_pickle_file(saved, evil_file):
+    # load_checkpoint(adapter="mace") would fully unpickle the file it is pointed at
+    root, folder, marker = saved
+    evil = {
+        "cls_path": "nvalchemi.training.checkpoint.load_checkpoint",
+        "timestamp": "t",
+        "root_folder": str(evil_file),
+        "adapter": "mace",
+    }
+    _edit_json(folder / "strategy.json", lambda d: d.update(loss_fn_spec=evil))
+    with pytest.raises(ValueError, match="neither a class nor a callable marked safe"):
+        strategy_load_checkpoint(TrainingStrategy, root)
+    assert not marker.exists()
+
+
 def test_untrusted_nested_specs_may_call_only_classes(saved):
     root, folder, marker = saved
     spec_file = folder / "models" / "main" / "spec.json"

@@ -36,6 +36,7 @@ class Holder:
         self.tensor, self.name, self.extra = tensor, name, extra
 
     @classmethod
+    @ser.spec_factory
     def create(cls, size: int, device: torch.device = CPU) -> "Holder":
         return cls(items=tuple(range(size)), device=device)
 

@@ -46,6 +46,7 @@ from pydantic import (
 )
 from torch import nn
 
+from nvalchemi._serialization import spec_factory
 from nvalchemi.training.model_spec import model_spec_for
 from nvalchemi.training.optimizers import iter_qualified_named_parameters
 from nvalchemi.training.spec import BaseSpec, create_model_spec, create_model_spec_from_json
@@ -203,6 +204,7 @@ class PatchedModule(nn.Module):
         raise TypeError("PatchedModule is a factory namespace; call PatchedModule.from_patches.")
 
     @classmethod
+    @spec_factory
     def from_patches(
         cls, model: BaseSpec, paths: list[str], modules: list[BaseSpec], device: Any = None
     ) -> nn.Module:
