@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from nvalchemi.training import TrainingStrategy, create_model_spec
+from nvalchemi.training import TrainingStage, TrainingStrategy, create_model_spec
 from nvalchemi.training import checkpoint as ckpt
 from nvalchemi.training._checkpoint_manifest import UPGRADES
 from nvalchemi.training.checkpoint import (
@@ -407,11 +407,21 @@ def test_learning_rate_change_on_resume_needs_an_override_and_is_recorded(tmp_pa
 def test_nonfinite_run_never_overwrites_good_checkpoints(tmp_path):
     strategy = _trained()
     save_checkpoint(tmp_path, strategy)
-    strategy.train_batch(C.batches(1, nan=True)[0])
-    with pytest.raises(NonFiniteLossError):
-        save_checkpoint(tmp_path, strategy)
+    refused = []
+
+    class SaveAfterBatch:  # a save after a non-finite step, before any periodic check
+        frequency, stage = 1, TrainingStage.AFTER_BATCH
+
+        def __call__(self, ctx, stage):
+            with pytest.raises(NonFiniteLossError):
+                save_checkpoint(tmp_path, ctx.workflow)
+            refused.append(ctx.step_count)
+
+    strategy.register_hook(SaveAfterBatch())
+    strategy.num_steps = strategy.step_count + 1
+    strategy.run(C.batches(1, nan=True))
+    assert refused == [strategy.step_count]
     assert [e.index for e in CheckpointManifest.read(tmp_path).checkpoints] == [0]
-    strategy.close()
 
 
 def test_hook_state_that_cannot_load_safely_is_refused_at_save_naming_the_hook(tmp_path):
