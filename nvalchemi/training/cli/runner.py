@@ -16,7 +16,6 @@ Order of work in :func:`run_job`:
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from nvalchemi.training.cli._errors import CLIError
 from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
 from nvalchemi.training.cli.payload import ResolvedJob
 
-__all__ = ["RunOptions", "RunResult", "run_job"]
+__all__ = ["RunOptions", "RunResult", "distributed_enabled", "launch_env", "run_job"]
 
 
 @dataclass
@@ -60,11 +59,33 @@ class RunResult:
     is_main: bool = True
 
 
+def launch_env(environ: Any = None) -> Any:
+    """The launch this process is part of (torchrun, Slurm ``srun`` or a single process)."""
+    from nvalchemi.distributed.launch import METHOD_ENV, detect_launch_env
+
+    try:
+        return detect_launch_env(environ)
+    except ValueError as exc:
+        raise CLIError(
+            f"cannot read the launch environment: {exc}",
+            field="environment",
+            fix=f"fix the launcher variables, or set {METHOD_ENV}=single to run one process",
+        ) from None
+
+
+def distributed_enabled(flag: bool | None, environ: Any = None) -> bool:
+    """``--distributed/--no-distributed``, else whether the launch has more than one rank.
+
+    torchrun (``RANK``/``WORLD_SIZE``) and Slurm ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``)
+    are recognised, as by ``DistributedManager.initialize``.
+    """
+    if flag is not None:
+        return bool(flag)
+    return launch_env(environ).world_size > 1
+
+
 def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
-    enabled = options.distributed
-    if enabled is None:
-        enabled = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if not enabled:
+    if not distributed_enabled(options.distributed):
         return None, []
     from nvalchemi.distributed import DistributedManager
     from nvalchemi.training.hooks.ddp import DDPHook
@@ -134,7 +155,7 @@ def run_job(
     console: Any = None,
 ) -> RunResult:
     """Train (or resume) ``job``; returns the strategy and where results are."""
-    from nvalchemi.distributed.runtime import get_rank
+    from nvalchemi.distributed.runtime import get_rank, get_world_size
     from nvalchemi.training.cli.build import build_strategy
     from nvalchemi.training.cli.data_sources import (
         make_dataset,
@@ -150,6 +171,15 @@ def run_job(
     is_main = get_rank(manager) == 0
     if not is_main:
         console = None  # one rank reports
+    title = job.name
+    world_size = get_world_size(manager)
+    if world_size > 1:
+        title = f"{job.name} (rank 0 of {world_size}; structures/s per rank)"
+        if console is not None:
+            console.print(
+                f"distributed: {world_size} ranks ({launch_env().source} launch); progress "
+                f"is rank 0's: structures/s are per rank, about {world_size}x that in total"
+            )
     hooks += [hook for hook, _ in resolved.hooks]
     checkpoint_dir = _checkpoint_dir(hooks)
     if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
@@ -164,7 +194,7 @@ def run_job(
             run_dir,
             log_every=job.output.log_every_n_steps,
             tensorboard=job.output.tensorboard,
-            title=job.name,
+            title=title,
             console=console,
         )
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import click
@@ -35,7 +34,8 @@ def _run_options(fn: Any) -> Any:
                      help="Loader worker processes (override dataset.num_workers)."),
         click.option("--map-location", help="Device to load and train on, e.g. cpu or cuda:0."),
         click.option("--distributed/--no-distributed", default=None,
-                     help="DDP training (default: when WORLD_SIZE > 1, e.g. under torchrun)."),
+                     help="DDP training. Default: on when the launcher started several "
+                     "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1)."),
         click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
         click.option("--validation-dataset", "validation_paths", multiple=True,
                      help="Validation data file(s) (override the job's)."),
@@ -160,7 +160,7 @@ def spec_run(
     """Train a job spec."""
     from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.report import render_report
-    from nvalchemi.training.cli.runner import run_job
+    from nvalchemi.training.cli.runner import launch_env, run_job
 
     options = _options(kwargs)
     job, resolved = load_job(path, trust=options.trust)
@@ -169,7 +169,7 @@ def spec_run(
     if max_structures is not None:
         job.dataset.max_structures = max_structures
     console = err_console()
-    if report and int(os.environ.get("RANK", "0")) == 0:
+    if report and launch_env().rank == 0:
         render_report(job, resolved, console)
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
