@@ -4,13 +4,16 @@
 (live dashboard in a terminal, plain lines elsewhere), a ``JSONLinesReporter`` writing
 ``<run_dir>/metrics.jsonl`` and, when TensorBoard is installed (or asked for), a
 ``TensorBoardReporter`` writing ``<run_dir>/tensorboard``. :func:`learning_curves`
-draws ``learning_curves.png`` from the metrics file at the end.
+draws ``learning_curves.png`` from the metrics file at the end. :class:`TimeBudgetHook`
+(``--minutes``) lives in :mod:`nvalchemi.training.cli.time_budget`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from nvalchemi.training.cli.time_budget import TimeBudgetHook
 
 __all__ = ["PLOTS_HINT", "TimeBudgetHook", "learning_curves", "plots_available", "reporting_hook"]
 
@@ -65,43 +68,3 @@ def learning_curves(run_dir: str | Path) -> Path | None:
     if not plots_available() or not metrics.is_file() or metrics.stat().st_size == 0:
         return None
     return plot_learning_curves(metrics, Path(run_dir) / "learning_curves.png")
-
-
-class TimeBudgetHook:
-    """Ask the strategy to stop once ``seconds`` of training have passed.
-
-    The clock starts at ``BEFORE_TRAINING`` of each ``run()`` (a resumed run gets a new
-    budget). The stop goes through ``strategy.request_stop``: the current batch
-    finishes, ``AFTER_TRAINING`` hooks run (a ``CheckpointHook`` saves) and the final
-    validation happens, so the run ends as cleanly as a finished one.
-
-    Example:
-        >>> TimeBudgetHook(90).seconds
-        90.0
-    """
-
-    frequency = 1
-    stage = None
-
-    def __init__(self, seconds: float) -> None:
-        if not seconds > 0:
-            raise ValueError(f"TimeBudgetHook needs a positive number of seconds; got {seconds}.")
-        self.seconds = float(seconds)
-        self.started: float | None = None
-        self.expired = False
-
-    def _runs_on_stage(self, stage: Any) -> bool:
-        return getattr(stage, "name", None) in ("BEFORE_TRAINING", "AFTER_BATCH")
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        import time
-
-        now = time.monotonic()
-        if stage.name == "BEFORE_TRAINING" or self.started is None:
-            self.started = now
-            self.expired = False
-            return
-        if not self.expired and now - self.started >= self.seconds:
-            self.expired = True
-            minutes = self.seconds / 60
-            ctx.workflow.request_stop(f"time budget of {minutes:.3g} min reached")
