@@ -39,8 +39,11 @@ def run_cli(
     )  # fmt: skip
 
 
-def assert_user_error(result: Any, *fragments: str) -> None:
-    """Exit status 1, a one-paragraph message containing ``fragments``, no traceback."""
+def assert_user_error(result: Any, *fragments: str, fix: str = "") -> None:
+    """Exit status 1, a one-paragraph message containing ``fragments``, no traceback.
+
+    The message must also give a fix (``Fix: ...``) containing ``fix``.
+    """
     subprocess_result = hasattr(result, "returncode")
     code = result.returncode if subprocess_result else result.exit_code
     text = result.stderr
@@ -52,6 +55,9 @@ def assert_user_error(result: Any, *fragments: str) -> None:
     assert "\n" not in message, text  # one paragraph, and it comes last
     for fragment in fragments:
         assert fragment in text, (fragment, text)
+    assert "Fix: " in message, f"no fix given: {message}"
+    assert fix in message.split("Fix: ", 1)[1], (fix, message)
+    assert "errors.pydantic.dev" not in message and "[type=" not in message, message
     if not subprocess_result:
         assert result.exception is None or isinstance(result.exception, SystemExit), text
 

@@ -31,7 +31,20 @@ def load_job(path: str | Path, *, trust: bool = False) -> tuple[TrainingJobSpec,
     """Parse, validate and resolve the job file at ``path``."""
     try:
         data = read_job_file(path)
-    except (ValueError, FileNotFoundError) as exc:
-        raise CLIError(str(exc)) from None
+    except FileNotFoundError as exc:
+        raise CLIError(
+            str(exc).split(";")[0],
+            fix="check the path, or create a job with `nvalchemi-training train init ... "
+            "--out job.yaml`",
+        ) from None
+    except ValueError as exc:
+        message = str(exc)
+        fix = (
+            "write the job as one mapping (`nvalchemi-training schema template` prints one)"
+            if "must hold a mapping" in message
+            else "correct the syntax at the line and column given (JSON: double-quoted keys, "
+            "no trailing commas; YAML: closed brackets, consistent indentation)"
+        )
+        raise CLIError(message, fix=fix) from None
     job = validate_job_data(data, str(path))
     return job, check_job(job, trust=trust)

@@ -75,7 +75,7 @@ def build_models(
             raise
         except Exception as exc:
             message = " ".join(str(exc).split())
-            fix = "check the model's keyword arguments" if isinstance(exc, TypeError) else None
+            fix = f"correct the keyword arguments under {where} (types and ranges)"
             raise CLIError(
                 f"building {spec.cls_path} failed: {message}", field=where, fix=fix
             ) from None
@@ -156,6 +156,8 @@ def _finetune(
 
     source, payload = job.source, job.strategy
     kwargs = {**_runtime_payload(payload), "hooks": hooks, **extra}
+    if map_location is not None:
+        kwargs["devices"] = [map_location]  # --map-location wins over strategy.devices
     device = map_location or str((payload.get("devices") or ["cpu"])[0])
     if source.model == "native-checkpoint":
         root = Path(str(source.checkpoint_path))

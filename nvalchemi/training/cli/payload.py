@@ -9,6 +9,9 @@ job field (``strategy.optimizer_configs.main[0]``) and the fix.
 
 from __future__ import annotations
 
+import difflib
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,13 +38,103 @@ class ResolvedJob:
     devices: list[Any] = field(default_factory=list)
 
 
+_GENERIC_FIX = (
+    "correct the value named above (`nvalchemi-training schema template` prints a complete, "
+    "valid job)"
+)
+_MISSING_ATTR = re.compile(r"Cannot import '([\w.]+)': '([\w.]+)' has no attribute '(\w+)'")
+_KWARGS = re.compile(
+    r"(?:Invalid|Missing required) (optimizer|scheduler) kwargs for \w+: (\[[^\]]*\])"
+)
+
+
+def _spelling_fix(message: str) -> str | None:
+    """A fix for an unresolvable dotted path, with the closest name when one is close."""
+    match = _MISSING_ATTR.search(message)
+    markers = ("Could not resolve cls_path", "importable class", "Cannot import")
+    if match is None and not any(marker in message for marker in markers):
+        return None
+    fix = "check the spelling and the import path of the class"
+    if match is not None:
+        module = sys.modules.get(match.group(2))  # already imported by the failed lookup
+        names = [n for n in dir(module) if not n.startswith("_")] if module else []
+        close = difflib.get_close_matches(match.group(3), names, n=1)
+        if close:
+            fix = f"did you mean '{match.group(2)}.{close[0]}'? Otherwise {fix}"
+    return f"{fix} (`nvalchemi-training schema template` prints a job with valid class paths)"
+
+
+def _pydantic_fail(where: str, exc: Any, fix: str | None) -> CLIError:
+    """One paragraph from a pydantic ``ValidationError``: field paths and messages only."""
+    from nvalchemi.training.cli._errors import _validation_lines
+
+    errors = exc.errors(include_url=False)
+    first = errors[0] if errors else {}
+    loc = ".".join(str(part) for part in first.get("loc", ()) if part != "__root__")
+    message = "; ".join(_validation_lines(exc)) if len(errors) > 1 else ""
+    if not message:
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    field = f"{where}.{loc}" if loc else where
+    kwargs = _KWARGS.search(message)
+    if kwargs is not None and not loc:
+        field = f"{where}.{kwargs.group(1)}_kwargs"
+        names = re.findall(r"'(\w+)'", kwargs.group(2))
+        if len(names) == 1:
+            field = f"{field}.{names[0]}"
+        if fix is None and message.startswith("Invalid"):
+            fix = "remove or respell the keyword(s); the accepted ones are listed"
+        elif fix is None:
+            fix = f"add them to {kwargs.group(1)}_kwargs"
+    return CLIError(message, field=field, fix=fix or _spelling_fix(message) or _GENERIC_FIX)
+
+
 def _fail(where: str, exc: BaseException, fix: str | None = None) -> CLIError:
+    from pydantic import ValidationError
+
     from nvalchemi._serialization import UnsafeImportError
 
+    if isinstance(exc, ValidationError):
+        return _pydantic_fail(where, exc, fix)
     message = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, UnsafeImportError):
         return CLIError(message, field=where, fix=fix or _UNSAFE_FIX)
-    return CLIError(message, field=where, fix=fix)
+    return CLIError(message, field=where, fix=fix or _spelling_fix(message) or _GENERIC_FIX)
+
+
+_TORCH_NAMES = {"learning rate": "lr", "epsilon": "eps", "beta parameter": "betas"}
+
+
+def _check_values(config: Any, where: str) -> None:
+    """Build the optimizer (and scheduler) on a dummy parameter: bad values fail here.
+
+    ``lr: -1`` passes the signature check but not ``torch.optim``'s range checks; the
+    error names the keyword it is about (``...optimizer_kwargs.lr``).
+    """
+    import torch
+
+    try:
+        config.build([torch.nn.Parameter(torch.zeros(1))], where=where)
+    except Exception as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        lowered = message.lower()
+        for label, kwargs in (
+            ("optimizer_kwargs", config.optimizer_kwargs),
+            ("scheduler_kwargs", config.scheduler_kwargs),
+        ):
+            names = [n for n in kwargs if re.search(rf"\b{re.escape(n)}\b", message)]
+            names += [n for text, n in _TORCH_NAMES.items() if text in lowered and n in kwargs]
+            if names:
+                value = kwargs[names[0]]
+                raise CLIError(
+                    message,
+                    field=f"{where}.{label}.{names[0]}",
+                    fix=f"give {names[0]} a valid value (got {value!r}; e.g. lr > 0)"
+                    if names[0] == "lr"
+                    else f"give {names[0]} a valid value (got {value!r})",
+                ) from None
+        raise CLIError(
+            message, field=where, fix="fix optimizer_kwargs / scheduler_kwargs (types and ranges)"
+        ) from None
 
 
 def parse_spec(data: Any, where: str, trust: bool) -> Any:
@@ -90,9 +183,11 @@ def parse_optimizer_configs(payload: Mapping[str, Any], trust: bool) -> dict[str
             where = f"strategy.optimizer_configs.{key}[{i}]"
             spec = parse_spec(entry, where, trust)
             try:
-                configs.append(OptimizerConfig.from_spec(spec))
+                config = OptimizerConfig.from_spec(spec)
             except Exception as exc:
                 raise _fail(where, exc) from None
+            _check_values(config, where)
+            configs.append(config)
         out[key] = configs
     return out
 

@@ -138,16 +138,9 @@ DEFAULT_MINUTES = 5.0
 
 
 def _check_device(device: str) -> None:
-    import torch
+    from nvalchemi.training.cli.devices import check_device
 
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise CLIError(
-            f"{device!r} is not a device", field="--device", fix="use cpu or cuda"
-        ) from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("CUDA is not available here", field="--device", fix="use --device cpu")
+    check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
 
 
 def save_plan(plan: QuickstartPlan) -> None:

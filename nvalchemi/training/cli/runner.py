@@ -127,15 +127,48 @@ def _checkpoint_dir(hooks: list[Any]) -> Path | None:
     return None
 
 
-def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) -> Any:
-    from nvalchemi.training.strategy import TrainingStrategy
+_MAP_FIX = "use --map-location cpu (or a device present on this machine)"
 
+
+def check_devices(job: TrainingJobSpec, options: RunOptions, resume_from: Path | None) -> None:
+    """Refuse devices this machine lacks before anything is loaded or built on them."""
+    from nvalchemi.training.cli.devices import check_device
+
+    if options.map_location is not None:
+        check_device(options.map_location, field="--map-location", fix=_MAP_FIX)
+        return
+    if resume_from is None:
+        devices = job.strategy.get("devices") or ["cpu"]
+        for device in [devices] if isinstance(devices, str) else devices:
+            check_device(
+                device,
+                field="strategy.devices",
+                fix="set strategy.devices to ['cpu'] in the job file, or pass --map-location cpu",
+            )
+        return
+    from nvalchemi.training.checkpoint import read_strategy_metadata
+
+    meta = read_strategy_metadata(resume_from, "latest") or {}
+    for device in meta.get("devices") or []:
+        check_device(
+            device,
+            field=f"CHECKPOINT_DIR (saved devices of {resume_from})",
+            fix="pass --map-location cpu to resume on the CPU (or another device present here)",
+        )
+
+
+def _check_root(resume_from: Path) -> None:
     if not (resume_from / "manifest.json").is_file():
         raise CLIError(
             f"{resume_from} holds no checkpoints (no manifest.json)",
             field="CHECKPOINT_DIR",
             fix="give the directory the run's CheckpointHook writes to (output.checkpoint_dir)",
         )
+
+
+def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) -> Any:
+    from nvalchemi.training.strategy import TrainingStrategy
+
     with warnings.catch_warnings():
         # The validation config is attached right after loading (it needs the model's
         # neighbour-list cutoff for its loader).
@@ -167,6 +200,9 @@ def run_job(
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
+    if resume_from is not None:
+        _check_root(Path(resume_from))
+    check_devices(job, options, None if resume_from is None else Path(resume_from))
     manager, hooks = _distributed(options)
     is_main = get_rank(manager) == 0
     if not is_main:
