@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -171,3 +172,23 @@ def test_spec_run_under_torchrun_trains_with_ddp(tmp_path):
     meta = read_strategy_metadata(tmp_path / "run" / "checkpoints")
     assert meta["runtime_state"]["step_count"] == 2
     assert meta["runtime_state"]["global_step_count"] == 4  # two ranks
+
+
+def test_resume_warns_only_about_job_hooks_the_job_dropped(tmp_path):
+    job = tiny_job(tmp_path, num_steps=2, checkpoint_every=1)
+    path = write_job(tmp_path / "job.json", job)
+    result = invoke("spec", "run", path, "--no-report", "--minutes", 60)  # adds TimeBudgetHook
+    assert result.exit_code == 0, result.output
+    root = tmp_path / "run" / "checkpoints"
+    first = next(e.index for e in CheckpointManifest.read(root).checkpoints if e.step_count == 1)
+    job["source"]["hooks"] = [h for h in job["source"]["hooks"]
+                              if not h["spec"]["cls_path"].endswith("GradientClipHook")]  # fmt: skip
+    path = write_job(tmp_path / "job.json", job)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # shown even under -W ignore
+        result = invoke("spec", "resume", root, "--spec", path, "--checkpoint-index", first)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if "The saved run used hooks" in line]
+    assert len(lines) == 1, result.stderr
+    assert "['GradientClipHook']" in lines[0]  # not TimeBudgetHook: --minutes is the CLI's
+    assert "source.hooks" in lines[0] and "hooks=[...]" not in lines[0]

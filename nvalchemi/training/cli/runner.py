@@ -166,13 +166,43 @@ def _check_root(resume_from: Path) -> None:
         )
 
 
+CLI_HOOKS = frozenset({"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "PreemptionHandler"})
+"""Hooks ``spec run`` adds by itself (from options and the launch), not from ``source.hooks``."""
+
+
+def _warn_missing_job_hooks(resume_from: Path, index: Any, hooks: list[Any]) -> None:
+    """Warn when the saved run had hooks from ``source.hooks`` that the job no longer lists.
+
+    The CLI's own hooks (:data:`CLI_HOOKS`) come and go with the options (``--minutes``,
+    the number of ranks); their absence is no reason to warn.
+    """
+    from nvalchemi.training.checkpoint import read_strategy_metadata
+
+    meta = read_strategy_metadata(resume_from, index) or {}
+    names = set()
+    for hook in hooks:
+        children = getattr(hook, "iter_hooks", None)
+        names.update(type(h).__name__ for h in (children() if callable(children) else [hook]))
+    missing = sorted(set(meta.get("hook_types") or []) - names - CLI_HOOKS)
+    if missing:
+        warnings.warn(
+            f"The saved run used hooks {missing} that the job file does not list in "
+            "source.hooks (hooks are not stored in checkpoints); add them back to keep e.g. "
+            "checkpointing, EMA and early stopping going.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) -> Any:
     from nvalchemi.training.strategy import TrainingStrategy
 
+    _warn_missing_job_hooks(resume_from, index, hooks)
     with warnings.catch_warnings():
         # The validation config is attached right after loading (it needs the model's
-        # neighbour-list cutoff for its loader).
+        # neighbour-list cutoff for its loader); missing hooks were checked above.
         warnings.filterwarnings("ignore", message="The saved run validated")
+        warnings.filterwarnings("ignore", message="The saved run used hooks")
         return TrainingStrategy.load_checkpoint(
             resume_from, index, options.map_location, hooks=hooks, trust=options.trust
         )
