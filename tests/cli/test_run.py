@@ -146,6 +146,18 @@ def test_resume_continues_exactly(tmp_path, trained_run):
     assert steps and min(steps) == 3  # the resumed run logged steps 3 and 4
 
 
+def test_the_same_job_twice_gives_bitwise_identical_weights(tmp_path, trained_run):
+    job = json.loads(json.dumps(trained_run["job"]))  # the fixture's job, another directory
+    root = tmp_path / "checkpoints"
+    job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(root)
+    job["output"].update({"run_dir": str(tmp_path / "run"), "checkpoint_dir": str(root)})
+    torch.manual_seed(1234)  # whatever state the process is in, the job's seed decides
+    result = invoke("spec", "run", write_job(tmp_path / "job.json", job), "--no-report")
+    assert result.exit_code == 0, result.output
+    again, first = _weights(root), _weights(trained_run["checkpoints"])
+    assert all(torch.equal(again[k], first[k]) for k in first)
+
+
 def test_zarr_store_multiple_files_and_tensorboard(tmp_path):
     store = tmp_path / "val.zarr"
     result = invoke("data", "convert", VAL, store, "--cutoff", 4.0, "--max-structures", 12)

@@ -220,7 +220,11 @@ class DatasetSpec(_Block):
     format: DataFormat = "auto"
     validation_path: str | list[str] | None = None
     val_fraction: float | None = Field(default=None, gt=0, lt=1)
-    seed: int = Field(default=0, description="seed of the validation split and of shuffling")
+    seed: int = Field(
+        default=0,
+        description="seed of the run: the validation split, shuffling and (spec run) model "
+        "initialisation, so the same job gives the same model",
+    )
     batch_size: int = Field(default=8, ge=1)
     shuffle: bool = True
     num_workers: int = Field(default=0, ge=0)

@@ -25,7 +25,14 @@ from nvalchemi.training.cli._errors import CLIError
 from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
 from nvalchemi.training.cli.payload import ResolvedJob
 
-__all__ = ["RunOptions", "RunResult", "distributed_enabled", "launch_env", "run_job"]
+__all__ = [
+    "RunOptions",
+    "RunResult",
+    "distributed_enabled",
+    "launch_env",
+    "run_job",
+    "seed_everything",
+]
 
 
 @dataclass
@@ -92,6 +99,23 @@ def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
 
     DistributedManager.initialize(backend=options.ddp_backend)
     return DistributedManager(), [DDPHook(backend=options.ddp_backend)]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (model initialisation, dropout).
+
+    With the data order seeded by the loader, two runs of the same job on the CPU give
+    bitwise-identical weights. Every rank uses the same seed (DDP starts from rank 0's
+    weights anyway).
+    """
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _validation_config(job: TrainingJobSpec, options: RunOptions, loader: Any) -> Any:
@@ -280,6 +304,7 @@ def run_job(
         if resume_from is not None:
             strategy = _load(Path(resume_from), checkpoint_index, options, hooks)
         else:
+            seed_everything(data.seed)  # same job, same initial weights and training
             strategy = build_strategy(
                 job,
                 sources=sources,
