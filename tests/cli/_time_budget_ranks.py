@@ -6,13 +6,14 @@ same optimizer step (the first agreement, step ``CHECK``) and leave ``run()`` no
 
 from __future__ import annotations
 
+import gc
+
 import torch
-from _ranks import init_group, report, teardown
+from _ranks import report
 
 CHECK = 3
 
 if __name__ == "__main__":
-    rank = init_group()
     from nvalchemi.data import ASEReader, bundled_split_path
     from nvalchemi.data.datapipes import DataLoader
     from nvalchemi.data.datapipes.dataset import InMemoryDataset
@@ -23,7 +24,8 @@ if __name__ == "__main__":
     from nvalchemi.training.cli.time_budget import TimeBudgetHook
     from nvalchemi.training.hooks import DDPHook
 
-    DistributedManager.initialize(backend="gloo")
+    DistributedManager.initialize(backend="gloo")  # as spec run does, from RANK/WORLD_SIZE
+    rank = DistributedManager().rank
     torch.manual_seed(0)
     data = InMemoryDataset(
         reader=ASEReader(bundled_split_path("train"), index=slice(0, 16)),
@@ -43,4 +45,6 @@ if __name__ == "__main__":
     )
     strategy.run(DataLoader(data, batch_size=2, shuffle=True, seed=0))
     report(rank=rank, step=strategy.step_count, reason=strategy.stop_reason)
-    teardown()
+    del strategy, model  # no DDP reducer may outlive the process group
+    gc.collect()
+    DistributedManager.cleanup()  # barrier, then destroy the group

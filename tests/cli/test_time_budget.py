@@ -39,7 +39,7 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.distributed
 def test_ranks_with_skewed_budgets_stop_at_the_same_step():
-    results = run_ranks(RANKS, 2, timeout=180)  # both ranks must exit 0
+    results = run_ranks(RANKS, 2, rendezvous="tcp", timeout=180)  # both ranks must exit 0
     steps = [r["step"] for r in results]
     assert steps == [3, 3]  # the first agreement (check_interval=3), on both ranks
     assert all(r["reason"].startswith("time budget of") for r in results)

@@ -78,11 +78,15 @@ class TimeBudgetHook:
         self._last_step = step
         if self._world_size > 1 and step % self.check_interval:
             return
-        over = time.monotonic() - self.started >= self.seconds
+        mine = time.monotonic() - self.started >= self.seconds
+        over = mine
         if self._world_size > 1:
             from nvalchemi.distributed.runtime import all_agree
 
-            over = all_agree(over, strategy.distributed_manager)  # same verdict on every rank
+            over = all_agree(mine, strategy.distributed_manager)  # same verdict on every rank
         if over:
             self.expired = True
-            strategy.request_stop(f"time budget of {self.seconds / 60:.3g} min reached")
+            budget = f"time budget of {self.seconds / 60:.3g} min"
+            strategy.request_stop(
+                f"{budget} reached" if mine else f"{budget} reached on another rank"
+            )
