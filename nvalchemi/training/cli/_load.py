@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from nvalchemi.training.cli._errors import CLIError, _validation_lines
+from nvalchemi.training.cli.job_paths import resolve_job_paths
 from nvalchemi.training.cli.job_spec import TrainingJobSpec, read_job_file
 from nvalchemi.training.cli.payload import ResolvedJob, check_job
 
@@ -28,7 +29,11 @@ def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
 
 
 def load_job(path: str | Path, *, trust: bool = False) -> tuple[TrainingJobSpec, ResolvedJob]:
-    """Parse, validate and resolve the job file at ``path``."""
+    """Parse, validate and resolve the job file at ``path``.
+
+    Relative paths in the file are taken relative to the file's directory (see
+    :mod:`nvalchemi.training.cli.job_paths`); the returned job holds absolute paths.
+    """
     try:
         data = read_job_file(path)
     except FileNotFoundError as exc:
@@ -46,5 +51,7 @@ def load_job(path: str | Path, *, trust: bool = False) -> tuple[TrainingJobSpec,
             "no trailing commas; YAML: closed brackets, consistent indentation)"
         )
         raise CLIError(message, fix=fix) from None
+    # Relative paths in the file are relative to the file, wherever it is run from.
+    data = resolve_job_paths(data, Path(path).parent)
     job = validate_job_data(data, str(path))
     return job, check_job(job, trust=trust)

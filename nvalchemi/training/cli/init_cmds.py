@@ -128,7 +128,12 @@ def _emit(job: TrainingJobSpec, out: str | None) -> None:
     if out is None:
         click.echo(dump_job(job, only_set=True), nl=False)
         return
-    dump_job(job, out, only_set=True)
+    from nvalchemi.training.cli.job_paths import rebase_job_paths
+
+    # Paths typed here are relative to the current directory; in the file they are
+    # relative to the file's directory (as spec run reads them).
+    data = job.model_dump(mode="json", exclude_none=True, exclude_unset=True)
+    dump_job(rebase_job_paths(data, Path(out).parent), out)
     click.echo(f"Wrote {out}", err=True)
     click.echo(f"Created {job.workflow} {job.source.model} training spec {out}", err=True)
 
