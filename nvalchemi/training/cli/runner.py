@@ -30,7 +30,9 @@ __all__ = [
     "RunResult",
     "distributed_enabled",
     "launch_env",
+    "SavedProgress",
     "run_job",
+    "saved_progress",
     "seed_everything",
 ]
 
@@ -50,6 +52,7 @@ class RunOptions:
     validation_every_epochs: int | None = None
     validation_every_steps: int | None = None
     minutes: float | None = None
+    num_steps: int | None = None
     trust: bool = False
 
 
@@ -218,17 +221,69 @@ def _warn_missing_job_hooks(resume_from: Path, index: Any, hooks: list[Any]) -> 
         )
 
 
+@dataclass
+class SavedProgress:
+    """How far the run of a checkpoint got, and how far it was meant to go."""
+
+    step_count: int
+    epoch_count: int
+    num_steps: int | None
+    num_epochs: float | None
+    exact: bool
+    """Whether :attr:`complete` is known before training (not for fractional epochs)."""
+    optimizer_configs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        if self.num_steps is not None:
+            return self.step_count >= self.num_steps
+        return self.exact and self.num_epochs is not None and self.epoch_count >= self.num_epochs
+
+    def describe(self) -> str:
+        if self.num_steps is not None:
+            return f"step {self.step_count:,} of num_steps = {self.num_steps:,}"
+        return (
+            f"epoch {self.epoch_count} of num_epochs = {self.num_epochs} (step {self.step_count:,})"
+        )
+
+
+def saved_progress(resume_from: str | Path, index: Any) -> SavedProgress:
+    """The :class:`SavedProgress` of checkpoint ``index`` in ``resume_from`` (no tensors read)."""
+    from nvalchemi.training.checkpoint import read_strategy_metadata
+
+    _check_root(Path(resume_from))
+    meta = read_strategy_metadata(resume_from, index) or {}
+    state = meta.get("runtime_state") or {}
+    modifier = meta.get("epoch_step_modifier", 1.0)
+    return SavedProgress(
+        step_count=int(state.get("step_count", 0)),
+        epoch_count=int(state.get("epoch_count", 0)),
+        num_steps=meta.get("num_steps"),
+        num_epochs=meta.get("num_epochs"),
+        exact=modifier in (None, 1, 1.0),
+        optimizer_configs=meta.get("optimizer_configs") or {},
+    )
+
+
 def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) -> Any:
     from nvalchemi.training.strategy import TrainingStrategy
 
     _warn_missing_job_hooks(resume_from, index, hooks)
+    overrides = {}
+    if options.num_steps is not None:
+        overrides = {"num_steps": options.num_steps, "num_epochs": None}
     with warnings.catch_warnings():
         # The validation config is attached right after loading (it needs the model's
         # neighbour-list cutoff for its loader); missing hooks were checked above.
         warnings.filterwarnings("ignore", message="The saved run validated")
         warnings.filterwarnings("ignore", message="The saved run used hooks")
         return TrainingStrategy.load_checkpoint(
-            resume_from, index, options.map_location, hooks=hooks, trust=options.trust
+            resume_from,
+            index,
+            options.map_location,
+            hooks=hooks,
+            trust=options.trust,
+            overrides=overrides or None,
         )
 
 

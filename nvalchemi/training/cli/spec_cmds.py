@@ -161,16 +161,21 @@ def spec_run(
     from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.report import render_report
     from nvalchemi.training.cli.runner import launch_env, run_job
+    from nvalchemi.training.cli.schedule_checks import check_horizons
 
     options = _options(kwargs)
     job, resolved = load_job(path, trust=options.trust)
+    is_main = launch_env().rank == 0
     if num_steps is not None:
+        configs = job.strategy.get("optimizer_configs") or {}
         job.strategy = {**job.strategy, "num_steps": num_steps, "num_epochs": None}
     if max_structures is not None:
         job.dataset.max_structures = max_structures
     console = err_console()
-    if report and launch_env().rank == 0:
+    if report and is_main:
         render_report(job, resolved, console)
+    if num_steps is not None:
+        check_horizons(configs, num_steps, warn=is_main)
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
 
@@ -182,16 +187,64 @@ def spec_run(
 @click.option("--checkpoint-index", default="latest", show_default=True,
               help="An index, 'latest' or 'best'.")  # fmt: skip
 @_run_options
-def spec_resume(checkpoint_dir: str, spec_path: str, checkpoint_index: str, **kwargs: Any) -> None:
-    """Continue a run exactly from one of its checkpoints."""
+@click.option(
+    "--num-steps",
+    type=click.IntRange(min=1),
+    help="Train until this total step count instead of the saved run's duration (e.g. to "
+    "extend a finished run).",
+)
+def spec_resume(
+    checkpoint_dir: str,
+    spec_path: str,
+    checkpoint_index: str,
+    num_steps: int | None,
+    **kwargs: Any,
+) -> None:
+    """Continue a run exactly from one of its checkpoints (or extend it with --num-steps)."""
+    from nvalchemi.training.cli._errors import CLIError
     from nvalchemi.training.cli._load import load_job
-    from nvalchemi.training.cli.runner import run_job
+    from nvalchemi.training.cli.runner import launch_env, run_job, saved_progress
+    from nvalchemi.training.cli.schedule_checks import check_horizons
 
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
+    options.num_steps = num_steps
     job, resolved = load_job(spec_path, trust=options.trust)
     console = err_console()
+    is_main = launch_env().rank == 0
+    progress = saved_progress(checkpoint_dir, index)
+    extend = (
+        f"`nvalchemi-training spec resume {checkpoint_dir} --spec {spec_path} --num-steps N` "
+        f"with N > {progress.step_count:,}"
+    )
+    if num_steps is not None and num_steps <= progress.step_count:
+        raise CLIError(
+            f"{num_steps:,} steps are not beyond the {progress.step_count:,} the checkpoint "
+            "already trained (--num-steps is the total, not the number of extra steps)",
+            field="--num-steps",
+            fix=f"give more than {progress.step_count:,}",
+        )
+    if num_steps is None and progress.complete:
+        if is_main:
+            console.print(
+                f"The run in {checkpoint_dir} is already complete ({progress.describe()}); "
+                f"nothing to train. To train longer: {extend}.",
+                markup=False,
+                soft_wrap=True,
+            )
+        return
+    if num_steps is not None:
+        check_horizons(progress.optimizer_configs, num_steps, warn=is_main, resume=True)
     result = run_job(
         job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
     )
+    if result.strategy.step_count == progress.step_count and num_steps is None:
+        if is_main:
+            console.print(
+                f"The run in {checkpoint_dir} was already complete ({progress.describe()}); "
+                f"nothing was trained. To train longer: {extend}.",
+                markup=False,
+                soft_wrap=True,
+            )
+        return
     _summary(result, console)
