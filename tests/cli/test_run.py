@@ -181,6 +181,8 @@ def test_spec_run_under_torchrun_trains_with_ddp(tmp_path):
     args = ["-m", "nvalchemi.training.cli", "spec", "run", path, "--ddp-backend", "gloo"]
     result = run_torchrun(args, cwd=tmp_path)  # exit code 0 is checked by run_torchrun
     assert result.stderr.count("Run summary") == 1  # rank 0 reports
+    assert "distributed: 2 ranks (torchrun launch)" in result.stderr
+    assert "structures/s are per rank" in result.stderr
     meta = read_strategy_metadata(tmp_path / "run" / "checkpoints")
     assert meta["runtime_state"]["step_count"] == 2
     assert meta["runtime_state"]["global_step_count"] == 4  # two ranks

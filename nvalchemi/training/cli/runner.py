@@ -157,7 +157,9 @@ def _checkpoint_dir(hooks: list[Any]) -> Path | None:
 _MAP_FIX = "use --map-location cpu (or a device present on this machine)"
 
 
-def check_devices(job: TrainingJobSpec, options: RunOptions, resume_from: Path | None) -> None:
+def check_devices(
+    job: TrainingJobSpec, options: RunOptions, resume_from: Path | None, index: Any = "latest"
+) -> None:
     """Refuse devices this machine lacks before anything is loaded or built on them."""
     from nvalchemi.training.cli.devices import check_device
 
@@ -175,7 +177,7 @@ def check_devices(job: TrainingJobSpec, options: RunOptions, resume_from: Path |
         return
     from nvalchemi.training.checkpoint import read_strategy_metadata
 
-    meta = read_strategy_metadata(resume_from, "latest") or {}
+    meta = read_strategy_metadata(resume_from, index) or {}
     for device in meta.get("devices") or []:
         check_device(
             device,
@@ -311,7 +313,9 @@ def run_job(
     run_dir = Path(job.output.run_dir)
     if resume_from is not None:
         _check_root(Path(resume_from))
-    check_devices(job, options, None if resume_from is None else Path(resume_from))
+    check_devices(
+        job, options, None if resume_from is None else Path(resume_from), checkpoint_index
+    )
     manager, hooks = _distributed(options)
     is_main = get_rank(manager) == 0
     if not is_main:
