@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 
@@ -29,8 +30,10 @@ def test_job_paths_are_relative_to_the_job_file_and_options_to_the_cwd(tmp_path,
     job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = "run/checkpoints"
     write_job(jobs / "job.json", job)
     monkeypatch.chdir(elsewhere)
-    result = invoke("spec", "run", "../jobs/job.json", "--no-report", "--num-steps", 2,
-                    "--validation-dataset", "val.extxyz")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # the CLI prints warnings; shown even under -W ignore
+        result = invoke("spec", "run", "../jobs/job.json", "--no-report", "--num-steps", 2,
+                        "--validation-dataset", "val.extxyz")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (jobs / "run" / "checkpoints" / "manifest.json").is_file()
     assert not (elsewhere / "run").exists()
@@ -88,7 +91,9 @@ def test_resume_num_steps_extends_a_finished_run(tmp_path, trained_run):
     job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(root)
     job["output"].update({"run_dir": str(tmp_path / "run"), "checkpoint_dir": str(root)})
     path = write_job(tmp_path / "job.json", job)
-    result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 5)
     assert result.exit_code == 0, result.output
     meta = read_strategy_metadata(root)
     assert meta["runtime_state"]["step_count"] == 5 and meta["num_steps"] == 5
