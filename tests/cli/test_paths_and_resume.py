@@ -99,3 +99,14 @@ def test_resume_num_steps_extends_a_finished_run(tmp_path, trained_run):
     assert meta["runtime_state"]["step_count"] == 5 and meta["num_steps"] == 5
     warning = next(line for line in result.stderr.splitlines() if "T_max = 4" in line)
     assert "--num-steps 5" in warning and "a resumed run keeps the schedule" in warning
+
+
+def test_resume_on_another_number_of_ranks_is_refused_with_a_fix(trained_run, monkeypatch):
+    root = trained_run["checkpoints"]
+    halfway = next(e.index for e in CheckpointManifest.read(root).checkpoints if e.step_count == 2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun --nproc_per_node=2
+    result = invoke("spec", "resume", root, "--spec", trained_run["job_path"],
+                    "--checkpoint-index", halfway)  # fmt: skip
+    assert_user_error(result, "launch (world size)", "trained on 1 rank(s)", "runs on 2",
+                      fix="resume in one process")  # fmt: skip

@@ -234,6 +234,7 @@ class SavedProgress:
     exact: bool
     """Whether :attr:`complete` is known before training (not for fractional epochs)."""
     optimizer_configs: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
 
     @property
     def complete(self) -> bool:
@@ -264,6 +265,7 @@ def saved_progress(resume_from: str | Path, index: Any) -> SavedProgress:
         num_epochs=meta.get("num_epochs"),
         exact=modifier in (None, 1, 1.0),
         optimizer_configs=meta.get("optimizer_configs") or {},
+        world_size=int(meta.get("world_size") or 1),
     )
 
 

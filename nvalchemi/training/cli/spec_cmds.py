@@ -203,7 +203,12 @@ def spec_resume(
     """Continue a run exactly from one of its checkpoints (or extend it with --num-steps)."""
     from nvalchemi.training.cli._errors import CLIError
     from nvalchemi.training.cli._load import load_job
-    from nvalchemi.training.cli.runner import launch_env, run_job, saved_progress
+    from nvalchemi.training.cli.runner import (
+        distributed_enabled,
+        launch_env,
+        run_job,
+        saved_progress,
+    )
     from nvalchemi.training.cli.schedule_checks import check_horizons
 
     index = parse_checkpoint_index(checkpoint_index)
@@ -233,6 +238,21 @@ def spec_resume(
                 soft_wrap=True,
             )
         return
+    ranks = launch_env().world_size if distributed_enabled(options.distributed) else 1
+    if ranks != progress.world_size:
+        launcher = f"torchrun --nproc_per_node={progress.world_size} -m nvalchemi.training.cli"
+        raise CLIError(
+            f"the checkpoint was trained on {progress.world_size} rank(s) and this resume "
+            f"runs on {ranks}; an exact resume needs the same number (the data order and "
+            "loader position are per rank)",
+            field="launch (world size)",
+            fix=f"resume with {progress.world_size} rank(s), e.g. `{launcher} spec resume ...` "
+            "(or srun with as many tasks); to continue on another number of ranks, fine-tune "
+            "from the checkpoint (`finetune init checkpoint`)"
+            if progress.world_size > 1
+            else "resume in one process (--no-distributed), or fine-tune from the checkpoint "
+            "(`finetune init checkpoint`) to train on more ranks",
+        )
     if num_steps is not None:
         check_horizons(progress.optimizer_configs, num_steps, warn=is_main, resume=True)
     result = run_job(
