@@ -79,3 +79,18 @@ def test_calibration_fits_epochs_to_the_budget_without_touching_the_model():
     assert (many, few) == (200, 1) and step_s > 0
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)
+
+
+def test_calculator_snippet_quotes_the_checkpoint_path_as_data():
+    import ast
+
+    from nvalchemi.training.cli.quickstart import calculator_snippet
+
+    path = 'runs/a"); import os; os.system("echo pwned'
+    tree = ast.parse(calculator_snippet(path, "Cu"))
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+    assert path in strings
+    calls = {
+        n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and hasattr(n.func, "attr")
+    }
+    assert "system" not in calls

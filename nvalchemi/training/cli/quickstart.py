@@ -36,7 +36,7 @@ from nvalchemi.models import NvalchemiCalculator
 
 atoms = bulk("{symbol}", "fcc", cubic=True) * (2, 2, 2)
 atoms.rattle(stdev=0.05, seed=1)
-atoms.calc = NvalchemiCalculator.from_checkpoint("{checkpoint_dir}")
+atoms.calc = NvalchemiCalculator.from_checkpoint({str(checkpoint_dir)!r})
 energy, forces = atoms.get_potential_energy(), atoms.get_forces()
 atoms.calc = EMT()
 print(f"PaiNN energy {{energy:.4f}} eV, EMT {{atoms.get_potential_energy():.4f}} eV")
