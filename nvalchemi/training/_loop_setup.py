@@ -367,7 +367,7 @@ class _LoopSetup:
         return plan
 
     def _make_plan(self) -> _Plan:
-        from nvalchemi.distributed.runtime import get_world_size
+        from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
 
         d = self.__dict__
         p = _Plan()
@@ -413,7 +413,11 @@ class _LoopSetup:
         p.val_every_steps = (config.every_n_steps or 0) if config is not None else 0
         p.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
         p.device = self.devices[0]
-        p.world_size = get_world_size(self.distributed_manager)
+        # Without a manager, ranks that were launched together (torchrun/srun variables) but
+        # never joined a process group train alone.
+        manager = self.distributed_manager
+        alone = manager is None and not is_distributed_initialized()
+        p.world_size = 1 if alone else get_world_size(manager)
         # Gradients of trainable parameters that no optimizer owns (optimizer filter
         # without freezing) are cleared where optimizers zero theirs; the orchestrator
         # calls the same method when it zeroes.

@@ -885,3 +885,14 @@ def test_nonfinite_verdicts_are_agreed_across_ranks():
     assert by_rank[1]["raised"] == {"step": 2, "components": ["EnergyMSELoss"]}
     assert by_rank[0]["raised"] is not None  # told by rank 1, instead of hanging
     assert by_rank[0]["skip_counts"] == by_rank[1]["skip_counts"] == [4, 5]
+
+
+def test_launcher_variables_without_a_process_group_do_not_scale_global_steps(monkeypatch):
+    # e.g. `srun -n 2 ... --no-distributed`: every task trains alone
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    s = strategy(num_steps=2)
+    s.run(make_batches(2))
+    assert (s.step_count, s.global_step_count) == (2, 2)
