@@ -24,7 +24,7 @@ import inspect
 import types
 import typing
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ _EMPTY = inspect.Parameter.empty
 
 
 def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 def _signature(target: Any) -> inspect.Signature | None:

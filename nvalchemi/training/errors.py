@@ -9,7 +9,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 __all__ = ["NonFiniteLossError", "TrainingStalledError", "add_note"]
@@ -58,10 +57,5 @@ class TrainingStalledError(RuntimeError):
 
 
 def add_note(exc: BaseException, note: str) -> None:
-    """Attach ``note`` to ``exc`` (``add_note`` on Python >= 3.11, else the message)."""
-    if sys.version_info >= (3, 11):
-        exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
-    else:
-        exc.args = (*exc.args, note)
+    """Attach ``note`` to ``exc`` (shown after its message in tracebacks)."""
+    exc.add_note(note)

@@ -191,8 +191,7 @@ def test_hook_exception_propagates_with_a_note_naming_hook_and_stage():
     engine = Engine([Boom()])
     with pytest.raises(KeyError) as info:
         engine._call_hooks(TrainingStage.BEFORE_BACKWARD, None)
-    if sys.version_info >= (3, 11):
-        assert any("Boom" in n and "BEFORE_BACKWARD" in n for n in info.value.__notes__)
+    assert any("Boom" in n and "BEFORE_BACKWARD" in n for n in info.value.__notes__)
 
 
 # ----------------------------------------------------------------------------- registration

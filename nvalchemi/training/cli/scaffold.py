@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ _NAMES = {
 
 def hook_entry(cls_path: str, stages: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
     """A ``source.hooks`` entry: ``{"spec": {"cls_path": ..., **kwargs}, "stages": [...]}``."""
-    spec = {"cls_path": cls_path, "timestamp": datetime.now(timezone.utc).isoformat(), **kwargs}
+    spec = {"cls_path": cls_path, "timestamp": datetime.now(UTC).isoformat(), **kwargs}
     return {"spec": spec, "stages": list(stages)} if stages else {"spec": spec}
 
 
