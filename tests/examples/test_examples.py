@@ -32,8 +32,9 @@ def test_train_painn_bundled_example(tmp_path):
 
 def test_train_painn_job_file_runs_with_spec_run(tmp_path):
     job = yaml.safe_load((EXAMPLES / "jobs" / "train_painn.yaml").read_text())
-    text = json.dumps(job).replace("nvalchemi/data/bundled", str(ROOT / "nvalchemi/data/bundled"))
-    job = json.loads(text.replace("runs/train_painn", str(tmp_path / "run")))
+    # its paths are relative to examples/jobs/; this copy lives elsewhere
+    text = json.dumps(job).replace("../../nvalchemi", str(ROOT / "nvalchemi"))
+    job = json.loads(text.replace("../../runs/train_painn", str(tmp_path / "run")))
     job["strategy"]["model_specs"]["main"].update({"hidden_channels": 8, "num_rbf": 4})
     job["output"]["tensorboard"] = False
     path = tmp_path / "job.yaml"
