@@ -14,9 +14,8 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import torch
-
 from nvalchemi.hooks.context import TrainContext
+from nvalchemi.training._nonfinite import _NONFINITE_MODES
 from nvalchemi.training.errors import add_note
 from nvalchemi.training.optimizers import (
     _is_metric_scheduler_class,
@@ -34,9 +33,6 @@ from nvalchemi.training.runtime import (
 from nvalchemi.training.stages import TrainingStage as S
 
 __all__: list[str] = []
-
-_IGNORE, _RAISE, _SKIP = 0, 1, 2
-_NONFINITE_MODES = {"ignore": _IGNORE, "raise": _RAISE, "skip": _SKIP}
 
 
 class _Plan:
@@ -81,39 +77,6 @@ class _Plan:
         "world_size",
         "zero_filtered",
     )
-
-
-class _NonFiniteRecord:
-    """Losses of the steps since the last check, kept on the device (no sync per step)."""
-
-    __slots__ = ("capacity", "losses", "meta")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.losses: list[torch.Tensor] = []
-        # (step, epoch, epoch_step, batch_count, [(component, detached value)] | None)
-        self.meta: list[tuple[int, int, int, int, Any]] = []
-
-    def forget_last(self, count: int) -> None:
-        """Drop the ``count`` most recent losses (their gradients never reached the weights)."""
-        if count > 0:
-            del self.losses[-count:], self.meta[-count:]
-
-    def first_bad(self) -> tuple[int, int, int, int, Any] | None:
-        """Metadata of the first non-finite loss since the last check (one sync), then clear."""
-        if not self.losses:
-            return None
-        losses, meta = self.losses, self.meta
-        self.losses, self.meta = [], []
-        try:
-            stacked = torch.stack(losses)
-        except RuntimeError:  # mixed dtypes/devices
-            stacked = torch.stack([t.to(device="cpu", dtype=torch.float64) for t in losses])
-        finite = torch.isfinite(stacked)
-        if bool(finite.all()):
-            return None
-        index = int((~finite).nonzero()[0, 0])
-        return meta[index]
 
 
 class _LoopSetup:

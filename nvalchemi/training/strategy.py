@@ -40,7 +40,7 @@ from torch import nn
 
 from nvalchemi.hooks.registry import HookRegistryMixin
 from nvalchemi.training._loop import _TrainingLoop, unwrapped
-from nvalchemi.training._loop_setup import _NonFiniteRecord
+from nvalchemi.training._nonfinite import _NonFiniteRecord
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError
 from nvalchemi.training.hooks.update import (
     _MULTIPLE_ORCHESTRATOR_MSG,

@@ -594,7 +594,7 @@ def _nan_batches():
 
 
 def test_raise_policy_names_step_epoch_batch_and_component_without_syncing_each_step(monkeypatch):
-    from nvalchemi.training._loop_setup import _NonFiniteRecord
+    from nvalchemi.training._nonfinite import _NonFiniteRecord
 
     checks = []
     original = _NonFiniteRecord.first_bad
