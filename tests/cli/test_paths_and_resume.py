@@ -110,3 +110,22 @@ def test_resume_on_another_number_of_ranks_is_refused_with_a_fix(trained_run, mo
                     "--checkpoint-index", halfway)  # fmt: skip
     assert_user_error(result, "launch (world size)", "trained on 1 rank(s)", "runs on 2",
                       fix="resume in one process")  # fmt: skip
+
+
+def test_resume_lr_overrides_the_learning_rate_and_is_recorded(tmp_path, trained_run):
+    job = json.loads(json.dumps(trained_run["job"]))
+    root = tmp_path / "checkpoints"
+    shutil.copytree(trained_run["checkpoints"], root)
+    job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(root)
+    job["output"].update({"run_dir": str(tmp_path / "run"), "checkpoint_dir": str(root)})
+    path = write_job(tmp_path / "job.json", job)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 5, "--lr", 1e-5)
+    assert result.exit_code == 0, result.output
+    meta = read_strategy_metadata(root)
+    assert meta["optimizer_configs"]["main"][0]["optimizer_kwargs"]["lr"] == 1e-5
+    events = {h["event"]: h for h in CheckpointManifest.read(root).history}
+    assert events["resume_overrides"]["overrides"]["optimizer_kwargs"] == {"lr": 1e-5}
+    result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 6, "--lr", 0)
+    assert result.exit_code != 0 and "--lr" in result.output

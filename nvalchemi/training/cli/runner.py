@@ -53,6 +53,7 @@ class RunOptions:
     validation_every_steps: int | None = None
     minutes: float | None = None
     num_steps: int | None = None
+    lr: float | None = None  # resume only: new learning rate of every optimizer
     trust: bool = False
 
 
@@ -273,9 +274,11 @@ def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) 
     from nvalchemi.training.strategy import TrainingStrategy
 
     _warn_missing_job_hooks(resume_from, index, hooks)
-    overrides = {}
+    overrides: dict[str, Any] = {}
     if options.num_steps is not None:
-        overrides = {"num_steps": options.num_steps, "num_epochs": None}
+        overrides.update(num_steps=options.num_steps, num_epochs=None)
+    if options.lr is not None:
+        overrides["optimizer_kwargs"] = {"lr": options.lr}
     with warnings.catch_warnings():
         # The validation config is attached right after loading (it needs the model's
         # neighbour-list cutoff for its loader); missing hooks were checked above.

@@ -193,14 +193,22 @@ def spec_run(
     help="Train until this total step count instead of the saved run's duration (e.g. to "
     "extend a finished run).",
 )
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0.0, min_open=True),
+    help="Continue with this learning rate for every optimizer (recorded in the checkpoint "
+    "history; the resume is then no longer exact).",
+)
 def spec_resume(
     checkpoint_dir: str,
     spec_path: str,
     checkpoint_index: str,
     num_steps: int | None,
+    lr: float | None,
     **kwargs: Any,
 ) -> None:
-    """Continue a run exactly from one of its checkpoints (or extend it with --num-steps)."""
+    """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
+    change the learning rate with --lr)."""
     from nvalchemi.training.cli._errors import CLIError
     from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.runner import (
@@ -214,6 +222,7 @@ def spec_resume(
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
     options.num_steps = num_steps
+    options.lr = lr
     job, resolved = load_job(spec_path, trust=options.trust)
     console = err_console()
     is_main = launch_env().rank == 0
