@@ -84,13 +84,18 @@ def test_resuming_a_finished_run_says_so_and_how_to_extend_it(trained_run):
     assert_user_error(result, "--num-steps", "not beyond the 4", fix="more than 4")
 
 
-def test_resume_num_steps_extends_a_finished_run(tmp_path, trained_run):
+def _copy_of_the_run(tmp_path, trained_run):
+    """A copy of the trained run's checkpoints and a job file that points at it."""
     job = json.loads(json.dumps(trained_run["job"]))
     root = tmp_path / "checkpoints"
     shutil.copytree(trained_run["checkpoints"], root)
     job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(root)
     job["output"].update({"run_dir": str(tmp_path / "run"), "checkpoint_dir": str(root)})
-    path = write_job(tmp_path / "job.json", job)
+    return root, write_job(tmp_path / "job.json", job)
+
+
+def test_resume_num_steps_extends_a_finished_run(tmp_path, trained_run):
+    root, path = _copy_of_the_run(tmp_path, trained_run)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 5)
@@ -113,12 +118,7 @@ def test_resume_on_another_number_of_ranks_is_refused_with_a_fix(trained_run, mo
 
 
 def test_resume_lr_overrides_the_learning_rate_and_is_recorded(tmp_path, trained_run):
-    job = json.loads(json.dumps(trained_run["job"]))
-    root = tmp_path / "checkpoints"
-    shutil.copytree(trained_run["checkpoints"], root)
-    job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(root)
-    job["output"].update({"run_dir": str(tmp_path / "run"), "checkpoint_dir": str(root)})
-    path = write_job(tmp_path / "job.json", job)
+    root, path = _copy_of_the_run(tmp_path, trained_run)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = invoke("spec", "resume", root, "--spec", path, "--num-steps", 5, "--lr", 1e-5)
