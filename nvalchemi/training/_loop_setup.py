@@ -29,6 +29,7 @@ from nvalchemi.training.runtime import (
     move_to_devices,
     rehome_optimizer_state,
     train_configured_models,
+    training_world_size,
 )
 from nvalchemi.training.stages import TrainingStage as S
 
@@ -330,8 +331,6 @@ class _LoopSetup:
         return plan
 
     def _make_plan(self) -> _Plan:
-        from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
-
         d = self.__dict__
         p = _Plan()
         at = self.hooks_for
@@ -376,11 +375,7 @@ class _LoopSetup:
         p.val_every_steps = (config.every_n_steps or 0) if config is not None else 0
         p.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
         p.device = self.devices[0]
-        # Without a manager, ranks that were launched together (torchrun/srun variables) but
-        # never joined a process group train alone.
-        manager = self.distributed_manager
-        alone = manager is None and not is_distributed_initialized()
-        p.world_size = 1 if alone else get_world_size(manager)
+        p.world_size = training_world_size(self.distributed_manager)
         # Gradients of trainable parameters that no optimizer owns (optimizer filter
         # without freezing) are cleared where optimizers zero theirs; the orchestrator
         # calls the same method when it zeroes.

@@ -29,10 +29,25 @@ __all__ = [
     "move_to_devices",
     "rehome_optimizer_state",
     "train_configured_models",
+    "training_world_size",
     "unwrap_model",
 ]
 
 ModelsLike = nn.Module | Mapping[str, nn.Module]
+
+
+def training_world_size(distributed_manager: Any = None) -> int:
+    """How many processes train together (what ``global_step_count`` counts in).
+
+    The manager's world size when one is given; else the process group's; else 1, even
+    when launcher variables (torchrun/``srun``) name more ranks: processes that never
+    joined a group train alone.
+    """
+    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
+
+    if distributed_manager is None and not is_distributed_initialized():
+        return 1
+    return get_world_size(distributed_manager)
 
 
 def unwrap_model(module: nn.Module) -> nn.Module:

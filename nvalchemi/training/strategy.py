@@ -317,9 +317,9 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         _check_do_claims(self.hooks)
         _validate_dependencies(self.hooks)
         if self.global_step_count == 0 and self.step_count > 0:
-            from nvalchemi.distributed.runtime import get_world_size
+            from nvalchemi.training.runtime import training_world_size
 
-            self.global_step_count = self.step_count * get_world_size(self.distributed_manager)
+            self.global_step_count = self.step_count * training_world_size(self.distributed_manager)
         self._init_runtime()
         return self
 

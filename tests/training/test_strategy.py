@@ -896,3 +896,11 @@ def test_launcher_variables_without_a_process_group_do_not_scale_global_steps(mo
     s = strategy(num_steps=2)
     s.run(make_batches(2))
     assert (s.step_count, s.global_step_count) == (2, 2)
+
+
+def test_restored_counters_use_the_same_world_size_rule(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert strategy(step_count=3).global_step_count == 3
