@@ -109,6 +109,8 @@ def missing_fill(name: str, like: torch.Tensor, rows: int) -> torch.Tensor | Non
         return torch.zeros(shape, dtype=like.dtype)
     if name == "pbc":
         return torch.zeros(shape, dtype=torch.bool)
+    if name == "loss_weight":  # a structure without a weight counts once
+        return torch.ones(shape, dtype=like.dtype)
     spec = FIELDS.get(name)
     if spec is not None and spec.label:
         return torch.full(shape, float("nan"), dtype=like.dtype)
@@ -154,7 +156,7 @@ def collate(
                 raise ValueError(
                     f"Field {key!r} is present in some structures but missing in structures "
                     f"{missing[:10]}{'...' if len(missing) > 10 else ''}; every structure in a "
-                    f"batch needs it (only labels, cell and pbc may be missing).{hint}"
+                    f"batch needs it (only labels, cell, pbc and loss_weight may be missing).{hint}"
                 )
             for i in missing:
                 tensors[i] = missing_fill(key, present, fill_rows[i])

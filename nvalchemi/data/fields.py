@@ -134,6 +134,13 @@ FIELDS: dict[str, FieldSpec] = {
         _f("spin", "system", (1,), "float"),
         _f("graph_alpha_spins", "system", (1,), "float"),
         _f("graph_embeddings", "system", (None,), "float"),
+        _f(
+            "loss_weight",
+            "system",
+            (1,),
+            "float",
+            description="per-structure weight of its loss terms (1 when absent)",
+        ),
     )
 }
 

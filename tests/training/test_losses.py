@@ -396,3 +396,113 @@ def test_real_batch_mixed_molecule_and_crystal():
     assert (
         torch.isfinite(out["total_loss"]) and torch.isfinite(preds["predicted_stress"].grad).all()
     )
+
+
+# ------------------------------------------------------------------------------- loss weights
+
+LOSS_WEIGHT = torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        (EnergyMSELoss(), (2 * 9 + 0 * 25 + 16) / 3),
+        (EnergyMSELoss(per_atom=True), (2 * 3 * 1 + 0 + 2 * 4) / 10),
+        (EnergyMAELoss(), (2 * 3 * 1 + 0 + 2 * 2) / 10),
+        (EnergyHuberLoss(delta=1.5), (2 * huber(1, 1.5) + 0 + huber(2, 1.5)) / 3),
+    ],
+)
+def test_energy_loss_weight_scales_each_structure_inside_the_mean(loss, expected):
+    value = loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS, loss_weight=LOSS_WEIGHT[:, None])
+    assert value.item() == pytest.approx(expected)
+    weighted_samples = loss.per_sample_loss.clone()
+    loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS)
+    # per-sample values stay the structures' own (unweighted) errors
+    assert torch.equal(weighted_samples, loss.per_sample_loss)
+
+
+def test_loss_weight_scales_the_gradient_of_its_structure_proportionally():
+    pred = E_PRED.clone().requires_grad_()
+    EnergyMSELoss()(pred, E_TARGET).backward()
+    plain = pred.grad.clone()
+    pred.grad = None
+    EnergyMSELoss()(pred, E_TARGET, loss_weight=LOSS_WEIGHT).backward()
+    assert torch.allclose(pred.grad, plain * LOSS_WEIGHT[:, None])
+
+
+F_WEIGHT = torch.tensor([3.0, 0.5], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        (ForceMSELoss(), (3 * 14 / 9 + 0.5 * 7 / 6) / 2),
+        (ForceMSELoss(normalize_by_atom_count=False), (3 * 14 + 0.5 * 7) / 15),
+        (ForceL2NormLoss(), (3 * 6 / 3 + 0.5 * (math.sqrt(3) + 2) / 2) / 2),
+        (ForceL2NormLoss(normalize_by_atom_count=False), (3 * 6 + 0.5 * (math.sqrt(3) + 2)) / 5),
+        (
+            ForceHuberLoss(delta=1.5),
+            (
+                3 * (huber(1, 1.5) + huber(2, 1.5) + huber(3, 1.5))
+                + 0.5 * (3 * huber(1, 1.5) + huber(2, 1.5))
+            )
+            / 15,
+        ),
+    ],
+)
+def test_force_loss_weight_weights_each_atom_by_its_structure(loss, expected):
+    pred = zeros(F_TARGET)
+    value = loss(pred, F_TARGET, loss_weight=F_WEIGHT, **F_META)
+    assert value.item() == pytest.approx(expected)
+
+
+def test_stress_loss_weight():
+    value = StressMSELoss()(zeros(S_TARGET), S_TARGET, loss_weight=torch.tensor([0.0, 2.0]))
+    assert value.item() == pytest.approx((0 * 1 + 2 * 3) / 2)
+
+
+def test_loss_weight_of_the_wrong_shape_or_dtype_is_refused():
+    with pytest.raises(
+        ValueError, match=r"EnergyMSELoss: loss_weight has shape \(2,\).*expected shape \(3,\)"
+    ):
+        EnergyMSELoss()(E_PRED, E_TARGET, loss_weight=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"ForceMSELoss: loss_weight must be a floating tensor"):
+        ForceMSELoss()(
+            zeros(F_TARGET), F_TARGET, loss_weight=torch.ones(2, dtype=torch.long), **F_META
+        )
+    with pytest.raises(
+        ValueError, match=r"shape \(num_graphs,\) or \(num_graphs, 1\); got shape \(2, 2\)"
+    ):
+        StressMSELoss()(zeros(S_TARGET), S_TARGET, loss_weight=torch.ones(2, 2))
+
+
+def test_batch_loss_weight_collates_and_reaches_every_leaf():
+    data = pytest.importorskip("nvalchemi.data")
+    from nvalchemi.training.losses import compute_supervised_loss
+
+    def structure(n, energy, weight=None):
+        extra = {} if weight is None else {"loss_weight": torch.tensor(weight)}
+        return data.AtomicData(
+            atomic_numbers=torch.ones(n, dtype=torch.long),
+            positions=torch.randn(n, 3),
+            energy=torch.tensor(energy),
+            forces=torch.ones(n, 3),
+            **extra,
+        )
+
+    # one-atom structures make the level of a custom (1, 1) field ambiguous: the table decides
+    items = [structure(1, 1.0, 4.0), structure(2, 2.0), structure(3, 3.0, 0.0)]
+    batch = data.Batch.from_data_list(items)
+    assert batch.level_of("loss_weight") == "system"
+    assert batch.loss_weight.tolist() == [[4.0], [1.0], [0.0]]  # absent = weight 1
+    preds = {
+        "predicted_energy": torch.zeros_like(batch.energy),
+        "predicted_forces": torch.zeros_like(batch.forces),
+    }
+    loss_fn = EnergyMSELoss() + ForceMSELoss()
+    out = compute_supervised_loss(loss_fn, preds, batch)
+    parts = out["per_component_unweighted"]
+    assert parts["EnergyMSELoss"].item() == pytest.approx((4 * 1 + 1 * 4 + 0 * 9) / 3)
+    assert parts["ForceMSELoss"].item() == pytest.approx((4 + 1 + 0) / 3)
+    unweighted = data.Batch.from_data_list([structure(1, 1.0), structure(2, 2.0)])
+    assert "loss_weight" not in unweighted

@@ -9,6 +9,15 @@ always masked out, so a structure without a label contributes nothing and is not
 ``ignore_nonfinite=True`` additionally masks ``inf`` targets. Per-structure values follow
 the same convention: a structure without a label gets NaN in ``per_sample_loss`` and
 ``False`` in ``per_sample_valid``, so per-sample statistics skip it too.
+
+Per-structure loss weights: when the batch carries a ``loss_weight`` field (one float per
+structure, shape ``(B,)`` or ``(B, 1)``; ``compute_supervised_loss`` passes it as the
+``loss_weight=`` keyword), every leaf multiplies each structure's contribution by its
+weight, and per-atom terms (forces) by the weight of their structure. The normalisation is
+unchanged (a mean over structures, atoms or components of ``w * l``, not divided by the
+sum of the weights), so a weight of 2 doubles that structure's share of the loss and of
+the gradient, and 0 removes it. ``per_sample_loss`` stays unweighted. Without the field
+nothing extra is computed.
 """
 
 from __future__ import annotations
@@ -52,11 +61,62 @@ def cast_for_policy(
     return pred, target.to(pred.dtype)
 
 
+def graph_loss_weight(loss: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The per-structure ``loss_weight`` of the call as a flat ``(B,)`` tensor, or ``None``.
+
+    Read from the ``loss_weight=`` keyword, else from a ``batch=`` keyword's field.
+    """
+    weight = kwargs.get("loss_weight")
+    if weight is None and kwargs.get("batch") is not None:
+        batch = kwargs["batch"]
+        weight = batch.get("loss_weight") if hasattr(batch, "get") else None
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(
+            f"{type(loss).__name__}: loss_weight must be a floating tensor of shape "
+            f"(num_graphs,) or (num_graphs, 1); got {got}. Store one float per structure."
+        )
+    if weight.ndim == 2 and weight.shape[1] == 1:
+        weight = weight.reshape(-1)
+    if weight.ndim != 1:
+        raise ValueError(
+            f"{type(loss).__name__}: loss_weight must have shape (num_graphs,) or "
+            f"(num_graphs, 1); got shape {tuple(weight.shape)}."
+        )
+    return weight
+
+
+def weight_rows(
+    loss: Any, weight: torch.Tensor, like: torch.Tensor, batch_idx: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-structure ``weight`` ``(B,)`` broadcast to the rows of ``like``.
+
+    Rows are structures (``like.shape[0] == B``) unless ``batch_idx`` maps atoms to them.
+    """
+    if batch_idx is not None:
+        if batch_idx.shape[0] != like.shape[0]:
+            raise ValueError(
+                f"{type(loss).__name__}: batch_idx has {batch_idx.shape[0]} entries but the "
+                f"target has {like.shape[0]} rows."
+            )
+        weight = weight.to(like.device).index_select(0, batch_idx.to(like.device))
+    elif weight.shape[0] != like.shape[0]:
+        raise ValueError(
+            f"{type(loss).__name__}: loss_weight has shape {tuple(weight.shape)} but the "
+            f"target has {like.shape[0]} structures; expected shape ({like.shape[0]},)."
+        )
+    return weight.to(device=like.device, dtype=like.dtype).reshape(-1, *([1] * (like.ndim - 1)))
+
+
 class ReductionContext(dict):
     """Per-call data shared between ``normalize`` and ``reduce``.
 
-    Conventional key ``"weights"``: per-sample weights (e.g. ``(B, 1)`` atom counts) used by
-    the default weighted mean.
+    Conventional keys: ``"weights"``, per-sample weights (e.g. ``(B, 1)`` atom counts) that
+    weight both the numerator and the denominator of the default mean; ``"loss_weight"``,
+    per-row loss weights (the batch's ``loss_weight`` broadcast to the residual's rows) that
+    weight only the numerator.
     """
 
 
@@ -108,6 +168,10 @@ class BaseLossFunction(nn.Module, abc.ABC):
         dtype_policy: ``"strict"`` raises on a dtype mismatch, ``"prediction_to_target"`` /
             ``"target_to_prediction"`` cast. ``None`` (default) behaves as ``"strict"`` but lets
             a composition's policy apply; an explicit value overrides the composition's.
+
+    Keyword metadata (passed by ``compute_supervised_loss`` from the batch): ``batch_idx``,
+    ``num_graphs``, ``num_nodes_per_graph`` and, when the batch has it, ``loss_weight``
+    (one float per structure; see the module docstring).
 
     Attributes:
         requires_eval_grad: whether evaluating the loss needs autograd (force/stress losses
@@ -191,11 +255,16 @@ class BaseLossFunction(nn.Module, abc.ABC):
     def reduce(
         self, residual: torch.Tensor, valid: torch.Tensor, ctx: ReductionContext, **kwargs: Any
     ) -> torch.Tensor:
-        """Mean of ``residual`` over valid entries, weighted by ``ctx["weights"]`` if present."""
+        """Mean of ``residual`` over valid entries, weighted by ``ctx["weights"]`` if present.
+
+        ``ctx["loss_weight"]`` (per-row loss weights) scales the numerator only.
+        """
         weight = valid.to(residual.dtype)
         if "weights" in ctx:
             weight = weight * ctx["weights"].expand_as(residual)
         total = weight.sum()
+        if "loss_weight" in ctx:
+            weight = weight * ctx["loss_weight"]
         return (residual * weight).sum() / torch.where(total > 0, total, 1.0)
 
     def record_per_sample(self, values: torch.Tensor, valid: torch.Tensor) -> None:

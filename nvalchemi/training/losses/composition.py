@@ -475,7 +475,7 @@ def assemble_loss_targets(
     return targets
 
 
-_GRAPH_METADATA = ("batch_idx", "num_graphs", "num_nodes_per_graph")
+_GRAPH_METADATA = ("batch_idx", "num_graphs", "num_nodes_per_graph", "loss_weight")
 
 
 def compute_supervised_loss(
@@ -490,7 +490,11 @@ def compute_supervised_loss(
     target_keys: Sequence[str] | None = None,
     batch_label: str = "Batch",
 ) -> ComposedLossOutput:
-    """Assemble targets and evaluate ``loss_fn`` with the batch's graph metadata."""
+    """Assemble targets and evaluate ``loss_fn`` with the batch's graph metadata.
+
+    Passes ``batch_idx``, ``num_graphs``, ``num_nodes_per_graph`` and, when the batch has
+    the field, the per-structure ``loss_weight`` to every leaf.
+    """
     loss_fn = as_composed_loss(loss_fn)
     targets = target_assembler(
         loss_fn,

@@ -9,6 +9,11 @@ Missing labels (NaN targets) are always masked; a structure with no label contri
 and is not counted in any mean (its ``per_sample_loss`` entry is NaN and its
 ``per_sample_valid`` entry ``False``); an all-missing batch gives 0 with zero gradient.
 
+Per-structure loss weights: a ``loss_weight=`` keyword (the batch's ``loss_weight`` field,
+``(B,)`` or ``(B, 1)``) multiplies each structure's term, and each atom's force term by its
+structure's weight, inside the same mean (not renormalised by the weights' sum): weight 2
+counts a structure twice, 0 drops it. See :mod:`nvalchemi.training.losses.base`.
+
 >>> import torch
 >>> loss = EnergyMSELoss()
 >>> float(loss(torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0], [float("nan")]])))
@@ -22,7 +27,13 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from nvalchemi.training.losses.base import BaseLossFunction, DTypePolicy, ReductionContext
+from nvalchemi.training.losses.base import (
+    BaseLossFunction,
+    DTypePolicy,
+    ReductionContext,
+    graph_loss_weight,
+    weight_rows,
+)
 from nvalchemi.training.losses.reductions import per_graph_sum
 
 __all__ = [
@@ -67,14 +78,20 @@ def _graph_balanced(
     item_count: torch.Tensor,
     batch_idx: torch.Tensor | None = None,
     num_graphs: int | None = None,
+    loss_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mean over labelled graphs of each graph's mean residual over its labelled entries."""
+    """Mean over labelled graphs of each graph's mean residual over its labelled entries.
+
+    ``loss_weight`` (``(B,)``) scales each graph's term inside that mean.
+    """
     if batch_idx is not None:
         item_sum = per_graph_sum(item_sum, batch_idx, num_graphs)
         item_count = per_graph_sum(item_count, batch_idx, num_graphs)
     per_graph = item_sum / item_count.clamp_min(1)
     labelled = item_count > 0
     loss.record_per_sample(per_graph, labelled)
+    if loss_weight is not None:
+        per_graph = per_graph * weight_rows(loss, loss_weight, per_graph)
     return per_graph.sum() / labelled.sum().clamp_min(1)
 
 
@@ -91,6 +108,9 @@ class _EnergyLoss(BaseLossFunction):
 
     def normalize(self, pred, target, **kwargs):
         ctx = ReductionContext()
+        weight = graph_loss_weight(self, kwargs)
+        if weight is not None:
+            ctx["loss_weight"] = weight_rows(self, weight, pred)
         if not self.per_atom:
             return pred, target, ctx
         counts = torch.as_tensor(_metadata(self, kwargs, "num_nodes_per_graph"), device=pred.device)
@@ -189,7 +209,11 @@ class _ForceLoss(BaseLossFunction):
         self.ignore_nonfinite = bool(ignore_nonfinite)
 
     def reduce(self, residual, valid, ctx, **kwargs):
+        weight = graph_loss_weight(self, kwargs)
         if not self.normalize_by_atom_count:
+            if weight is not None:
+                batch_idx = _metadata(self, kwargs, "batch_idx")
+                ctx["loss_weight"] = weight_rows(self, weight, residual, batch_idx)
             return super().reduce(residual, valid, ctx)
         return _graph_balanced(
             self,
@@ -197,6 +221,7 @@ class _ForceLoss(BaseLossFunction):
             valid.sum(-1).to(residual.dtype),
             _metadata(self, kwargs, "batch_idx"),
             _metadata(self, kwargs, "num_graphs", required=False),
+            weight,
         )
 
 
@@ -297,7 +322,7 @@ class StressMSELoss(BaseLossFunction):
     def reduce(self, residual, valid, ctx, **kwargs):
         per_graph = residual.reshape(residual.shape[0], -1).sum(1)
         count = valid.reshape(valid.shape[0], -1).sum(1).to(residual.dtype)
-        return _graph_balanced(self, per_graph, count)
+        return _graph_balanced(self, per_graph, count, loss_weight=graph_loss_weight(self, kwargs))
 
 
 class StressHuberLoss(StressMSELoss):
