@@ -23,6 +23,7 @@ from _training_support import (
 )
 from torch import nn
 
+from nvalchemi.models.base import BaseModelMixin
 from nvalchemi.training import (
     EnergyMSELoss,
     ForceMSELoss,
@@ -32,7 +33,6 @@ from nvalchemi.training import (
     ValidationConfig,
     default_training_fn,
 )
-from nvalchemi.models.base import BaseModelMixin
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError
 from nvalchemi.training.hooks.update import TrainingUpdateHook
 
