@@ -143,6 +143,24 @@ def missing_structures(loss: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | N
     return mask
 
 
+def masked_or_weighted(loss: Any, kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call may mask or weight entries: a missing-label mask for this loss's target,
+    a ``loss_weight``, or a ``batch=`` keyword that could carry either."""
+    if kwargs.get("loss_weight") is not None or kwargs.get("batch") is not None:
+        return True
+    missing = kwargs.get("missing_labels")
+    if isinstance(missing, Mapping):
+        return getattr(loss, "target_key", None) in missing
+    return missing is not None
+
+
+def per_sample_values(source: Any, valid: torch.Tensor | None) -> torch.Tensor:
+    """Materialise recorded per-structure values: NaN where ``valid`` is ``False``."""
+    with torch.no_grad():
+        values = (source if isinstance(source, torch.Tensor) else source()).detach().reshape(-1)
+        return values if valid is None else torch.where(valid, values, torch.nan)
+
+
 class ReductionContext(dict):
     """Per-call data shared between ``normalize``, ``mask`` and ``reduce``.
 
@@ -202,6 +220,9 @@ def _defined_here(cls: type, method: str) -> bool:
     return getattr(cls, method).__module__ in _OWN_MODULES
 
 
+_PLAIN = ReductionContext()  # the context of an unmasked, unweighted call (never written)
+
+
 class BaseLossFunction(nn.Module, abc.ABC):
     """Stateless leaf loss. Subclasses implement :meth:`compute_residual`.
 
@@ -247,8 +268,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
     def __init__(self, *, dtype_policy: DTypePolicy | None = None) -> None:
         super().__init__()
         self._dtype_policy = check_dtype_policy(dtype_policy)
-        self.__dict__["_per_sample"] = None
-        self.__dict__["_per_sample_valid"] = None
+        state = self.__dict__
+        state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
 
     @property
     def dtype_policy(self) -> str:
@@ -261,15 +282,17 @@ class BaseLossFunction(nn.Module, abc.ABC):
 
     @property
     def per_sample_loss(self) -> torch.Tensor | None:
-        value = self.__dict__.get("_per_sample")
-        if callable(value) and not isinstance(value, torch.Tensor):
-            value = value()
-            self.__dict__["_per_sample"] = value
+        state = self.__dict__
+        value = state.get("_per_sample")
+        if value is None and state.get("_per_sample_source") is not None:
+            value = per_sample_values(state["_per_sample_source"], state["_per_sample_valid"])
+            state["_per_sample"], state["_per_sample_source"] = value, None
         return value
 
     @per_sample_loss.setter
     def per_sample_loss(self, value: torch.Tensor | None) -> None:
         self.__dict__["_per_sample"] = value
+        self.__dict__["_per_sample_source"] = None
 
     @property
     def per_sample_valid(self) -> torch.Tensor | None:
@@ -294,7 +317,19 @@ class BaseLossFunction(nn.Module, abc.ABC):
     def forward(self, pred: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Scalar loss of ``pred`` against ``target``; ``kwargs`` carry batch metadata."""
         state = self.__dict__
-        state["_per_sample"] = state["_per_sample_valid"] = None
+        state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
+        if (
+            not self._valid_tensor
+            and pred.dtype == target.dtype
+            and pred.shape == target.shape
+            and not state.get("ignore_nonfinite", False)
+            and not masked_or_weighted(self, kwargs)
+        ):
+            # The common case (nothing missing, masked or weighted): one fused call where the
+            # loss is a plain mean, with no normalize/mask work in between.
+            loss = self.fused_mean(pred, target, _PLAIN)
+            if loss is not None:
+                return loss
         pred, target = self.align_dtypes(pred, target)
         self.validate(pred, target)
         pred, target, ctx = self.normalize(pred, target, **kwargs)
@@ -442,21 +477,16 @@ class BaseLossFunction(nn.Module, abc.ABC):
     ) -> None:
         """Store per-structure ``values`` (``(B,)``) with NaN where ``valid`` is ``False``.
 
-        ``values`` may be a function computing them (from detached tensors): it runs when
+        ``values`` may be a function computing them: it runs (without autograd) when
         ``per_sample_loss`` is first read, so a training step that reads no per-sample
         values pays nothing. Sync-free (no host reads), so it is safe on the hot path.
         """
-        if valid is not None:
-            valid = valid.reshape(-1)
-        self.__dict__["_per_sample_valid"] = valid
-        if isinstance(values, torch.Tensor):
-            values = values.detach()  # never keep the step's autograd graph alive
-
-        def per_sample() -> torch.Tensor:
-            out = (values if isinstance(values, torch.Tensor) else values()).reshape(-1)
-            return out if valid is None else torch.where(valid, out, torch.nan)
-
-        self.__dict__["_per_sample"] = per_sample
+        state = self.__dict__
+        state["_per_sample"] = None
+        state["_per_sample_source"] = (
+            values.detach() if isinstance(values, torch.Tensor) else values
+        )
+        state["_per_sample_valid"] = None if valid is None else valid.reshape(-1)
 
     # -- algebra and serialization -------------------------------------------------------
 

@@ -30,6 +30,7 @@ from nvalchemi.training.losses.base import (
     DTypePolicy,
     cast_for_policy,
     check_dtype_policy,
+    per_sample_values,
 )
 from nvalchemi.training.losses.schedules import LossWeightSchedule
 from nvalchemi.training.spec import BaseSpec, create_model_spec
@@ -318,18 +319,21 @@ class ComposedLossFunction(nn.Module):
             if policy is not None and leaf._dtype_policy is None:
                 pred, target = cast_for_policy(pred, target, policy)
             state = leaf.__dict__
-            state["_per_sample"] = state["_per_sample_valid"] = None
+            state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
             value = leaf(pred, target, **kwargs)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must return a torch.Tensor, got {type(value).__name__}")
             unweighted[name] = value
-            sample = state.get("_per_sample")
-            if sample is not None:
-                if isinstance(sample, torch.Tensor):
+            source = state.get("_per_sample_source")
+            if source is not None:  # recorded by the leaf, computed when first read
+                samples.append((name, source, state.get("_per_sample_valid"), weight))
+            else:
+                sample = state.get("_per_sample")  # set directly (e.g. by a custom forward)
+                if sample is not None:
+                    if not isinstance(sample, torch.Tensor):
+                        raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
                     _check_sample(name, sample)
-                elif not callable(sample):
-                    raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
-                samples.append((name, sample, weight))
+                    samples.append((name, sample, None, weight))
             if total is None:
                 total = value if weight == 1.0 else value * weight
             else:
@@ -339,7 +343,7 @@ class ComposedLossFunction(nn.Module):
             "per_component_unweighted": unweighted,
             "per_component_weight": effective_by_name,
             "per_component_raw_weight": raw_by_name,
-            "per_component_sample": _PerSampleValues(samples),
+            "per_component_sample": _per_sample_dict(samples),
         }
 
     @staticmethod
@@ -433,25 +437,25 @@ class _PerSampleValues(dict):
 
     __slots__ = ("_pending",)
 
-    def __init__(self, pending: list[tuple[str, Any, float]]) -> None:
-        super().__init__()
-        self._pending = pending or None
-
     def _fill(self) -> None:
         pending = self._pending
         if pending is None:
             return
         self._pending = None
-        for name, sample, weight in pending:
-            if not isinstance(sample, torch.Tensor):
-                sample = sample()
-                _check_sample(name, sample)
-            sample = sample.detach()
+        for name, source, valid, weight in pending:
+            sample = per_sample_values(source, valid)
+            _check_sample(name, sample)
             dict.__setitem__(self, name, sample if weight == 1.0 else weight * sample)
 
     def __reduce__(self) -> tuple[Any, ...]:
         self._fill()
         return dict, (dict(self.items()),)
+
+
+def _per_sample_dict(pending: list[tuple[str, Any, Any, float]]) -> _PerSampleValues:
+    samples = _PerSampleValues()
+    samples._pending = pending or None
+    return samples
 
 
 def _filling(method: Any) -> Any:
@@ -621,7 +625,19 @@ def compute_supervised_loss(
         target_keys=target_keys,
         batch_label=batch_label,
     )
-    if isinstance(batch, Mapping):
+    try:  # a Batch (the training loop's case): three attribute reads
+        meta = {
+            "batch_idx": batch.batch_idx,
+            "num_graphs": batch.num_graphs,
+            "num_nodes_per_graph": batch.num_nodes_per_graph,
+        }
+        weight, missing = batch.get("loss_weight"), batch.missing_labels
+    except AttributeError:
+        meta = None
+    if meta is not None:
+        if None in meta.values():
+            meta = {k: v for k, v in meta.items() if v is not None}
+    elif isinstance(batch, Mapping):
         meta = {k: batch[k] for k in _GRAPH_METADATA if batch.get(k) is not None}
         weight, missing = batch.get("loss_weight"), batch.get("missing_labels")
     else:

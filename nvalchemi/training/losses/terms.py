@@ -30,6 +30,7 @@ counts a structure twice, 0 drops it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -81,6 +82,11 @@ def _mean_over_structures(
     return per_graph.sum() / (~missing).sum().clamp_min(1)
 
 
+def _atom_means(values: torch.Tensor, batch_idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-structure sums of per-atom ``values`` times ``scale`` (``1 / components / atoms``)."""
+    return per_graph_sum(values, batch_idx, scale.shape[0]) * scale
+
+
 # ------------------------------------------------------------------------------- energy
 
 
@@ -118,8 +124,7 @@ class _EnergyLoss(BaseLossFunction):
         if self.per_atom or "loss_weight" in ctx:
             return None
         if pred.ndim == 1 or (pred.ndim == 2 and pred.shape[1] == 1):
-            pred_d = pred.detach()
-            self.record_per_sample(lambda: self._pointwise(pred_d, target, "none"), None)
+            self.record_per_sample(functools.partial(self._pointwise, pred, target, "none"), None)
         return self._pointwise(pred, target, "mean")
 
     def reduce(self, residual, valid, ctx, **kwargs):
@@ -256,8 +261,8 @@ class _ForceLoss(BaseLossFunction):
         return None
 
     def fused_mean(self, pred, target, ctx):
-        if self.normalize_by_atom_count or "loss_weight" in ctx or ctx.get("padded", False):
-            return None
+        if self.normalize_by_atom_count or "loss_weight" in ctx or target.ndim != 2:
+            return None  # per-structure means, weights or the padded layout: not a plain mean
         return self._pointwise(pred, target, "mean")
 
     def reduce(self, residual, valid, ctx, **kwargs):
@@ -266,9 +271,9 @@ class _ForceLoss(BaseLossFunction):
             if self.normalize_by_atom_count:
                 return _mean_over_structures(self, sums, counts, ctx)
             missing = ctx.get("missing")
-            sums_d = sums.detach()
             self.record_per_sample(
-                lambda: sums_d / counts.clamp_min(1), None if missing is None else ~missing
+                functools.partial(torch.div, sums, counts.clamp_min(1)),
+                None if missing is None else ~missing,
             )
             return super().reduce(residual, valid, ctx, **kwargs)
         if not self.normalize_by_atom_count:
@@ -311,10 +316,8 @@ class _ForceLoss(BaseLossFunction):
         if weight is not None:
             scale = scale * weight.to(scale.dtype)
         values = residual.sum(-1)
-        detached = values.detach()
         self.record_per_sample(
-            lambda: per_graph_sum(detached, batch_idx, num_graphs) * (inverse_atoms / components),
-            None,
+            functools.partial(_atom_means, values, batch_idx, inverse_atoms / components), None
         )
         return torch.dot(values, scale.index_select(0, batch_idx))
 
@@ -430,17 +433,16 @@ class StressMSELoss(BaseLossFunction):
         # means is the mean over all components.
         if "loss_weight" in ctx:
             return None
-        pred_d = pred.detach()
-        self.record_per_sample(
-            lambda: self._pointwise(pred_d, target, "none").reshape(pred_d.shape[0], -1).mean(1),
-            None,
-        )
+        self.record_per_sample(functools.partial(self._row_means, pred, target), None)
         return self._pointwise(pred, target, "mean")
+
+    def _row_means(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._pointwise(pred, target, "none").reshape(pred.shape[0], -1).mean(1)
 
     def reduce(self, residual, valid, ctx, **kwargs):
         rows = residual.reshape(residual.shape[0], -1)
         if valid is None:
-            self.record_per_sample(lambda: rows.detach().mean(1), None)
+            self.record_per_sample(functools.partial(torch.mean, rows, 1), None)
             return super().reduce(residual, None, ctx, **kwargs)
         counts = valid.reshape(valid.shape[0], -1).sum(1).to(residual.dtype)
         return _mean_over_structures(self, rows.sum(1), counts, ctx)
