@@ -13,7 +13,12 @@ rounds of bare time / strategy time, next to the median steps/s of each side.
 Workloads:
 
 * ``mlp``: 4 atoms per structure, batch 8, hidden 32, energy loss;
-* ``forces``: 16 atoms, batch 32, hidden 32, energy + force loss with autograd forces;
+* ``forces``: 16 atoms, batch 32, hidden 32, energy + force loss with autograd forces; the
+  strategy's loss is the hand loop's objective, ``EnergyMSELoss() +
+  ForceMSELoss(normalize_by_atom_count=False)`` (a mean over all force components);
+* ``forces_balanced``: the same with the default ``ForceMSELoss()`` (a mean over structures
+  of per-structure means: more work than ``F.mse_loss``; the same value here, where every
+  structure has 16 atoms);
 * ``null``: a one-weight model on the ``mlp`` batches, so ``overhead_us_per_step`` is
   close to the loop's own cost per step;
 * ``public``: not a ratio but the steps/s of the public-API loop a user writes first:
@@ -152,14 +157,18 @@ def clock(device: torch.device):
 
 def measure(workload: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    forces = workload == "forces"
+    forces = workload.startswith("forces")
     atoms, size = (16, 32) if forces else (4, 8)
     batches = make_batches(16, atoms, size, device)
     torch.manual_seed(0)
     model_s = (ScaleLabels() if workload == "null" else SmallMLP(32, forces)).to(device)
     model_b = copy.deepcopy(model_s)
     model_b.train()
-    loss_s = EnergyMSELoss() + ForceMSELoss() if forces else EnergyMSELoss()
+    if forces:
+        balanced = workload == "forces_balanced"
+        loss_s = EnergyMSELoss() + ForceMSELoss(normalize_by_atom_count=balanced)
+    else:
+        loss_s = EnergyMSELoss()
     strategy = TrainingStrategy(
         models=model_s,
         optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-3}),
@@ -295,7 +304,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--workloads", default="mlp,forces,null,public")
+    parser.add_argument("--workloads", default="mlp,forces,forces_balanced,null,public")
     parser.add_argument("--import-repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

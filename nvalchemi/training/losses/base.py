@@ -325,9 +325,9 @@ class BaseLossFunction(nn.Module, abc.ABC):
             and not state.get("ignore_nonfinite", False)
             and not masked_or_weighted(self, kwargs)
         ):
-            # The common case (nothing missing, masked or weighted): one fused call where the
-            # loss is a plain mean, with no normalize/mask work in between.
-            loss = self.fused_mean(pred, target, _PLAIN)
+            # The common case (nothing missing, masked or weighted): straight to the loss
+            # (one fused call where it is a plain mean), no normalize/mask work in between.
+            loss = self.unmasked_loss(pred, target, _PLAIN, kwargs)
             if loss is not None:
                 return loss
         pred, target = self.align_dtypes(pred, target)
@@ -336,7 +336,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
         valid = self.mask(pred, target, ctx, **kwargs)
         if valid is None:
             if not self._valid_tensor:
-                loss = self.fused_mean(pred, target, ctx)
+                loss = self.unmasked_loss(pred, target, ctx, kwargs)
                 if loss is not None:
                     return loss
                 return self.reduce(self.compute_residual(pred, target, None), None, ctx, **kwargs)
@@ -396,14 +396,19 @@ class BaseLossFunction(nn.Module, abc.ABC):
             return finite if present is None else finite & present
         return present
 
-    def fused_mean(
-        self, pred: torch.Tensor, target: torch.Tensor, ctx: ReductionContext
+    def unmasked_loss(
+        self,
+        pred: torch.Tensor,
+        target: torch.Tensor,
+        ctx: ReductionContext,
+        kwargs: Mapping[str, Any],
     ) -> torch.Tensor | None:
-        """The loss in one fused call when nothing is masked and it is a plain mean, else ``None``.
+        """The loss when every entry counts, computed directly, or ``None``.
 
-        Built-in leaves return e.g. ``F.mse_loss(pred, target)`` (the autograd graph of a
-        hand-written loss) and record their per-sample values lazily; ``None`` (the default)
-        falls back to ``compute_residual`` and ``reduce``.
+        Built-in leaves return e.g. ``F.mse_loss(pred, target)`` where the loss is a plain
+        mean (the autograd graph of a hand-written loss) and record their per-sample
+        values lazily; ``None`` (the default) falls back to ``compute_residual`` and
+        ``reduce``. ``ctx`` may carry ``"loss_weight"``.
         """
         return None
 

@@ -635,7 +635,7 @@ def compute_supervised_loss(
     except AttributeError:
         meta = None
     if meta is not None:
-        if None in meta.values():
+        if any(v is None for v in meta.values()):  # identity: `None in` would compare tensors
             meta = {k: v for k, v in meta.items() if v is not None}
     elif isinstance(batch, Mapping):
         meta = {k: batch[k] for k in _GRAPH_METADATA if batch.get(k) is not None}

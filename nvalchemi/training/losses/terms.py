@@ -82,9 +82,12 @@ def _mean_over_structures(
     return per_graph.sum() / (~missing).sum().clamp_min(1)
 
 
-def _atom_means(values: torch.Tensor, batch_idx: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-structure sums of per-atom ``values`` times ``scale`` (``1 / components / atoms``)."""
-    return per_graph_sum(values, batch_idx, scale.shape[0]) * scale
+def _atom_means(
+    residual: torch.Tensor, batch_idx: torch.Tensor, atoms: torch.Tensor, components: int
+) -> torch.Tensor:
+    """Per-structure means over atoms and components of per-atom residuals."""
+    sums = per_graph_sum(residual.sum(-1), batch_idx, atoms.shape[0])
+    return sums / (atoms.clamp_min(1) * components).to(sums.dtype)
 
 
 # ------------------------------------------------------------------------------- energy
@@ -120,7 +123,7 @@ class _EnergyLoss(BaseLossFunction):
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
 
-    def fused_mean(self, pred, target, ctx):
+    def unmasked_loss(self, pred, target, ctx, kwargs):
         if self.per_atom or "loss_weight" in ctx:
             return None
         if pred.ndim == 1 or (pred.ndim == 2 and pred.shape[1] == 1):
@@ -260,9 +263,16 @@ class _ForceLoss(BaseLossFunction):
     ) -> torch.Tensor | None:
         return None
 
-    def fused_mean(self, pred, target, ctx):
-        if self.normalize_by_atom_count or "loss_weight" in ctx or target.ndim != 2:
-            return None  # per-structure means, weights or the padded layout: not a plain mean
+    def unmasked_loss(self, pred, target, ctx, kwargs):
+        if target.ndim != 2:
+            return None  # the padded layout always masks its padding
+        if self.normalize_by_atom_count:
+            residual = self.compute_residual(pred, target, None)
+            batch_idx = metadata(self, kwargs, "batch_idx")
+            num_graphs = metadata(self, kwargs, "num_graphs", required=False)
+            return self._balanced_mean(residual, batch_idx, num_graphs, ctx, kwargs)
+        if "loss_weight" in ctx:
+            return None
         return self._pointwise(pred, target, "mean")
 
     def reduce(self, residual, valid, ctx, **kwargs):
@@ -289,9 +299,9 @@ class _ForceLoss(BaseLossFunction):
     def _balanced_mean(self, residual, batch_idx, num_graphs, ctx, kwargs) -> torch.Tensor:
         """Mean over structures of each one's mean over its components, nothing masked.
 
-        One dot product of the per-atom residuals with per-atom scales
-        ``1 / (components * B * atoms of the structure)``: the value of the per-structure
-        means with no per-structure tensors in the autograd graph.
+        The per-atom residuals times per-atom scales ``1 / (components * B * atoms of the
+        structure)``, summed: the value of the per-structure means with no per-structure
+        tensors in the autograd graph (the scales need no gradient).
         """
         if batch_idx.shape != (residual.shape[0],):
             raise ValueError(
@@ -310,16 +320,16 @@ class _ForceLoss(BaseLossFunction):
                 f"shape {tuple(atoms.shape)}."
             )
         num_graphs, components = atoms.shape[0], residual.shape[-1]
-        inverse_atoms = 1.0 / atoms.to(device=residual.device, dtype=residual.dtype).clamp_min(1)
-        scale = inverse_atoms * (1.0 / (components * max(num_graphs, 1)))
+        self.record_per_sample(
+            functools.partial(_atom_means, residual, batch_idx, atoms, components), None
+        )
+        # 1 / (components * B * atoms of the structure), for every atom
+        scale = torch.reciprocal(atoms.clamp_min(1) * (components * max(num_graphs, 1)))
         weight = ctx.get("loss_weight")
         if weight is not None:
-            scale = scale * weight.to(scale.dtype)
-        values = residual.sum(-1)
-        self.record_per_sample(
-            functools.partial(_atom_means, values, batch_idx, inverse_atoms / components), None
-        )
-        return torch.dot(values, scale.index_select(0, batch_idx))
+            scale = scale * weight
+        scale = scale.to(residual.dtype).index_select(0, batch_idx)
+        return (residual * scale.unsqueeze(1)).sum()
 
 
 class ForceMSELoss(_ForceLoss):
@@ -428,7 +438,7 @@ class StressMSELoss(BaseLossFunction):
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
 
-    def fused_mean(self, pred, target, ctx):
+    def unmasked_loss(self, pred, target, ctx, kwargs):
         # Every structure has the same number of components: the mean of the per-structure
         # means is the mean over all components.
         if "loss_weight" in ctx:
