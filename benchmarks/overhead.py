@@ -122,8 +122,7 @@ def make_structures(n: int, atoms: int, generator: torch.Generator) -> list[Atom
 def make_batches(n: int, atoms: int, size: int, device: torch.device) -> list[Batch]:
     generator = torch.Generator().manual_seed(0)
     return [
-        Batch.from_data_list(make_structures(size, atoms, generator)).to(device)
-        for _ in range(n)
+        Batch.from_data_list(make_structures(size, atoms, generator)).to(device) for _ in range(n)
     ]
 
 

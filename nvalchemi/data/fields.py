@@ -41,7 +41,8 @@ class FieldSpec:
         kind: ``"float"``, ``"int"``, ``"bool"`` or ``"index"`` (stored as int64).
         unit: physical unit, or ``None`` when dimensionless.
         label: a reference label that a structure may lack; collating structures
-            where only some carry it fills the others with NaN ("missing").
+            where only some carry it fills the others with NaN and records them in
+            ``Batch.missing_labels`` (losses leave them out by that mask).
         description: one line for error messages and docs.
     """
 
