@@ -482,7 +482,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
     ) -> None:
         """Store per-structure ``values`` (``(B,)``) with NaN where ``valid`` is ``False``.
 
-        ``values`` may be a function computing them: it runs (without autograd) when
+        ``values`` may be a function computing them from detached tensors (holding the
+        step's autograd graph until the next call would cost memory and time): it runs when
         ``per_sample_loss`` is first read, so a training step that reads no per-sample
         values pays nothing. Sync-free (no host reads), so it is safe on the hot path.
         """

@@ -127,7 +127,10 @@ class _EnergyLoss(BaseLossFunction):
         if self.per_atom or "loss_weight" in ctx:
             return None
         if pred.ndim == 1 or (pred.ndim == 2 and pred.shape[1] == 1):
-            self.record_per_sample(functools.partial(self._pointwise, pred, target, "none"), None)
+            pred_values = pred.detach()  # never keep the step's autograd graph alive
+            self.record_per_sample(
+                functools.partial(self._pointwise, pred_values, target, "none"), None
+            )
         return self._pointwise(pred, target, "mean")
 
     def reduce(self, residual, valid, ctx, **kwargs):
@@ -282,7 +285,7 @@ class _ForceLoss(BaseLossFunction):
                 return _mean_over_structures(self, sums, counts, ctx)
             missing = ctx.get("missing")
             self.record_per_sample(
-                functools.partial(torch.div, sums, counts.clamp_min(1)),
+                functools.partial(torch.div, sums.detach(), counts.clamp_min(1)),
                 None if missing is None else ~missing,
             )
             return super().reduce(residual, valid, ctx, **kwargs)
@@ -321,7 +324,7 @@ class _ForceLoss(BaseLossFunction):
             )
         num_graphs, components = atoms.shape[0], residual.shape[-1]
         self.record_per_sample(
-            functools.partial(_atom_means, residual, batch_idx, atoms, components), None
+            functools.partial(_atom_means, residual.detach(), batch_idx, atoms, components), None
         )
         # 1 / (components * B * atoms of the structure), for every atom
         scale = torch.reciprocal(atoms.clamp_min(1) * (components * max(num_graphs, 1)))
@@ -443,7 +446,7 @@ class StressMSELoss(BaseLossFunction):
         # means is the mean over all components.
         if "loss_weight" in ctx:
             return None
-        self.record_per_sample(functools.partial(self._row_means, pred, target), None)
+        self.record_per_sample(functools.partial(self._row_means, pred.detach(), target), None)
         return self._pointwise(pred, target, "mean")
 
     def _row_means(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -452,7 +455,7 @@ class StressMSELoss(BaseLossFunction):
     def reduce(self, residual, valid, ctx, **kwargs):
         rows = residual.reshape(residual.shape[0], -1)
         if valid is None:
-            self.record_per_sample(functools.partial(torch.mean, rows, 1), None)
+            self.record_per_sample(functools.partial(torch.mean, rows.detach(), 1), None)
             return super().reduce(residual, None, ctx, **kwargs)
         counts = valid.reshape(valid.shape[0], -1).sum(1).to(residual.dtype)
         return _mean_over_structures(self, rows.sum(1), counts, ctx)
