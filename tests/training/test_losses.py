@@ -749,3 +749,24 @@ def test_per_sample_values_are_computed_when_read_and_pickle_as_a_dict():
     assert samples["EnergyMSELoss"].tolist() == pytest.approx([9 / 4, 25 / 4])
     leaf = loss_fn.components[1]
     assert pickle.loads(pickle.dumps(leaf)).per_sample_loss.tolist() == [1.0, 3.0]
+
+
+def test_nothing_missing_gives_the_autograd_graph_of_a_hand_written_loss():
+    from nvalchemi.data import Batch
+    from nvalchemi.training.losses import compute_supervised_loss
+
+    pred = E_PRED.clone().requires_grad_()
+    assert EnergyMSELoss()(pred, E_TARGET).grad_fn.name() == "MseLossBackward0"
+    assert StressMSELoss()(zeros(S_TARGET), S_TARGET).grad_fn.name() == "MseLossBackward0"
+    plain = ForceMSELoss(normalize_by_atom_count=False)
+    assert plain(zeros(F_TARGET), F_TARGET, **F_META).grad_fn.name() == "MseLossBackward0"
+    batch = Batch.from_data_list([_structure(2, 1.0), _structure(3, 2.0)])
+    out = compute_supervised_loss(
+        EnergyMSELoss(), {"predicted_energy": torch.zeros(2, 1, requires_grad=True)}, batch
+    )
+    assert out["total_loss"].grad_fn.name() == "MseLossBackward0"
+    # a missing label takes the masked path, with the same value where nothing is masked
+    mixed = Batch.from_data_list([_structure(2, 1.0), _structure(3)])
+    preds = {"predicted_energy": torch.zeros(2, 1, requires_grad=True)}
+    masked = compute_supervised_loss(EnergyMSELoss(), preds, mixed)["total_loss"]
+    assert masked.grad_fn.name() != "MseLossBackward0" and masked.item() == pytest.approx(1.0)
