@@ -15,6 +15,7 @@ every call, so only their ratios matter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections import Counter
@@ -578,8 +579,13 @@ def assemble_loss_targets(
     ``EnergyMSELoss(prediction_key="student_energy", target_key="teacher_energy")``.
     """
     targets = {}
+    get = getattr(batch, "get", None)  # a Mapping or a Batch: no exception for a missing key
+    if not callable(get):
+        get = functools.partial(_field, batch)
     for key in loss_target_keys(loss_fn) if target_keys is None else target_keys:
-        value = _field(batch, key)
+        value = get(key)
+        if not isinstance(value, torch.Tensor):
+            value = None
         if value is None and isinstance(predictions, Mapping):
             value = predictions.get(key)
         if value is None:
@@ -635,7 +641,7 @@ def compute_supervised_loss(
     except AttributeError:
         meta = None
     if meta is not None:
-        if any(v is None for v in meta.values()):  # identity: `None in` would compare tensors
+        if meta["batch_idx"] is None or meta["num_nodes_per_graph"] is None:
             meta = {k: v for k, v in meta.items() if v is not None}
     elif isinstance(batch, Mapping):
         meta = {k: batch[k] for k in _GRAPH_METADATA if batch.get(k) is not None}
