@@ -770,3 +770,15 @@ def test_nothing_missing_gives_the_autograd_graph_of_a_hand_written_loss():
     preds = {"predicted_energy": torch.zeros(2, 1, requires_grad=True)}
     masked = compute_supervised_loss(EnergyMSELoss(), preds, mixed)["total_loss"]
     assert masked.grad_fn.name() != "MseLossBackward0" and masked.item() == pytest.approx(1.0)
+
+
+def test_a_subclass_overriding_a_template_step_always_runs_it():
+    seen = []
+
+    class Checked(EnergyMSELoss):
+        def validate(self, pred, target):
+            seen.append(tuple(pred.shape))
+            super().validate(pred, target)
+
+    assert Checked()(E_PRED, E_TARGET).item() == pytest.approx(50 / 3)
+    assert seen == [(3, 1)]

@@ -16,8 +16,10 @@ Which entries count:
   out of the mean, a structure whose entries are all masked counts as 0 in a mean over
   structures, and its ``per_sample_loss`` entry is 0.
 
-When nothing is missing and ``ignore_nonfinite`` is off (the common case) ``mask`` returns
-``None`` and no masking work is done at all.
+When nothing is missing, masked or weighted (the common case) no masking work is done at
+all: ``forward`` goes straight to :meth:`BaseLossFunction.unmasked_loss` (for the built-in
+leaves one fused ``F.mse_loss``-style call where the loss is a plain mean, the autograd
+graph of a hand-written loss), and per-sample values are computed only when read.
 
 Per-structure loss weights: when the batch carries a ``loss_weight`` field (one float per
 structure, shape ``(B,)`` or ``(B, 1)``; ``compute_supervised_loss`` passes it as the
@@ -241,7 +243,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
 
     The ``valid`` mask handed to :meth:`compute_residual` and :meth:`reduce` is ``None`` when
     every entry counts. A subclass that overrides ``mask``, ``compute_residual`` or ``reduce``
-    outside this package always receives a boolean tensor instead (the reference contract).
+    outside this package always receives a boolean tensor instead (the reference contract),
+    and one that overrides any template step always runs all of them.
 
     Attributes:
         requires_eval_grad: whether evaluating the loss needs autograd (force/stress losses
@@ -257,12 +260,16 @@ class BaseLossFunction(nn.Module, abc.ABC):
 
     requires_eval_grad: ClassVar[bool | None] = None
     label_level: ClassVar[Literal["system", "atom"] | None] = None
-    _valid_tensor: ClassVar[bool] = True
+    _valid_tensor: ClassVar[bool] = True  # mask/compute_residual/reduce need a tensor mask
+    _direct: ClassVar[bool] = False  # the unmasked case may skip the template steps
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._valid_tensor = not all(
             _defined_here(cls, m) for m in ("mask", "compute_residual", "reduce")
+        )
+        cls._direct = not cls._valid_tensor and all(
+            _defined_here(cls, m) for m in ("align_dtypes", "validate", "normalize")
         )
 
     def __init__(self, *, dtype_policy: DTypePolicy | None = None) -> None:
@@ -309,7 +316,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
         self.__dict__["_per_sample_valid"] = value
 
     def __getstate__(self) -> dict[str, Any]:
-        self.per_sample_loss  # noqa: B018 - a pending computation is a closure: run it first
+        self.per_sample_loss  # noqa: B018 - run a pending computation (it may hold methods)
         return super().__getstate__()
 
     # -- template ------------------------------------------------------------------------
@@ -319,7 +326,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
         state = self.__dict__
         state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
         if (
-            not self._valid_tensor
+            self._direct
             and pred.dtype == target.dtype
             and pred.shape == target.shape
             and not state.get("ignore_nonfinite", False)

@@ -125,7 +125,8 @@ class ComposedLossOutput(TypedDict):
     per_component_unweighted: dict[str, torch.Tensor]
     per_component_weight: dict[str, float]  # effective (after normalization)
     per_component_raw_weight: dict[str, float]  # before normalization
-    # effective weight * per-structure values; NaN for a structure without a label
+    # effective weight * per-structure values; NaN for a structure without a label. Detached,
+    # and computed when first read (a training step nobody reports on does no per-sample work)
     per_component_sample: dict[str, torch.Tensor]
 
 
