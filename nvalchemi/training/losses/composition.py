@@ -308,7 +308,7 @@ class ComposedLossFunction(nn.Module):
         effective, effective_by_name, raw_by_name = self._weight_dicts(step, epoch)
         policy = self._dtype_policy
         unweighted: dict[str, torch.Tensor] = {}
-        samples: list[tuple[str, Any, float]] = []
+        samples: list[tuple[str, Any, Any, float]] = []
         total = None
         for name, leaf, weight in zip(self._names, self._modules["components"], effective):
             try:
