@@ -112,7 +112,9 @@ def search(
     # An atom is not its own neighbour: drop the (a, a, S = 0) candidate, whose
     # window offset is floor(r) on every axis (the window starts at -floor(r)).
     self_offset = (torch.floor(ranges * (1.0 + _RANGE_SLACK) + _RANGE_SLACK)).long()
-    self_code = (self_offset[:, 0] * windows[1] + self_offset[:, 1]) * windows[2] + self_offset[:, 2]
+    self_code = (self_offset[:, 0] * windows[1] + self_offset[:, 1]) * windows[2] + self_offset[
+        :, 2
+    ]
     local_rows = torch.arange(a0, a1, device=device)
     keep[:, local_rows - a0, local_rows, :] &= (
         torch.arange(num_offsets, device=device) != self_code[:, None]
@@ -142,7 +144,12 @@ def search(
     if near.numel():
         kept = _direct_test(positions, cell, cutoff, graph, sender, receiver, shifts, near)
         if kept is not None:
-            graph, sender, receiver, shifts = graph[kept], sender[kept], receiver[kept], shifts[kept]
+            graph, sender, receiver, shifts = (
+                graph[kept],
+                sender[kept],
+                receiver[kept],
+                shifts[kept],
+            )
             counts = torch.bincount(graph, minlength=num_graphs)
     return graph, sender, receiver, shifts, counts
 
@@ -167,7 +174,6 @@ def _direct_test(positions, cell, cutoff, graph, sender, receiver, shifts, near)
     kept = torch.ones_like(graph, dtype=torch.bool)
     kept[failed] = False
     return kept
-
 
 
 # ------------------------------------------------------------------- a whole batch
@@ -215,9 +221,7 @@ def structure_scalars(
 
 def windows_of(ranges: list[float]) -> tuple[int, int, int]:
     """``K``: how many consecutive shifts per axis can hold an image within range."""
-    return tuple(
-        math.floor(2.0 * (r * (1.0 + _RANGE_SLACK) + _RANGE_SLACK)) + 1 for r in ranges
-    )
+    return tuple(math.floor(2.0 * (r * (1.0 + _RANGE_SLACK) + _RANGE_SLACK)) + 1 for r in ranges)
 
 
 def plan_groups(
@@ -260,9 +264,7 @@ def padded_positions(
 ) -> torch.Tensor:  # fmt: skip
     """``[len(members), n, 3]`` float64 positions, NaN beyond each structure's atoms."""
     first = starts[members[0]]
-    contiguous = all(
-        counts[g] == n and starts[g] == first + k * n for k, g in enumerate(members)
-    )
+    contiguous = all(counts[g] == n and starts[g] == first + k * n for k, g in enumerate(members))
     if contiguous:
         return positions[first : first + len(members) * n].view(len(members), n, 3)
     out = positions.new_full((len(members), n, 3), math.nan)
@@ -300,12 +302,11 @@ def search_structures(
         parts = []
         for a0 in range(0, n, step):
             rows = (a0, min(n, a0 + step)) if step < n else None
-            parts.append(
-                search(
-                    block, group_cell, group_recip, group_ranges, windows, cutoff,
-                    full_list=full_list, rows=rows,
-                )  # fmt: skip
-            )
+            found = search(
+                block, group_cell, group_recip, group_ranges, windows, cutoff,
+                full_list=full_list, rows=rows,
+            )  # fmt: skip
+            parts.append(found)
         if len(parts) == 1:
             graph, sender, receiver, shifts, found = parts[0]
         else:  # one structure in row chunks: rows ascend, so senders stay sorted

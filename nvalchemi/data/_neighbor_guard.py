@@ -151,9 +151,7 @@ def refuse(
     if len(periodic) == 1:
         periodic = periodic * 3
     rows = (
-        np.asarray(cell, dtype=float).reshape(3, 3).round(6).tolist()
-        if cell is not None
-        else None
+        np.asarray(cell, dtype=float).reshape(3, 3).round(6).tolist() if cell is not None else None
     )
     detail = ""
     periodic_rows = [r for r, p in zip(rows or [], periodic) if p]

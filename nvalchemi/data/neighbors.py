@@ -132,6 +132,7 @@ def resolve_neighbor_options(
 # ------------------------------------------------------------------ explosion guard
 def _structure_arrays(structure: Any) -> tuple[Any, Any, Any]:
     """``(positions, cell, pbc)`` of an ``AtomicData``, ``Batch`` row, ``ase.Atoms`` or dict."""
+
     def field(name: str) -> Any:
         if isinstance(structure, Mapping):
             return structure.get(name)
@@ -234,9 +235,7 @@ def neighbor_list_for_system(
     if pos.ndim != 2 or pos.shape[1] != 3:
         raise ValueError(f"positions must have shape [n_atoms, 3]; got {list(pos.shape)}.")
     box, periodic = box_and_periodic(cell, pbc, "neighbor_list_for_system")
-    check_structure(
-        pos.shape[0], box, periodic, cutoff, pos, where="neighbor_list_for_system"
-    )
+    check_structure(pos.shape[0], box, periodic, cutoff, pos, where="neighbor_list_for_system")
     calc = calculator(cutoff, bool(full_list), vesin_method(method), int(n_threads))
     return _run_vesin(calc, pos, box, periodic, "neighbor_list_for_system")
 
@@ -357,9 +356,7 @@ def _batch_lists(
     blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if by_vesin:
         calc = calculator(cutoff, full_list, method, int(n_threads))
-        blocks.update(
-            _vesin_lists(positions, cell, pbc_host, starts, counts, by_vesin, calc, name)
-        )
+        blocks.update(_vesin_lists(positions, cell, pbc_host, starts, counts, by_vesin, calc, name))
     for members, pairs, shifts, edge_counts in found:
         sizes = edge_counts.tolist()
         for g, p, s in zip(members, pairs.split(sizes), shifts.split(sizes)):
@@ -462,9 +459,7 @@ def _store_batch_lists(
     if fmt == "coo":
         _check_edge_fields(batch, "compute_neighbors")
     device = batch.device
-    pairs, shifts, edge_counts = _batch_lists(
-        batch, cutoff, not half_list, method, n_threads, name
-    )
+    pairs, shifts, edge_counts = _batch_lists(batch, cutoff, not half_list, method, n_threads, name)
     if fmt == "matrix":
         matrix, num_neighbors, matrix_shifts = _to_matrix(
             pairs, shifts, batch.num_nodes, max_neighbors

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from ase import Atoms
 from ase.build import bulk
 from ase.calculators.singlepoint import SinglePointCalculator
@@ -66,7 +65,9 @@ def test_builders_refuse_before_allocating(edge):
     atoms = tiny_atoms(edge)
     with pytest.raises(ValueError, match="refusing to build a neighbour list"):
         neighbor_list_for_system(atoms.positions, atoms.cell.array, atoms.pbc, CUTOFF)
-    batch = Batch.from_data_list([AtomicData.from_atoms(good_atoms(0)), AtomicData.from_atoms(atoms)])
+    batch = Batch.from_data_list(
+        [AtomicData.from_atoms(good_atoms(0)), AtomicData.from_atoms(atoms)]
+    )
     with pytest.raises(ValueError, match="compute_neighbors: system 1: refusing"):
         compute_neighbors(batch, CUTOFF)
 
@@ -91,7 +92,9 @@ def test_a_dataset_batch_names_the_structure():
             return len(items)
 
         def read_many(self, indices):
-            return [(items[i], {"index": i, "source_file": "x.extxyz", "frame": i}) for i in indices]
+            return [
+                (items[i], {"index": i, "source_file": "x.extxyz", "frame": i}) for i in indices
+            ]
 
     dataset = Dataset(Reader(), transforms=[NeighborListTransform(CUTOFF)])
     with pytest.raises(ValueError) as caught:

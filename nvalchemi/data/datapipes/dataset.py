@@ -303,7 +303,7 @@ class Dataset(torch.utils.data.Dataset):
         return [(reader._load_sample(i), meta(i) if meta else {}) for i in indices]
 
     def _load(
-        self, indices: list[int], compose: Compose | None | bool = True
+        self, indices: list[int], compose: Compose | bool | None = True
     ) -> list[tuple[AtomicData, dict]]:
         """Read, build and transform structures (on the reader's device).
 
