@@ -541,11 +541,11 @@ def test_a_torch_loader_built_with_budgets_is_rebuilt_around_its_rank_sampler():
     data = structures(12)
     sampler = BudgetBatchSampler([d.num_nodes for d in data], max_atoms=4)
     loader = torch.utils.data.DataLoader(
-        data, batch_sampler=sampler, collate_fn=Batch.from_data_list, timeout=5.0
+        data, batch_sampler=sampler, collate_fn=Batch.from_data_list, worker_init_fn=print
     )
     rebuilt = prepared(loader, rank=1, world_size=2)
     assert rebuilt is not loader and rebuilt.collate_fn == Batch.from_data_list
-    assert rebuilt.timeout == 5.0
+    assert rebuilt.worker_init_fn is print
     assert (rebuilt.batch_sampler.num_replicas, rebuilt.batch_sampler.rank) == (2, 1)
     assert sum(b.num_graphs for b in rebuilt) + sum(
         b.num_graphs for b in prepared(loader, rank=0, world_size=2)
