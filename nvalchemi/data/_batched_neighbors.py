@@ -180,7 +180,7 @@ def _direct_test(positions, cell, cutoff, graph, sender, receiver, shifts, near)
 # Candidates tested per torch pass (about 9 bytes each): small on the CPU, where
 # passes that stay in cache are fastest; large on accelerators.
 CPU_PASS_CANDIDATES = 1 << 18
-DEVICE_PASS_CANDIDATES = 1 << 24
+DEVICE_PASS_CANDIDATES = 1 << 22
 # On the CPU, vesin's cell list beats the pass for structures with more candidates.
 CPU_PASS_LIMIT = 1 << 14
 # Structures padded together differ by at most this factor in atom count.
@@ -189,7 +189,7 @@ _PAD_RATIO = 1.25
 
 def structure_scalars(
     positions: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor, cutoff: float
-) -> tuple[torch.Tensor, torch.Tensor, list[list[float]], list[bool], bool]:
+) -> tuple[torch.Tensor, torch.Tensor, list[list[float]], list[list[bool]], list[bool], bool]:
     """Reciprocal vectors and image ranges, plus one host read of what sizes the search.
 
     ``recip [G, 3, 3]`` maps Cartesian displacements to fractional ones along the
@@ -197,7 +197,8 @@ def structure_scalars(
     cell whose open rows are zeroed, ``A^T (A A^T + diag(open))^-1`` is the
     pseudo-inverse of the periodic rows, for any mix of periodic axes.
     ``ranges[g, d]`` is the cutoff over the lattice-plane spacing of axis ``d``.
-    Returns ``(recip, ranges, ranges_host, cell_ok_host, positions_finite)``; a cell
+    Returns ``(recip, ranges, ranges_host, pbc_host, cell_ok_host, positions_finite)``
+    (the ``_host`` ones as lists, from one device read); a cell
     is ok when its periodic rows are finite and independent (the test of
     :func:`nvalchemi.data._vesin.box_and_periodic`, for all structures at once).
     """
@@ -212,11 +213,14 @@ def structure_scalars(
     recip = (rows.transpose(1, 2) @ inverse) * periodic.unsqueeze(1)
     ranges = cutoff * torch.linalg.vector_norm(recip, dim=1)
     finite = torch.isfinite(positions).all().reshape(1)
-    host = torch.cat([ranges.reshape(-1), ok.to(ranges.dtype), finite.to(ranges.dtype)]).tolist()
+    host = torch.cat(
+        [ranges.reshape(-1), periodic.reshape(-1), ok.to(ranges.dtype), finite.to(ranges.dtype)]
+    ).tolist()
     g = cell.shape[0]
     ranges_host = [host[3 * k : 3 * k + 3] for k in range(g)]
-    ok_host = [bool(v) for v in host[3 * g : 4 * g]]
-    return recip, ranges, ranges_host, ok_host, bool(host[-1])
+    pbc_host = [[bool(v) for v in host[3 * g + 3 * k : 3 * g + 3 * k + 3]] for k in range(g)]
+    ok_host = [bool(v) for v in host[6 * g : 7 * g]]
+    return recip, ranges, ranges_host, pbc_host, ok_host, bool(host[-1])
 
 
 def windows_of(ranges: list[float]) -> tuple[int, int, int]:

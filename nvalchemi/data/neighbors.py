@@ -304,13 +304,12 @@ def _batch_lists(
     else:
         pbc = torch.zeros(num_graphs, 3, dtype=torch.bool, device=device)
         cell = torch.zeros(num_graphs, 3, 3, dtype=torch.float64, device=device)
-    recip, ranges, ranges_host, cell_ok, finite = _batched.structure_scalars(
+    recip, ranges, ranges_host, pbc_host, cell_ok, finite = _batched.structure_scalars(
         positions, cell, pbc, cutoff
     )
     starts = [0] * num_graphs
     for g in range(1, num_graphs):
         starts[g] = starts[g - 1] + counts[g - 1]
-    pbc_host = pbc.cpu()
     if not finite:
         bad = int(batch.batch_idx[~torch.isfinite(positions).all(1)][0])
         raise ValueError(f"{name(bad)}: non-finite positions; fix or drop this structure.")
@@ -318,9 +317,9 @@ def _batch_lists(
     windows = []
     for g, (n, r) in enumerate(zip(counts, ranges_host)):
         where = name(g)
+        periodic = pbc_host[g]
         if not cell_ok[g]:
-            box_and_periodic(cell[g].cpu(), pbc_host[g], where)  # raises the cell's error
-        periodic = pbc_host[g].tolist()
+            box_and_periodic(cell[g].cpu(), periodic, where)  # raises the cell's error
         bound = _SPHERE_IN_CUBE * n * n
         for d in range(3):
             if periodic[d]:

@@ -24,6 +24,8 @@ for as two copies of the parameters (Adam's moments) in the fixed part.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import math
 import os
@@ -42,6 +44,8 @@ __all__ = ["BatchBudget", "probe_batch_budget"]
 BUDGET_FILE = "batch_budget.json"
 _FIRST_ATOMS = 64  # atoms in the first probe batch (then doubling)
 _MOST_SAMPLES = 64  # sample structures taken from a dataset
+# The budget is at most this many times the largest probe batch (a longer line is a guess).
+_EXTRAPOLATION = 4
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,9 @@ class BatchBudget:
         measurements: ``{"structures", "atoms", "edges", "peak_bytes", "seconds"}`` per
             probe batch.
         seconds: wall time of the whole probe.
+        capped: the memory would allow more, but the budget was held at four times
+            the largest probe batch (the fit is not trusted further): probe longer
+            (``time_limit_s``) to go higher.
     """
 
     max_atoms: int
@@ -74,6 +81,7 @@ class BatchBudget:
     predicted_peak_bytes: float
     measurements: list[dict[str, float]] = field(default_factory=list)
     seconds: float = 0.0
+    capped: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,6 +104,19 @@ def _cpu_peak_bytes() -> int:
     if match is None:
         raise RuntimeError("probe_batch_budget: /proc/self/status has no VmHWM (peak RSS).")
     return int(match.group(1)) * 1024
+
+
+def _release_free_memory() -> None:
+    """Give freed heap memory back to the system, so the next peak RSS is the next step's.
+
+    glibc keeps freed blocks in its arenas, which would make every step after a large
+    one look as large; ``malloc_trim(0)`` returns them (a no-op elsewhere).
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _cpu_available_bytes() -> int:
@@ -129,7 +150,9 @@ class _Meter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif not _cpu_peak_reset():
+            return
+        _release_free_memory()
+        if not _cpu_peak_reset():
             raise RuntimeError(
                 "probe_batch_budget cannot reset the peak RSS (/proc/self/clear_refs is not "
                 "writable here); set max_atoms/max_edges by hand."
@@ -337,6 +360,10 @@ def probe_batch_budget(
     if per_atom_at_ratio <= 0:
         per_atom_at_ratio = max(r["peak_bytes"] for r in rows) / max(r["atoms"] for r in rows)
     max_atoms = math.floor((limit - fixed) / per_atom_at_ratio)
+    # never trust the line much beyond what was measured
+    probed_atoms = max(r["atoms"] for r in rows)
+    capped = max_atoms > _EXTRAPOLATION * probed_atoms
+    max_atoms = min(max_atoms, _EXTRAPOLATION * probed_atoms)
     largest = max(s.num_nodes for s in samples)
     if max_atoms < largest:
         raise ValueError(
@@ -360,6 +387,7 @@ def probe_batch_budget(
         predicted_peak_bytes=predicted,
         measurements=rows,
         seconds=time.perf_counter() - started,
+        capped=capped,
     )
     if out_dir is not None:
         _write(Path(out_dir), budget)
