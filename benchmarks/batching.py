@@ -51,7 +51,7 @@ def slabs(count: int, seed: int = 0) -> list:
     for k in range(count):
         metal, a = [("Cu", 3.61), ("Ni", 3.52), ("Pd", 3.89)][k % 3]
         layers = int(rng.integers(4, 7))
-        side = int(round((rng.integers(200, 501) / layers) ** 0.5))
+        side = round((float(rng.integers(200, 501)) / layers) ** 0.5)
         atoms = fcc111(metal, size=(side, side, layers), a=a, vacuum=6.0)
         atoms.rattle(0.05, seed=int(rng.integers(1 << 31)))
         atoms.calc = EMT()

@@ -24,6 +24,7 @@ for as two copies of the parameters (Adam's moments) in the fixed part.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -113,10 +114,8 @@ def _release_free_memory() -> None:
     one look as large; ``malloc_trim(0)`` returns them (a no-op elsewhere).
     """
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _cpu_available_bytes() -> int:
