@@ -46,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -658,14 +658,15 @@ class NeighborListTransform:
         self._store(data, pairs, shifts)
         return data, metadata
 
-    def apply_to_batch(self, batch: Any, names: Sequence[str] | None = None) -> Any:
+    def apply_to_batch(self, batch: Any, names: Any = None) -> Any:
         """Build the lists of every structure of a collated ``batch`` at once; return it.
 
         What a ``Dataset`` does with this transform when it is the last one and
         uncached: one pass for the whole batch (:func:`compute_neighbors`) instead of
         one vesin call per structure, with the same lists. A batch whose structures
         all carried lists stamped with these options is returned as it is.
-        ``names[g]`` names structure ``g`` in errors (default ``system g``).
+        ``names[g]`` (a sequence, or anything indexable) names structure ``g`` in
+        errors (default ``system g``); it is only read when there is an error.
         """
         if has_neighbor_list(batch, self.cutoff, half_list=self.half_list):
             return batch

@@ -164,12 +164,27 @@ def _split_batch_neighbors(compose: Compose | None) -> tuple[Compose | None, Any
     return (Compose(rest) if rest else None), last
 
 
-def _describe_sample(source: Any, metadata: dict) -> str:
-    text = f"{source!r}, structure {metadata.get('index')}"
-    if metadata.get("source_file"):
-        text += f" ({metadata['source_file']}"
-        text += f", frame {metadata['frame']})" if "frame" in metadata else ")"
-    return text
+class _SampleNames:
+    """``names[g]``: how errors name structure ``g`` of a batch (built only when asked)."""
+
+    def __init__(self, source: Any, metadata: list[dict]) -> None:
+        self.source, self.metadata = source, metadata
+
+    def __getitem__(self, g: int) -> str:
+        meta = self.metadata[g]
+        text = f"{self.source!r}, structure {meta.get('index')}"
+        if meta.get("source_file"):
+            text += f" ({meta['source_file']}"
+            text += f", frame {meta['frame']})" if "frame" in meta else ")"
+        return text
+
+
+class _ChunkNames:
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __getitem__(self, g: int) -> str:
+        return f"structure {self.start + g}"
 
 
 def _with_index_context(exc: Exception, index: int, source: Any) -> Exception:
@@ -388,7 +403,7 @@ class Dataset(torch.utils.data.Dataset):
                 [d for d, _ in part], device=target, field_levels=self._field_levels
             )
             if self._batch_neighbors is not None:
-                names = [_describe_sample(self.reader, m) for _, m in part]
+                names = _SampleNames(self.reader, [m for _, m in part])
                 self._batch_neighbors.apply_to_batch(batch, names)
             out.append(batch)
         return out
@@ -578,7 +593,7 @@ def _collate_chunks(
             items = [per_sample(d, {"index": start + k})[0] for k, d in enumerate(items)]
         chunk = Batch.from_data_list(items, device="cpu")
         if batch_neighbors is not None:
-            batch_neighbors.apply_to_batch(chunk, [f"structure {start + k}" for k in range(len(items))])
+            batch_neighbors.apply_to_batch(chunk, _ChunkNames(start))
         chunks.append(batch_compose(chunk) if batch_compose is not None else chunk)
     return chunks[0] if len(chunks) == 1 else Batch.cat(chunks)
 
