@@ -20,7 +20,7 @@ on the CPU the peak resident set size (freed heap returned and the peak reset be
 each step), which includes the interpreter and libraries (~0.4 GB), so the max/min
 ratio understates the spread of the model's own memory there.
 
-Usage: ``python benchmarks/batching.py [--device cuda] [--budget 2048] [--quick]
+Usage: ``python benchmarks/batching.py [--device cuda] [--budget 1024] [--quick]
 [--plot docs/images/batching_atoms_per_batch.png]``
 """
 
@@ -137,21 +137,23 @@ def summary(name: str, result: dict, extra: dict) -> dict:
     }
 
 
-def plot(path: str, fixed: dict, budget: dict, batch_size: int, max_atoms: int) -> None:
+def plot(path: str, fixed: dict, budget: dict, batch_size: int, limits: dict) -> None:
+    """Atoms and neighbour pairs per batch of both samplers over the epoch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=110)
-    ax.plot(fixed["atoms"], lw=0.9, label=f"fixed batch_size={batch_size}", color="#c44e52")
-    ax.plot(budget["atoms"], lw=0.9, label=f"BudgetBatchSampler(max_atoms={max_atoms})",
-            color="#4c72b0")  # fmt: skip
-    ax.axhline(max_atoms, color="#4c72b0", lw=0.6, ls="--")
-    ax.set_xlabel("batch of the epoch")
-    ax.set_ylabel("atoms in the batch")
-    ax.set_title("Bundled EMT cells + 200-500-atom slabs, one epoch")
-    ax.legend(loc="upper right", fontsize=8, frameon=False)
+    fig, axes = plt.subplots(2, 1, figsize=(7.5, 4.6), dpi=110, sharex=True)
+    label = f"BudgetBatchSampler(max_atoms={limits['max_atoms']}, max_edges={limits['max_edges']})"
+    for ax, key, limit in zip(axes, ("atoms", "edges"), (limits["max_atoms"], limits["max_edges"])):
+        ax.plot(fixed[key], lw=0.9, color="#c44e52", label=f"fixed batch_size={batch_size}")
+        ax.plot(budget[key], lw=0.9, color="#4c72b0", label=label)
+        ax.axhline(limit, color="#4c72b0", lw=0.6, ls="--")
+        ax.set_ylabel(f"{key} in the batch")
+    axes[0].set_title("Bundled EMT cells + 200-500-atom slabs, one epoch")
+    axes[0].legend(loc="upper right", fontsize=7, frameon=False)
+    axes[1].set_xlabel("batch of the epoch")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path)
@@ -163,7 +165,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--budget", type=int, default=2048, help="max_atoms of the budget")
+    parser.add_argument("--budget", type=int, default=1024, help="max_atoms of the budget")
     parser.add_argument("--quick", action="store_true", help="small data (smoke test)")
     parser.add_argument("--plot", default=None, help="write the atoms-per-batch figure here")
     parser.add_argument("--probe-time", type=float, default=60.0, help="probe time limit (s)")
@@ -196,7 +198,7 @@ def main() -> None:
     limits = {"max_atoms": args.budget, "max_edges": max_edges}
     print(json.dumps(summary("budget", budget, {**common, **limits})), flush=True)
     if args.plot:
-        plot(args.plot, fixed, budget, batch_size, args.budget)
+        plot(args.plot, fixed, budget, batch_size, limits)
 
     model, _ = model_and_optimizer(device)
     samples = [items[i] for i in order[:64]]

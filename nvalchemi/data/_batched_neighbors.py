@@ -15,9 +15,10 @@ Padding atoms are NaN and never pass the distance test.
 The work grows with ``atoms**2 * prod(K)`` per structure, which is the fastest way for
 the small cells of most training sets (tens of atoms) and on GPUs; on the CPU
 :func:`nvalchemi.data.neighbors.compute_neighbors` sends large structures to vesin's
-cell list instead. Nothing here leaves the device of the positions except the
-per-structure image ranges ``r`` (a few numbers per structure, read once by the
-caller to size the search and check the expected pair count).
+cell list instead. Positions, cells and lists never leave the device of the
+positions: the host reads a few numbers per structure once (image ranges,
+periodicity, cell checks: they size the search and the explosion guard) and, as any
+variable-length result needs, the number of pairs found (``nonzero``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from collections.abc import Sequence
 import torch
 
 __all__ = [
+    "CPU_COSTS",
+    "DEVICE_COSTS",
+    "Costs",
     "candidate_count",
     "plan_groups",
     "search",
@@ -69,6 +73,7 @@ def search(
     *,
     full_list: bool = True,
     rows: tuple[int, int] | None = None,
+    narrower: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pairs within ``cutoff`` of ``G`` structures padded to ``n`` atoms.
 
@@ -79,6 +84,7 @@ def search(
         windows: shifts tried per axis (``>=`` every structure's :func:`window_sizes`).
         full_list: both directions of every pair, or each pair once (vesin's choice).
         rows: only senders ``a0 <= a < a1`` (to bound memory on large structures).
+        narrower: some structures need fewer shifts than ``windows`` (mixed in a group).
 
     Returns:
         ``(graph, sender, receiver, shifts [E, 3] int64, counts [G])``: local structure
@@ -109,6 +115,11 @@ def search(
     reach = cutoff + (torch.tensor(windows, device=device) * cell.norm(dim=2)).sum(1)
     tolerance = (_TIE_TOLERANCE * reach * reach)[:, None, None]
     keep = (dist2 < room + tolerance).view(num_graphs, na, n, num_offsets)
+    # Structures of a group may need narrower windows than the group's: shifts beyond
+    # their own would repeat an open axis's zero shift (or fall out of range anyway).
+    if narrower:
+        own = torch.floor(2.0 * (ranges * (1.0 + _RANGE_SLACK) + _RANGE_SLACK)).long() + 1
+        keep &= (offsets.unsqueeze(0) < own.unsqueeze(1)).all(-1)[:, None, None, :]
 
     # An atom is not its own neighbour: drop the (a, a, S = 0) candidate, whose
     # window offset is floor(r) on every axis (the window starts at -floor(r)).
@@ -184,8 +195,31 @@ CPU_PASS_CANDIDATES = 1 << 18
 DEVICE_PASS_CANDIDATES = 1 << 22
 # On the CPU, vesin's cell list beats the pass for structures with more candidates.
 CPU_PASS_LIMIT = 1 << 14
-# Structures padded together differ by at most this factor in atom count.
-_PAD_RATIO = 1.25
+
+
+class Costs:
+    """Rough cost (microseconds) of a torch pass and of a vesin call, to plan a batch.
+
+    A pass costs ``per_pass`` (tens of small operations) plus ``per_pair`` for each
+    (padded) atom pair and ``per_candidate`` for each pair and shift it tests; one
+    vesin call costs ``per_call`` plus ``per_edge`` for each pair it finds. Measured on
+    the CPU (``benchmarks/data_pipeline.py``); on accelerators a pass is all overhead.
+    """
+
+    def __init__(self, per_pass, per_pair, per_candidate, per_call, per_edge) -> None:
+        self.per_pass, self.per_pair, self.per_candidate = per_pass, per_pair, per_candidate
+        self.per_call, self.per_edge = per_call, per_edge
+
+    def group(self, size: int, n: int, windows: Sequence[int]) -> float:
+        pairs = size * n * n
+        return self.per_pass + pairs * (self.per_pair + self.per_candidate * math.prod(windows))
+
+    def vesin(self, edges: float) -> float:
+        return self.per_call + self.per_edge * edges
+
+
+CPU_COSTS = Costs(per_pass=250.0, per_pair=0.04, per_candidate=0.006, per_call=20.0, per_edge=0.12)
+DEVICE_COSTS = Costs(per_pass=400.0, per_pair=1e-4, per_candidate=1e-5, per_call=0.0, per_edge=0.0)
 
 
 def structure_scalars(
@@ -231,35 +265,32 @@ def windows_of(ranges: list[float]) -> tuple[int, int, int]:
 
 def plan_groups(
     counts: Sequence[int], windows: Sequence[tuple[int, int, int]], graphs: Sequence[int],
-    pass_candidates: int,
+    pass_candidates: int, costs: Costs = CPU_COSTS,
 ) -> list[tuple[list[int], tuple[int, int, int], int]]:  # fmt: skip
     """Groups of structures searched together: ``(members, windows, padded atoms)``.
 
-    Members share their windows' maximum and are padded to the largest of them,
-    which is at most ``1.25`` times the smallest (plus two atoms); a group holds as
-    many structures as fit in one pass. Members are listed in batch order.
+    Structures in order of size join the current group while one pass over the
+    merged group (padded to its largest member, trying its widest windows) costs no
+    more than two, and it fits one pass (``pass_candidates``). Members are listed in
+    batch order.
     """
-    order = sorted(graphs, key=lambda g: (windows[g], counts[g], g))
     groups: list[tuple[list[int], tuple[int, int, int], int]] = []
     members: list[int] = []
-    key = None
-    for g in order:
-        n = counts[g]
+    key, n = (1, 1, 1), 0
+    for g in sorted(graphs, key=lambda g: (counts[g], windows[g], g)):
+        merged_key = tuple(max(a, b) for a, b in zip(key, windows[g]))
+        merged_n = max(n, counts[g])
         if members:
-            c = key[0] * key[1] * key[2]
-            fits = (
-                windows[g] == key
-                and n <= _PAD_RATIO * counts[members[0]] + 2
-                and (len(members) + 1) * n * n * c <= pass_candidates
-            )
-            if not fits:
-                groups.append((sorted(members), key, counts[members[-1]]))
-                members = []
-        if not members:
-            key = windows[g]
+            merged = costs.group(len(members) + 1, merged_n, merged_key)
+            apart = costs.group(len(members), n, key) + costs.group(1, counts[g], windows[g])
+            size = (len(members) + 1) * merged_n * merged_n * math.prod(merged_key)
+            if merged > apart or size > pass_candidates:
+                groups.append((sorted(members), key, n))
+                members, merged_key, merged_n = [], windows[g], counts[g]
         members.append(g)
+        key, n = merged_key, merged_n
     if members:
-        groups.append((sorted(members), key, max(counts[m] for m in members)))
+        groups.append((sorted(members), key, n))
     return groups
 
 
@@ -287,6 +318,7 @@ def search_structures(
     counts: Sequence[int],
     starts: Sequence[int],
     groups: Sequence[tuple[list[int], tuple[int, int, int], int]],
+    windows_of_graph: Sequence[tuple[int, int, int]],
     cutoff: float,
     full_list: bool,
     pass_candidates: int,
@@ -294,10 +326,12 @@ def search_structures(
     """Run :func:`search` over ``groups``: ``(members, pairs, shifts, counts)`` per group.
 
     Each entry covers its group's members in batch order, with global atom indices.
+    ``windows_of_graph[g]`` is what structure ``g`` needs (at most its group's).
     """
     device = positions.device
     out = []
     for members, windows, n in groups:
+        narrower = any(tuple(windows_of_graph[g]) != tuple(windows) for g in members)
         index = torch.tensor(members, device=device)
         block = padded_positions(positions, starts, counts, members, n)
         group_cell, group_recip = cell.index_select(0, index), recip.index_select(0, index)
@@ -309,7 +343,7 @@ def search_structures(
             rows = (a0, min(n, a0 + step)) if step < n else None
             found = search(
                 block, group_cell, group_recip, group_ranges, windows, cutoff,
-                full_list=full_list, rows=rows,
+                full_list=full_list, rows=rows, narrower=narrower,
             )  # fmt: skip
             parts.append(found)
         if len(parts) == 1:

@@ -275,6 +275,41 @@ def _vesin_lists(
     return out
 
 
+def _route(
+    device: torch.device, method: str, counts: list[int], windows: list, expected: list[float]
+) -> tuple[list, list[int]]:
+    """``(groups for torch passes, structures for vesin)``: whichever is cheaper.
+
+    On accelerators every structure goes to the torch pass. On the CPU structures
+    with more candidates than ``CPU_PASS_LIMIT`` (or all, for ``method="cell_list"``)
+    go to vesin, and so does a planned group whose pass would cost more than one
+    vesin call per member (small, unlike structures that cannot share a pass).
+    """
+    busy = [g for g in range(len(counts)) if counts[g] > 0]
+    if device.type != "cpu":
+        plan = _batched.plan_groups(
+            counts, windows, busy, _batched.DEVICE_PASS_CANDIDATES, _batched.DEVICE_COSTS
+        )
+        return plan, []
+    if method == "cell_list":
+        return [], busy
+    costs = _batched.CPU_COSTS
+    small = [
+        g for g in busy if _batched.candidate_count(counts[g], windows[g]) <= _batched.CPU_PASS_LIMIT
+    ]
+    taken = set(small)
+    by_vesin = [g for g in busy if g not in taken]
+    groups = []
+    for group in _batched.plan_groups(counts, windows, small, _batched.CPU_PASS_CANDIDATES, costs):
+        members, key, n = group
+        alone = sum(costs.vesin(expected[g]) for g in members)
+        if costs.group(len(members), n, key) > alone:
+            by_vesin.extend(members)
+        else:
+            groups.append(group)
+    return groups, sorted(by_vesin)
+
+
 def _system_name(g: int) -> str:
     return f"compute_neighbors: system {g}"
 
@@ -314,7 +349,7 @@ def _batch_lists(
         bad = int(batch.batch_idx[~torch.isfinite(positions).all(1)][0])
         raise ValueError(f"{name(bad)}: non-finite positions; fix or drop this structure.")
     limit = _max_pairs()
-    windows = []
+    windows, expected = [], []
     for g, (n, r) in enumerate(zip(counts, ranges_host)):
         where = name(g)
         periodic = pbc_host[g]
@@ -330,25 +365,15 @@ def _batch_lists(
                 positions[starts[g] : starts[g] + n].cpu(), where=where,
             )  # fmt: skip
         windows.append(_batched.windows_of(r))
-    on_cpu = device.type == "cpu"
-    busy = [g for g in range(num_graphs) if counts[g] > 0]
-    if on_cpu and method == "cell_list":
-        by_vesin = busy
-    elif on_cpu:
-        by_vesin = [
-            g
-            for g in busy
-            if _batched.candidate_count(counts[g], windows[g]) > _batched.CPU_PASS_LIMIT
-        ]
-    else:
-        by_vesin = []
-    vesin_set = set(by_vesin)
-    by_torch = [g for g in busy if g not in vesin_set]
-    pass_size = _batched.CPU_PASS_CANDIDATES if on_cpu else _batched.DEVICE_PASS_CANDIDATES
-    groups = _batched.plan_groups(counts, windows, by_torch, pass_size)
-    found = _batched.search_structures(
-        positions, cell, recip, ranges, counts, starts, groups, cutoff, full_list, pass_size
+        expected.append(min(bound, n * (n - 1)) if not any(periodic) else bound)
+    groups, by_vesin = _route(device, method, counts, windows, expected)
+    pass_size = (
+        _batched.CPU_PASS_CANDIDATES if device.type == "cpu" else _batched.DEVICE_PASS_CANDIDATES
     )
+    found = _batched.search_structures(
+        positions, cell, recip, ranges, counts, starts, groups, windows, cutoff, full_list,
+        pass_size,
+    )  # fmt: skip
     if not by_vesin and len(found) == 1 and found[0][0] == list(range(num_graphs)):
         _, pairs, shifts, edge_counts = found[0]
         return pairs, shifts, edge_counts

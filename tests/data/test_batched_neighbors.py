@@ -32,6 +32,27 @@ CELLS = {
 }
 
 
+# The CPU sends a structure to the torch pass or to vesin by cost; these pin one path.
+ROUTES = {
+    "torch pass": {"CPU_PASS_LIMIT": 1 << 40, "CPU_COSTS": batched.Costs(0, 0, 0, 1e9, 1e9)},
+    "vesin": {"CPU_PASS_LIMIT": -1},
+    "by cost": {},
+}
+
+
+@pytest.fixture(params=sorted(ROUTES))
+def route(request, monkeypatch):
+    for attr, value in ROUTES[request.param].items():
+        monkeypatch.setattr(batched, attr, value)
+    return request.param
+
+
+@pytest.fixture
+def torch_pass(monkeypatch):
+    for attr, value in ROUTES["torch pass"].items():
+        monkeypatch.setattr(batched, attr, value)
+
+
 def random_atoms(seed: int, n: int, cell, pbc, spread: float = 1.0) -> Atoms:
     cell = np.asarray(cell, dtype=float)
     box = np.where(np.asarray(pbc)[:, None] | cell.any(1, keepdims=True), cell, 3.0 * np.eye(3))
@@ -71,7 +92,7 @@ def batch_of(atoms_list: list[Atoms], dtype=torch.float64) -> Batch:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("cutoff", [2.5, 3.5])
-def test_one_call_gives_every_structure_the_same_list_as_ase(seed, cutoff):
+def test_one_call_gives_every_structure_the_same_list_as_ase(seed, cutoff, route):
     atoms_list = mixed_atoms(seed)
     batch = batch_of(atoms_list)
     compute_neighbors(batch, cutoff)
@@ -81,7 +102,7 @@ def test_one_call_gives_every_structure_the_same_list_as_ase(seed, cutoff):
         assert np.all(np.diff(pairs[:, 0]) >= 0)  # sorted by sender
 
 
-def test_positions_far_outside_the_cell_get_the_right_images():
+def test_positions_far_outside_the_cell_get_the_right_images(route):
     atoms_list = mixed_atoms(5, spread=4.0)
     batch = batch_of(atoms_list)
     compute_neighbors(batch, 3.0)
@@ -90,7 +111,7 @@ def test_positions_far_outside_the_cell_get_the_right_images():
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_half_lists_keep_the_same_member_of_each_pair_as_vesin(seed):
+def test_half_lists_keep_the_same_member_of_each_pair_as_vesin(seed, torch_pass):
     atoms_list = mixed_atoms(seed)
     batch = batch_of(atoms_list)
     compute_neighbors(batch, 3.0, half_list=True)
@@ -102,7 +123,7 @@ def test_half_lists_keep_the_same_member_of_each_pair_as_vesin(seed):
         assert len(pairs) == len(expected[0])
 
 
-def test_float32_batches_give_the_float64_lists():
+def test_float32_batches_give_the_float64_lists(torch_pass):
     atoms_list = mixed_atoms(7)
     single, double = batch_of(atoms_list, torch.float32), batch_of(atoms_list)
     compute_neighbors(single, 3.0)
@@ -120,9 +141,10 @@ def test_the_torch_pass_vesin_and_row_chunks_agree(monkeypatch):
     reference = batch_of(atoms_list)
     compute_neighbors(reference, 4.0, method="cell_list")  # vesin for everything
     runs = {
-        "torch only": {"CPU_PASS_LIMIT": 1 << 40},
-        "torch in row chunks": {"CPU_PASS_LIMIT": 1 << 40, "CPU_PASS_CANDIDATES": 4096},
-        "vesin only": {"CPU_PASS_LIMIT": -1},
+        "torch only": ROUTES["torch pass"],
+        "torch in row chunks": {**ROUTES["torch pass"], "CPU_PASS_CANDIDATES": 4096},
+        "vesin only": ROUTES["vesin"],
+        "by cost": {},
     }
     expected = [as_set(*p) for p in per_structure(reference)]
     for name, settings in runs.items():
@@ -137,7 +159,7 @@ def test_the_torch_pass_vesin_and_row_chunks_agree(monkeypatch):
         assert torch.equal(batch.num_edges_per_graph, reference.num_edges_per_graph), name
 
 
-def test_structures_of_many_sizes_are_padded_into_groups_without_changing_their_lists():
+def test_structures_of_many_sizes_are_padded_into_groups_without_changing_their_lists(torch_pass):
     from ase.build import bulk
 
     atoms_list = []
@@ -147,7 +169,7 @@ def test_structures_of_many_sizes_are_padded_into_groups_without_changing_their_
         atoms_list.append(atoms)
     batch = batch_of(atoms_list)
     groups = batched.plan_groups(
-        batch.num_nodes_list, [(2, 2, 2)] * 6, list(range(6)), batched.CPU_PASS_CANDIDATES
+        batch.num_nodes_list, [(2, 2, 2)] * 6, list(range(6)), 1 << 14, batched.CPU_COSTS
     )
     assert len(groups) > 1  # the sizes do not all fit one padded group
     compute_neighbors(batch, 4.5)
@@ -155,7 +177,7 @@ def test_structures_of_many_sizes_are_padded_into_groups_without_changing_their_
         assert as_set(pairs, shifts) == ase_set(atoms, 4.5)
 
 
-def test_edge_vectors_from_batched_lists_stay_differentiable():
+def test_edge_vectors_from_batched_lists_stay_differentiable(torch_pass):
     from nvalchemi.data.neighbors import edge_vectors
 
     batch = batch_of(mixed_atoms(4))
@@ -168,7 +190,7 @@ def test_edge_vectors_from_batched_lists_stay_differentiable():
     assert positions.grad is not None and torch.isfinite(positions.grad).all()
 
 
-def test_non_finite_positions_are_named_not_silently_dropped():
+def test_non_finite_positions_are_named_not_silently_dropped(route):
     atoms_list = mixed_atoms(0)
     batch = batch_of(atoms_list)
     batch.positions[batch.ptr[3]] = float("nan")
@@ -176,7 +198,7 @@ def test_non_finite_positions_are_named_not_silently_dropped():
         compute_neighbors(batch, 3.0)
 
 
-def test_a_dataset_builds_the_lists_of_each_batch_in_one_call():
+def test_a_dataset_builds_the_lists_of_each_batch_in_one_call(route):
     from nvalchemi.data.datapipes.dataloader import DataLoader
 
     atoms_list = mixed_atoms(1) + mixed_atoms(2)
