@@ -202,8 +202,9 @@ class Costs:
 
     A pass costs ``per_pass`` (tens of small operations) plus ``per_pair`` for each
     (padded) atom pair and ``per_candidate`` for each pair and shift it tests; one
-    vesin call costs ``per_call`` plus ``per_edge`` for each pair it finds. Measured on
-    the CPU (``benchmarks/data_pipeline.py``); on accelerators a pass is all overhead.
+    vesin call costs ``per_call`` plus ``per_edge`` for each pair it finds. Fitted to
+    timings of fcc cells of 4-108 atoms on one CPU core; on accelerators a pass is all
+    overhead.
     """
 
     def __init__(self, per_pass, per_pair, per_candidate, per_call, per_edge) -> None:
@@ -218,7 +219,7 @@ class Costs:
         return self.per_call + self.per_edge * edges
 
 
-CPU_COSTS = Costs(per_pass=250.0, per_pair=0.04, per_candidate=0.006, per_call=20.0, per_edge=0.12)
+CPU_COSTS = Costs(per_pass=300.0, per_pair=0.05, per_candidate=0.005, per_call=50.0, per_edge=0.23)
 DEVICE_COSTS = Costs(per_pass=400.0, per_pair=1e-4, per_candidate=1e-5, per_call=0.0, per_edge=0.0)
 
 
