@@ -325,8 +325,8 @@ def _batch_lists(
     """Pairs, shifts and per-structure edge counts of every structure, on the batch's device.
 
     One torch pass per group of similar structures (:mod:`._batched_neighbors`); on
-    the CPU, structures with many candidates (or all, with ``method="cell_list"``)
-    go to vesin instead. Refuses exploding lists first (:func:`check_neighbor_explosion`).
+    the CPU :func:`_route` sends structures a pass would handle slowly to vesin.
+    Refuses exploding lists first (:func:`check_neighbor_explosion`).
     """
     positions = batch.positions.detach().to(torch.float64)
     device = positions.device
