@@ -228,3 +228,19 @@ def test_a_dataset_builds_the_lists_of_each_batch_in_one_call(route):
     assert as_set(single.neighbor_list.numpy(), single.neighbor_list_shifts.numpy()) == ase_set(
         atoms_list[4], 3.0
     )
+
+
+def test_the_cpu_sends_small_cells_to_one_pass_and_large_or_lone_tiny_ones_to_vesin():
+    from nvalchemi.data.neighbors import _route
+
+    cpu = torch.device("cpu")
+    # sixteen 32-atom cells (the data-pipeline case): one pass for all of them
+    groups, by_vesin = _route(cpu, "auto", [32] * 16, [(2, 2, 2)] * 16, [1400.0] * 16)
+    assert [g[0] for g in groups] == [list(range(16))] and by_vesin == []
+    # a lone 4-atom cell: a pass costs more than one vesin call
+    assert _route(cpu, "auto", [4], [(3, 3, 3)], [170.0]) == ([], [0])
+    # 256-atom cells: vesin's cell list
+    assert _route(cpu, "auto", [256] * 4, [(1, 1, 1)] * 4, [11000.0] * 4) == ([], [0, 1, 2, 3])
+    # on an accelerator everything stays in passes on the device
+    groups, by_vesin = _route(torch.device("meta"), "auto", [256, 4], [(1, 1, 1), (3, 3, 3)], [0, 0])
+    assert by_vesin == [] and sorted(m for g in groups for m in g[0]) == [0, 1]
