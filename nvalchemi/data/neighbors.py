@@ -18,6 +18,14 @@ Entry points:
 * :class:`NeighborListTransform`: a per-sample dataset transform, so lists can
   be built in loader workers (with an optional per-index cache).
 * :func:`edge_vectors`: displacement vectors from positions, cell and a list.
+* :func:`check_neighbor_explosion`: refuse a structure whose list would explode
+  (a cell in the wrong units); every builder above calls it first.
+
+Lists of a whole batch are built in one pass of torch operations on the batch's
+device (:mod:`nvalchemi.data._batched_neighbors`; on CUDA the positions never
+leave the GPU); on the CPU, structures too large for that pass go to vesin's cell
+list, one call each. Both give the same lists (the same pairs and shifts, sorted
+by sender; half lists keep the same member of each pair).
 
 Lists built here carry a *stamp* (cutoff and half/full) so that consumers such as
 ``NeighborListHook`` can tell a valid precomputed list from a stale one: on a
@@ -38,12 +46,20 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from nvalchemi.data import _batched_neighbors as _batched
+from nvalchemi.data._neighbor_guard import (
+    _SPHERE_IN_CUBE,
+    DEFAULT_MAX_PAIRS,
+    MAX_PAIRS_ENV,
+    check_structure,
+)
+from nvalchemi.data._neighbor_guard import max_pairs as _max_pairs
 from nvalchemi.data._neighbor_stamps import (
     STAMP_CUTOFF,
     STAMP_HALF,
@@ -56,7 +72,10 @@ from nvalchemi.data._vesin import run_vesin as _run_vesin
 from nvalchemi.data.atomic_data import AtomicData
 
 __all__ = [
+    "DEFAULT_MAX_PAIRS",
+    "MAX_PAIRS_ENV",
     "NeighborListTransform",
+    "check_neighbor_explosion",
     "compute_neighbors",
     "edge_vectors",
     "has_neighbor_list",
@@ -110,6 +129,74 @@ def resolve_neighbor_options(
     return cutoff, bool(half_list), fmt
 
 
+# ------------------------------------------------------------------ explosion guard
+def _structure_arrays(structure: Any) -> tuple[Any, Any, Any]:
+    """``(positions, cell, pbc)`` of an ``AtomicData``, ``Batch`` row, ``ase.Atoms`` or dict."""
+
+    def field(name: str) -> Any:
+        if isinstance(structure, Mapping):
+            return structure.get(name)
+        return getattr(structure, name, None)
+
+    positions, cell, pbc = field("positions"), field("cell"), field("pbc")
+    if positions is None:
+        raise TypeError(
+            f"check_neighbor_explosion needs a structure with positions; got "
+            f"{type(structure).__name__}."
+        )
+    if cell is not None and not isinstance(cell, (torch.Tensor, np.ndarray)):
+        cell = np.asarray(cell, dtype=float)  # ase.Cell
+    return positions, cell, pbc
+
+
+def check_neighbor_explosion(
+    structure: Any,
+    cutoff: float | None = None,
+    *,
+    where: str | None = None,
+    max_pairs: float | None = None,
+) -> float:
+    """Refuse a structure whose neighbour list would explode; return the expected pair count.
+
+    The count is estimated from the atom count, the lattice-plane spacings of the
+    periodic cell and the cutoff (see :mod:`nvalchemi.data._neighbor_guard`) in
+    microseconds, before anything is allocated. Every builder of this module calls
+    it (so loaders, ``NeighborListHook``, the ASE calculator and ``data convert``
+    refuse such structures), and readers call it with ``cutoff=None``, which checks
+    at a 6 Å cutoff: a cell in the wrong units is reported where it is read.
+
+    Args:
+        structure: an ``AtomicData``, ``ase.Atoms`` or mapping with ``positions``
+            (and optionally ``cell``, ``pbc``).
+        cutoff: the cutoff in Å (``None``: the 6 Å reading check).
+        where: names the structure in the error (file and frame, sample index).
+        max_pairs: the limit (default ``$NVALCHEMI_MAX_NEIGHBOR_PAIRS`` or 5e7 pairs
+            per structure).
+
+    Raises:
+        ValueError: naming ``where``, the cell, the pair estimate and the likely
+            cause (a cell in the wrong units), and how to raise the limit.
+
+    Example:
+        >>> import numpy as np
+        >>> from ase import Atoms
+        >>> tiny = Atoms("Cu2", positions=[[0, 0, 0], [0.01, 0.01, 0.01]],
+        ...              cell=np.eye(3) * 0.02, pbc=True)
+        >>> check_neighbor_explosion(tiny, 5.0, where="cu.extxyz: frame 0")
+        Traceback (most recent call last):
+        ...
+        ValueError: cu.extxyz: frame 0: refusing to build a neighbour list of about 2.62e+08 ...
+    """
+    positions, cell, pbc = _structure_arrays(structure)
+    positions = as_numpy(positions, np.float64).reshape(-1, 3)
+    cell = None if cell is None else as_numpy(cell, np.float64).reshape(3, 3)
+    pbc = None if pbc is None else as_numpy(pbc, bool).reshape(-1)
+    return check_structure(
+        positions.shape[0], cell, pbc, cutoff, positions,
+        where=where or "check_neighbor_explosion", limit=max_pairs,
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------- one structure
 def neighbor_list_for_system(
     positions: Any,
@@ -140,13 +227,15 @@ def neighbor_list_for_system(
         be triclinic and periodicity may be mixed (e.g. a slab).
 
     Raises:
-        ValueError: bad cutoff, non-finite positions or a degenerate periodic cell.
+        ValueError: bad cutoff, non-finite positions, a degenerate periodic cell, or
+            a list that would explode (see :func:`check_neighbor_explosion`).
     """
     cutoff, _, _ = resolve_neighbor_options(cutoff)
     pos = as_numpy(positions, np.float64)
     if pos.ndim != 2 or pos.shape[1] != 3:
         raise ValueError(f"positions must have shape [n_atoms, 3]; got {list(pos.shape)}.")
     box, periodic = box_and_periodic(cell, pbc, "neighbor_list_for_system")
+    check_structure(pos.shape[0], box, periodic, cutoff, pos, where="neighbor_list_for_system")
     calc = calculator(cutoff, bool(full_list), vesin_method(method), int(n_threads))
     return _run_vesin(calc, pos, box, periodic, "neighbor_list_for_system")
 
@@ -165,35 +254,146 @@ def _check_edge_fields(fields: Any, where: str) -> list[str]:
     return foreign
 
 
-def _system_lists(
-    positions: np.ndarray,
+def _vesin_lists(
+    positions: torch.Tensor,
+    cells: torch.Tensor,
+    pbcs: torch.Tensor,
+    starts: list[int],
     counts: list[int],
-    cells: np.ndarray | None,
-    pbcs: np.ndarray | None,
+    graphs: list[int],
     calc,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Lists of every structure, concatenated with global atom indices."""
-    pair_parts, shift_parts = [], []
-    edge_counts = np.zeros(len(counts), dtype=np.int64)
-    start = 0
-    no_box = (np.zeros((3, 3)), np.zeros(3, dtype=bool))
-    for g, n in enumerate(counts):
-        stop = start + n
-        where = f"compute_neighbors: system {g}"
-        if pbcs is None or cells is None or not pbcs[g].any():
-            box, periodic = no_box
+    name: Callable[[int], str],
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """vesin's list of each structure in ``graphs`` (CPU), with global atom indices."""
+    out = {}
+    for g in graphs:
+        where = name(g)
+        box, periodic = box_and_periodic(cells[g], pbcs[g], where)
+        chunk = positions[starts[g] : starts[g] + counts[g]].numpy()
+        pairs, shifts = _run_vesin(calc, chunk, box, periodic, where)
+        out[g] = (torch.from_numpy(pairs).add_(starts[g]), torch.from_numpy(shifts))
+    return out
+
+
+def _route(
+    device: torch.device, method: str, counts: list[int], windows: list, expected: list[float]
+) -> tuple[list, list[int]]:
+    """``(groups for torch passes, structures for vesin)``: whichever is cheaper.
+
+    On accelerators every structure goes to the torch pass. On the CPU structures
+    with more candidates than ``CPU_PASS_LIMIT`` (or all, for ``method="cell_list"``)
+    go to vesin, and so does a planned group whose pass would cost more than one
+    vesin call per member (small, unlike structures that cannot share a pass).
+    """
+    busy = [g for g in range(len(counts)) if counts[g] > 0]
+    if device.type != "cpu":
+        plan = _batched.plan_groups(
+            counts, windows, busy, _batched.DEVICE_PASS_CANDIDATES, _batched.DEVICE_COSTS
+        )
+        return plan, []
+    if method == "cell_list":
+        return [], busy
+    costs = _batched.CPU_COSTS
+    small = [
+        g for g in busy if _batched.candidate_count(counts[g], windows[g]) <= _batched.CPU_PASS_LIMIT
+    ]
+    taken = set(small)
+    by_vesin = [g for g in busy if g not in taken]
+    groups = []
+    for group in _batched.plan_groups(counts, windows, small, _batched.CPU_PASS_CANDIDATES, costs):
+        members, key, n = group
+        alone = sum(costs.vesin(expected[g]) for g in members)
+        if costs.group(len(members), n, key) > alone:
+            by_vesin.extend(members)
         else:
-            box, periodic = box_and_periodic(cells[g], pbcs[g], where)
-        pairs, shifts = _run_vesin(calc, positions[start:stop], box, periodic, where)
-        if start:
-            pairs += start
-        pair_parts.append(pairs)
-        shift_parts.append(shifts)
-        edge_counts[g] = pairs.shape[0]
-        start = stop
-    if len(pair_parts) == 1:
-        return pair_parts[0], shift_parts[0], edge_counts
-    return np.concatenate(pair_parts), np.concatenate(shift_parts), edge_counts
+            groups.append(group)
+    return groups, sorted(by_vesin)
+
+
+def _system_name(g: int) -> str:
+    return f"compute_neighbors: system {g}"
+
+
+def _batch_lists(
+    batch: Any,
+    cutoff: float,
+    full_list: bool,
+    method: str,
+    n_threads: int,
+    name: Callable[[int], str] = _system_name,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs, shifts and per-structure edge counts of every structure, on the batch's device.
+
+    One torch pass per group of similar structures (:mod:`._batched_neighbors`); on
+    the CPU :func:`_route` sends structures a pass would handle slowly to vesin.
+    Refuses exploding lists first (:func:`check_neighbor_explosion`).
+    """
+    positions = batch.positions.detach().to(torch.float64)
+    device = positions.device
+    counts = batch.num_nodes_list
+    num_graphs = len(counts)
+    if "cell" in batch and "pbc" in batch:
+        pbc = batch.pbc.reshape(-1, 3).to(device=device, dtype=torch.bool)
+        cell = batch.cell.detach().to(device, torch.float64).reshape(-1, 3, 3)
+        cell = cell * pbc.unsqueeze(-1)  # open rows never enter a displacement
+    else:
+        pbc = torch.zeros(num_graphs, 3, dtype=torch.bool, device=device)
+        cell = torch.zeros(num_graphs, 3, 3, dtype=torch.float64, device=device)
+    recip, ranges, ranges_host, pbc_host, cell_ok, finite = _batched.structure_scalars(
+        positions, cell, pbc, cutoff
+    )
+    starts = [0] * num_graphs
+    for g in range(1, num_graphs):
+        starts[g] = starts[g - 1] + counts[g - 1]
+    if not finite:
+        bad = int(batch.batch_idx[~torch.isfinite(positions).all(1)][0])
+        raise ValueError(f"{name(bad)}: non-finite positions; fix or drop this structure.")
+    limit = _max_pairs()
+    windows, expected = [], []
+    for g, (n, r) in enumerate(zip(counts, ranges_host)):
+        where = name(g)
+        periodic = pbc_host[g]
+        if not cell_ok[g]:
+            box_and_periodic(cell[g].cpu(), periodic, where)  # raises the cell's error
+        bound = _SPHERE_IN_CUBE * n * n
+        for d in range(3):
+            if periodic[d]:
+                bound *= 2.0 * r[d]
+        if bound > limit:
+            check_structure(
+                n, cell[g].cpu(), periodic, cutoff,
+                positions[starts[g] : starts[g] + n].cpu(), where=where,
+            )  # fmt: skip
+        windows.append(_batched.windows_of(r))
+        expected.append(min(bound, n * (n - 1)) if not any(periodic) else bound)
+    groups, by_vesin = _route(device, method, counts, windows, expected)
+    pass_size = (
+        _batched.CPU_PASS_CANDIDATES if device.type == "cpu" else _batched.DEVICE_PASS_CANDIDATES
+    )
+    found = _batched.search_structures(
+        positions, cell, recip, ranges, counts, starts, groups, windows, cutoff, full_list,
+        pass_size,
+    )  # fmt: skip
+    if not by_vesin and len(found) == 1 and found[0][0] == list(range(num_graphs)):
+        _, pairs, shifts, edge_counts = found[0]
+        return pairs, shifts, edge_counts
+    blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if by_vesin:
+        calc = calculator(cutoff, full_list, method, int(n_threads))
+        blocks.update(_vesin_lists(positions, cell, pbc_host, starts, counts, by_vesin, calc, name))
+    for members, pairs, shifts, edge_counts in found:
+        sizes = edge_counts.tolist()
+        for g, p, s in zip(members, pairs.split(sizes), shifts.split(sizes)):
+            blocks[g] = (p, s)
+    empty = (
+        torch.zeros(0, 2, dtype=torch.int64, device=device),
+        torch.zeros(0, 3, dtype=torch.int64, device=device),
+    )
+    ordered = [blocks.get(g, empty) for g in range(num_graphs)]
+    edge_counts = torch.tensor([p.shape[0] for p, _ in ordered], dtype=torch.int64)
+    pairs = torch.cat([p for p, _ in ordered]).to(device)
+    shifts = torch.cat([s for _, s in ordered]).to(device)
+    return pairs, shifts, edge_counts
 
 
 def _to_matrix(
@@ -205,10 +405,10 @@ def _to_matrix(
     width = int(num_neighbors.max()) if num_nodes and pairs.shape[0] else 0
     width = max(width, int(min_width or 0))
     first = torch.cumsum(num_neighbors, 0) - num_neighbors
-    slot = torch.arange(pairs.shape[0]) - first[senders]
-    matrix = torch.full((num_nodes, width), num_nodes, dtype=torch.int64)
+    slot = torch.arange(pairs.shape[0], device=pairs.device) - first[senders]
+    matrix = torch.full((num_nodes, width), num_nodes, dtype=torch.int64, device=pairs.device)
     matrix[senders, slot] = pairs[:, 1]
-    matrix_shifts = torch.zeros((num_nodes, width, 3), dtype=torch.int64)
+    matrix_shifts = torch.zeros((num_nodes, width, 3), dtype=torch.int64, device=pairs.device)
     matrix_shifts[senders, slot] = shifts
     return matrix, num_neighbors, matrix_shifts
 
@@ -242,12 +442,16 @@ def compute_neighbors(
         half_list: each pair once instead of both directions.
         format: ``"coo"`` (default) or ``"matrix"``.
         max_neighbors: minimum width ``K`` of the matrix format.
-        method: vesin algorithm (``"auto"`` or ``"cell_list"``).
+        method: ``"auto"`` (default): structures with up to about a hundred atoms in
+            one torch pass on the batch's device, larger ones (on the CPU) with
+            vesin's cell list; ``"cell_list"``: vesin for every structure on the CPU.
         n_threads: vesin threads (0: all cores).
 
     Raises:
-        ValueError: no cutoff, a degenerate periodic cell (naming the system), or
-            per-edge fields that would no longer match the new edge set.
+        ValueError: no cutoff, a degenerate periodic cell or non-finite positions
+            (naming the system), a list that would explode (see
+            :func:`check_neighbor_explosion`), or per-edge fields that would no
+            longer match the new edge set.
 
     Example:
         >>> import torch
@@ -261,19 +465,25 @@ def compute_neighbors(
         [[0, 1], [1, 0], [2, 3], [3, 2]]
     """
     cutoff, half_list, fmt = resolve_neighbor_options(cutoff, config, half_list, format)
+    _store_batch_lists(
+        batch, cutoff, half_list, fmt, max_neighbors, vesin_method(method), int(n_threads)
+    )
+
+
+def _store_batch_lists(
+    batch: Any,
+    cutoff: float,
+    half_list: bool,
+    fmt: str,
+    max_neighbors: int | None,
+    method: str,
+    n_threads: int,
+    name: Callable[[int], str] = _system_name,
+) -> None:
     if fmt == "coo":
         _check_edge_fields(batch, "compute_neighbors")
     device = batch.device
-    positions = as_numpy(batch.positions, np.float64)
-    counts = batch.num_nodes_list
-    cells = pbcs = None
-    if "pbc" in batch and "cell" in batch:
-        pbcs = as_numpy(batch.pbc, bool).reshape(-1, 3)
-        cells = as_numpy(batch.cell, np.float64).reshape(-1, 3, 3) if pbcs.any() else None
-    calc = calculator(cutoff, not half_list, vesin_method(method), int(n_threads))
-    pairs_np, shifts_np, counts_np = _system_lists(positions, counts, cells, pbcs, calc)
-    pairs = torch.from_numpy(pairs_np)
-    shifts = torch.from_numpy(shifts_np)
+    pairs, shifts, edge_counts = _batch_lists(batch, cutoff, not half_list, method, n_threads, name)
     if fmt == "matrix":
         matrix, num_neighbors, matrix_shifts = _to_matrix(
             pairs, shifts, batch.num_nodes, max_neighbors
@@ -283,18 +493,18 @@ def compute_neighbors(
             ("num_neighbors", num_neighbors),
             ("neighbor_matrix_shifts", matrix_shifts),
         ):
-            batch.add_key(key, value.to(device), level="atom", overwrite=True)
+            batch.add_key(key, value, level="atom", overwrite=True)
     else:
         extra = {}
         if "shifts" in batch:
             cell = batch.cell
             graph = torch.repeat_interleave(
-                torch.arange(len(counts)), torch.from_numpy(counts_np)
-            ).to(device)
-            extra["shifts"] = torch.einsum(
-                "ej,ejk->ek", shifts.to(device, cell.dtype), cell.index_select(0, graph)
+                torch.arange(batch.num_graphs, device=device), edge_counts.to(device)
             )
-        batch.set_edges(pairs.to(device), shifts.to(device), torch.from_numpy(counts_np), **extra)
+            extra["shifts"] = torch.einsum(
+                "ej,ejk->ek", shifts.to(cell.dtype), cell.index_select(0, graph)
+            )
+        batch.set_edges(pairs, shifts, edge_counts, **extra)
     stamp_batch(batch, cutoff, half_list, fmt)
 
 
@@ -463,13 +673,34 @@ class NeighborListTransform:
                 shifts = hit[2].astype(np.int64)
                 self._store(data, pairs, shifts)
                 return data, metadata
-        box, periodic = box_and_periodic(cell, pbc, _where(metadata))
+        where = _where(metadata, data)
+        box, periodic = box_and_periodic(cell, pbc, where)
+        check_structure(positions.shape[0], box, periodic, self.cutoff, positions, where=where)
         calc = calculator(self.cutoff, not self.half_list, self.method, self._threads())
-        pairs, shifts = _run_vesin(calc, positions, box, periodic, _where(metadata))
+        pairs, shifts = _run_vesin(calc, positions, box, periodic, where)
         if key is not None:
             self._cache[key] = (fingerprint, pairs.astype(np.int32), _compact(shifts))
         self._store(data, pairs, shifts)
         return data, metadata
+
+    def apply_to_batch(self, batch: Any, names: Any = None) -> Any:
+        """Build the lists of every structure of a collated ``batch`` at once; return it.
+
+        What a ``Dataset`` does with this transform when it is the last one and
+        uncached: one pass for the whole batch (:func:`compute_neighbors`) instead of
+        one vesin call per structure, with the same lists. A batch whose structures
+        all carried lists stamped with these options is returned as it is.
+        ``names[g]`` (a sequence, or anything indexable) names structure ``g`` in
+        errors (default ``system g``); it is only read when there is an error.
+        """
+        if has_neighbor_list(batch, self.cutoff, half_list=self.half_list):
+            return batch
+        name = _system_name if names is None else (lambda g: f"NeighborListTransform: {names[g]}")
+        threads = self._threads()
+        _store_batch_lists(
+            batch, self.cutoff, self.half_list, "coo", None, self.method, threads, name
+        )
+        return batch
 
     def _store(self, data: Any, pairs: np.ndarray, shifts: np.ndarray) -> None:
         _check_edge_fields(data, "NeighborListTransform")
@@ -483,13 +714,20 @@ class NeighborListTransform:
         data.info[STAMP_HALF] = self.half_list
 
 
-def _where(metadata: Mapping | None) -> str:
-    if metadata and "index" in metadata:
-        source = metadata.get("source_file")
-        return f"NeighborListTransform: sample {metadata['index']}" + (
-            f" of {source}" if source else ""
-        )
-    return "NeighborListTransform"
+def _where(metadata: Mapping | None, data: Any = None) -> str:
+    """``NeighborListTransform: sample 3 of train.extxyz, frame 7``, from what is known."""
+    metadata = metadata or {}
+    info = getattr(data, "info", None) or {}
+    source = metadata.get("source_file") or info.get("source_file")
+    frame = metadata.get("frame", info.get("frame"))
+    text = "NeighborListTransform"
+    if "index" in metadata:
+        text += f": sample {metadata['index']}"
+    if source:
+        text += (" of " if "index" in metadata else ": ") + str(source)
+        if frame is not None:
+            text += f", frame {frame}"
+    return text
 
 
 def _fingerprint(positions: np.ndarray, cell: Any, pbc: Any) -> int:

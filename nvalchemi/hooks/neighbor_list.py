@@ -5,8 +5,12 @@ The hook runs at ``TrainingStage.BEFORE_FORWARD`` (and at a dynamics engine's
 batch already carries a valid list for the same cutoff (built by
 :func:`~nvalchemi.data.neighbors.compute_neighbors`, or in the loader by
 :class:`~nvalchemi.data.neighbors.NeighborListTransform` once the collated batch
-carries the stamp), and otherwise computes it with vesin on the CPU. It is a plain
-Python hook: no ``torch.compile``, nothing to warm up.
+carries the stamp), and otherwise computes the lists of the whole batch with
+:func:`~nvalchemi.data.neighbors.compute_neighbors`: one pass of torch operations on
+the batch's device (a CUDA batch stays on the GPU), vesin for large structures on the
+CPU. A structure whose list would explode (a cell in the wrong units) is refused
+with an error naming it. It is a plain Python hook: no ``torch.compile``, nothing
+to warm up.
 
 Example:
     >>> from types import SimpleNamespace

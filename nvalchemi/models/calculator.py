@@ -156,8 +156,9 @@ class NvalchemiCalculator(Calculator):
             fields["pbc"] = torch.as_tensor(pbc).unsqueeze(0)
         config = self.model.model_config.neighbor_config
         if config is not None:
-            from nvalchemi.data.neighbors import neighbor_list_for_system
+            from nvalchemi.data.neighbors import check_neighbor_explosion, neighbor_list_for_system
 
+            check_neighbor_explosion(atoms, config.cutoff, where="NvalchemiCalculator")
             pairs, shifts = neighbor_list_for_system(
                 atoms.positions,
                 cell if pbc.any() else None,

@@ -525,3 +525,40 @@ def test_loaders_without_samplers_or_datasets():
 
     stream = torch.utils.data.DataLoader(Stream(), batch_size=2, collate_fn=Batch.from_data_list)
     assert prepared(stream) is stream
+
+
+# --------------------------------------------------------------------------- budget batching
+def test_a_loader_built_with_budgets_gets_the_budget_sampler_of_its_rank():
+    from nvalchemi.data.datapipes import BudgetBatchSampler
+
+    data = structures(12)
+    ours = DataLoader(InMemoryDataset(data_list=data), batch_sampler=BudgetBatchSampler(
+        [d.num_nodes for d in data], max_atoms=3, seed=4))  # fmt: skip
+    plans = []
+    for rank in (0, 1):
+        loader = DataLoader(ours.dataset, batch_sampler=BudgetBatchSampler(
+            [d.num_nodes for d in data], max_atoms=3, seed=4))  # fmt: skip
+        same = prepared(loader, rank=rank, world_size=2)
+        assert same is loader  # in place on our loader
+        sampler = loader.batch_sampler
+        assert (sampler.num_replicas, sampler.rank, sampler.seed) == (2, rank, 4)
+        plans.append(list(loader.index_batches()))
+    assert len(plans[0]) == len(plans[1])
+    assert sorted(i for p in plans for b in p for i in b) == list(range(12))
+
+
+def test_a_torch_loader_built_with_budgets_is_rebuilt_around_its_rank_sampler():
+    from nvalchemi.data.datapipes import BudgetBatchSampler
+
+    data = structures(12)
+    sampler = BudgetBatchSampler([d.num_nodes for d in data], max_atoms=4)
+    loader = torch.utils.data.DataLoader(
+        data, batch_sampler=sampler, collate_fn=Batch.from_data_list, worker_init_fn=print
+    )
+    rebuilt = prepared(loader, rank=1, world_size=2)
+    assert rebuilt is not loader and rebuilt.collate_fn == Batch.from_data_list
+    assert rebuilt.worker_init_fn is print
+    assert (rebuilt.batch_sampler.num_replicas, rebuilt.batch_sampler.rank) == (2, 1)
+    assert sum(b.num_graphs for b in rebuilt) + sum(
+        b.num_graphs for b in prepared(loader, rank=0, world_size=2)
+    ) == 12

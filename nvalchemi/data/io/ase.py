@@ -41,6 +41,7 @@ import torch
 from nvalchemi.data._ase_convert import valid_calculator_results
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.datapipes.reader import Reader
+from nvalchemi.data.neighbors import check_neighbor_explosion
 
 __all__ = ["ASEReader", "default_cache_dir", "write_extxyz"]
 
@@ -476,6 +477,7 @@ class ASEReader(Reader):
             data = AtomicData.from_atoms(atoms, **self.atoms_kwargs)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        check_neighbor_explosion(data, where=where)  # a cell in the wrong units, named here
         for label in self.required_labels:
             if label not in data:
                 present = [k for k in _LABELS if k in data]

@@ -258,17 +258,21 @@ class DDPHook(BaseModel):
         1. ``None``, a world size of one, or an object without a ``sampler`` attribute
            (a list of batches, any iterable): returned unchanged (caller-managed), as is
            a loader over an ``IterableDataset``.
-        2. A loader whose ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` is
+        2. A loader built with budgets (its ``batch_sampler`` has ``shard(num_replicas,
+           rank)``, as ``BudgetBatchSampler`` does) gets that sampler's copy for this
+           rank (in place on nvalchemi's ``DataLoader``, a rebuilt torch loader);
+           every rank then packs the same epoch and takes one batch of each step.
+        3. A loader whose ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` is
            already distributed (has ``num_replicas``, ``rank`` and ``set_epoch``, or is a
            ``sampler_cls`` instance) is left untouched (a warning if its
            ``num_replicas`` differs from the world size).
-        3. nvalchemi ``DataLoader`` with a ``DistributedSampler``-family ``sampler_cls``:
+        4. nvalchemi ``DataLoader`` with a ``DistributedSampler``-family ``sampler_cls``:
            a batch-level sampler is installed in place: ``MultiDatasetBatchSampler``
            for a ``MultiDataset`` with the default class, otherwise
            ``BatchSampler(sampler_cls(dataset, **kwargs), batch_size, drop_last)`` (a
            subclass given as ``sampler_cls`` is used as given). A non-distributed
            ``batch_sampler`` already on the loader raises ``ValueError``.
-        4. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to
+        5. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to
            ``loader.sampler``; a ``torch.utils.data.DataLoader`` (which forbids that)
            is rebuilt with the same options (``ValueError`` if it was built with a
            ``batch_sampler``).
@@ -290,6 +294,9 @@ class DDPHook(BaseModel):
         dataset = loader.dataset
         if isinstance(dataset, torch.utils.data.IterableDataset):
             return loader  # a stream shards itself (e.g. by get_worker_info / rank)
+        sharded = self._shard_batch_sampler(loader)
+        if sharded is not None:
+            return sharded
         sampler = getattr(loader, "sampler", None)
         batch_sampler = getattr(loader, "batch_sampler", None)
         for candidate in (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
@@ -319,6 +326,27 @@ class DDPHook(BaseModel):
         if assigned:
             return loader
         return _rebuild(loader, new_sampler, drop_last)
+
+    def _shard_batch_sampler(self, loader: Any) -> Any:
+        """A loader whose batch sampler shards itself, with the sampler for this rank.
+
+        A batch sampler with ``shard(num_replicas, rank)`` (a ``BudgetBatchSampler``:
+        the loader was built with atom/edge budgets) is replaced by its copy for this
+        rank of the world, so every rank packs the same epoch and takes its share of
+        each step. ``None`` when the loader's batch sampler is not of that kind.
+        """
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        shard = getattr(batch_sampler, "shard", None)
+        if not callable(shard):
+            return None
+        world, rank = self._world_size(), get_rank(self._manager)
+        if (batch_sampler.num_replicas, batch_sampler.rank) == (world, rank):
+            return loader
+        sharded = shard(num_replicas=world, rank=rank)
+        if _is_nvalchemi_loader(loader):
+            loader.batch_sampler = sharded
+            return loader
+        return _rebuild_with_batch_sampler(loader, sharded)
 
     def _install_batch_sampler(
         self, loader: Any, dataset: Any, defaults: dict[str, Any], drop_last: bool
@@ -491,19 +519,9 @@ def _infer_seed(loader: Any, sampler: Any) -> int:
     return 0
 
 
-def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
-    """A new loader of ``type(loader)`` with ``sampler`` and the same options."""
-    if getattr(loader, "batch_size", None) is None:
-        raise ValueError(
-            "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
-            "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
-            "yourself, or build the DataLoader with batch_size= so the hook can add one."
-        )
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "sampler": sampler,
-        "drop_last": drop_last,
-    }
+def _loader_options(loader: Any) -> dict[str, Any]:
+    """The worker and memory options of a ``torch.utils.data.DataLoader``, for a rebuild."""
+    kwargs: dict[str, Any] = {}
     for name in _COPIED:
         if hasattr(loader, name):
             kwargs[name] = getattr(loader, name)
@@ -517,6 +535,35 @@ def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
         kwargs["pin_memory_device"] = loader.pin_memory_device
     if hasattr(loader, "in_order"):
         kwargs["in_order"] = loader.in_order
+    return kwargs
+
+
+def _rebuild_with_batch_sampler(loader: Any, batch_sampler: Any) -> Any:
+    """A new loader of ``type(loader)`` drawing ``batch_sampler``, with the same options."""
+    try:
+        return type(loader)(loader.dataset, batch_sampler=batch_sampler, **_loader_options(loader))
+    except TypeError as exc:
+        raise ValueError(
+            f"DDPHook could not rebuild the dataloader around the batch sampler for this rank "
+            f"({exc}). Build it with {type(batch_sampler).__name__}(..., num_replicas="
+            "world_size, rank=rank) yourself."
+        ) from exc
+
+
+def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
+    """A new loader of ``type(loader)`` with ``sampler`` and the same options."""
+    if getattr(loader, "batch_size", None) is None:
+        raise ValueError(
+            "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
+            "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
+            "yourself, or build the DataLoader with batch_size= so the hook can add one."
+        )
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "drop_last": drop_last,
+        **_loader_options(loader),
+    }
     try:
         return type(loader)(loader.dataset, **kwargs)
     except TypeError as exc:
