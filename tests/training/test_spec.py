@@ -299,3 +299,69 @@ def test_docstring_examples_run(module):
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(importlib.import_module(module), optionflags=flags, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_hook_constructors_take_every_argument_by_keyword_so_specs_build_them(tmp_path):
+    from nvalchemi.training.hooks.checkpoint import CheckpointHook
+    from nvalchemi.training.hooks.gradients import (
+        GradientAccumulationHook,
+        GradientClipHook,
+        LossSpikeSkipHook,
+    )
+    from nvalchemi.training.hooks.mixed_precision import MixedPrecisionHook
+
+    cases = [
+        (CheckpointHook, {"checkpoint_dir": str(tmp_path), "step_interval": 2}, "step_interval", 2),
+        (MixedPrecisionHook, {"precision": "bf16"}, "precision", torch.bfloat16),
+        (GradientAccumulationHook, {"steps": 3}, "steps", 3),
+        (GradientClipHook, {"max_norm": 1.5}, "max_norm", 1.5),
+        (LossSpikeSkipHook, {"factor": 4.0}, "factor", 4.0),
+    ]
+    for cls, kwargs, field, value in cases:
+        spec = create_model_spec(cls, **kwargs)
+        hook = create_model_spec_from_json(json.loads(json.dumps(spec.model_dump()))).build()
+        assert isinstance(hook, cls) and getattr(hook, field) == value, cls.__name__
+
+
+def test_build_strict_refuses_and_lenient_drops_keywords_the_target_lost():
+    data = create_model_spec(Strict, a=1).model_dump()
+    data["gone"] = 5  # the class no longer takes it
+    spec = create_model_spec_from_json(data)
+    with pytest.raises(TypeError, match=r"\['gone'\].*does not accept"):
+        spec.build(strict=True)
+    with pytest.warns(UserWarning, match=r"\['gone'\].*dropping them"):
+        built = spec.build()
+    assert built.a == 1 and built.b == 2
+
+
+def test_unresolvable_and_non_module_model_specs_are_named_before_building(tmp_path):
+    from nvalchemi.training.checkpoint.store import build_model, load_spec
+
+    missing = {"cls_path": "torch.nn.NoSuchLayer", "timestamp": "t"}
+    with pytest.raises(ValueError, match=r"Could not resolve cls_path='torch.nn.NoSuchLayer'"):
+        create_model_spec_from_json(missing)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"cls_path": "torch.optim.SGD", "timestamp": "t", "params": []}))
+    with pytest.raises(RuntimeError, match=r"spec.json.*expected nn.Module.*Nothing was built"):
+        build_model(load_spec(path, trust=False, expect=torch.nn.Module), None)
+
+
+class Sized:
+    def __init__(self, size: int = 1):
+        self.size = size
+
+    @classmethod
+    def from_size(cls, size: int) -> "Sized":  # not marked: allowed as the user's own code
+        return cls(size)
+
+
+def test_an_unmarked_classmethod_of_the_users_own_class_builds_from_json():
+    ser._ALLOWED.discard(__name__)  # through the user-code door, not the allow-list
+    spec = create_model_spec_from_json(
+        {"cls_path": f"{__name__}.Sized.from_size", "timestamp": "t", "size": 4}
+    )
+    assert spec.build().size == 4
+    with pytest.raises(UnsafeImportError, match="neither a class nor a callable marked safe"):
+        create_model_spec_from_json(
+            {"cls_path": "torch.nn.Embedding.from_pretrained", "timestamp": "t"}
+        )

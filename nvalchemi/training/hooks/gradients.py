@@ -42,8 +42,6 @@ _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 def _positional(name: str, value: Any, data: dict[str, Any], cls: str) -> None:
     if value is not None:
-        if name in data:
-            raise TypeError(f"{cls} got {name} both positionally and by name.")
         data[name] = value
 
 
@@ -153,7 +151,7 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
         # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
         return self.__pydantic_private__["_rt"]
 
-    def __init__(self, steps: int | None = None, /, **data: Any) -> None:
+    def __init__(self, steps: int | None = None, **data: Any) -> None:
         _positional("steps", steps, data, "GradientAccumulationHook")
         super().__init__(**data)
 
@@ -249,7 +247,7 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
     max_value: float | None = Field(default=None, gt=0)
     norm_type: float = Field(default=2.0, gt=0)
 
-    def __init__(self, max_norm: float | None = None, /, **data: Any) -> None:
+    def __init__(self, max_norm: float | None = None, **data: Any) -> None:
         _positional("max_norm", max_norm, data, "GradientClipHook")
         super().__init__(**data)
 
@@ -355,7 +353,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
         return self.__pydantic_private__["_rt"]
 
-    def __init__(self, factor: float | None = None, /, **data: Any) -> None:
+    def __init__(self, factor: float | None = None, **data: Any) -> None:
         _positional("factor", factor, data, "LossSpikeSkipHook")
         super().__init__(**data)
 

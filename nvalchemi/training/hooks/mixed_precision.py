@@ -203,10 +203,8 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
         return self.__pydantic_private__["_rt"]
 
-    def __init__(self, precision: Any = None, /, **data: Any) -> None:
+    def __init__(self, precision: Any = None, **data: Any) -> None:
         if precision is not None:
-            if "precision" in data:
-                raise TypeError("MixedPrecisionHook got precision both positionally and by name.")
             data["precision"] = precision
         super().__init__(**data)
 
