@@ -373,7 +373,7 @@ class AtomicDataZarrReader(Reader):
     def _damaged(self, text: str) -> StoreDamagedError:
         where = describe(self.store)
         return StoreDamagedError(
-            f"Zarr store {where} is damaged: {text}. Copy it again from its source (or "
+            f"Zarr store {where} is damaged: {text}. Fix: copy it again from its source (or "
             f"rewrite it with `nvalchemi-training data convert`); `nvalchemi-training data "
             f"check {where}` verifies every chunk."
         )
@@ -511,6 +511,15 @@ class AtomicDataZarrReader(Reader):
     def _array_path(self, key: str) -> str:
         rows = self._arrays[key]
         return str(rows.array.store_path.path or key)
+
+    @property
+    def every_chunk_written(self) -> bool:
+        """Whether the store writes every chunk (format 2), so an absent chunk is damage.
+
+        False for stores of format 1 and the reference toolkit's, which leave out chunks
+        of zeros: there an absent chunk reads as zeros.
+        """
+        return self._strict
 
     def verify(self) -> dict[str, Any]:
         """Read every chunk of every array; report what is missing, truncated or undecodable.
