@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from nvalchemi.training._first_batch import check_dataloader, check_first_batch, loader_error
 from nvalchemi.training._loop_setup import (
     _fire,
     _LoopSetup,
@@ -106,6 +107,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             ValueError: a metric-driven scheduler (``ReduceLROnPlateau``) without a
                 ``validation_config`` (it would never step).
         """
+        check_dataloader(dataloader)
         d = self.__dict__
         self.close()
         d["_stop_reason"] = None
@@ -133,6 +135,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             d["_auto_session"] = True
         with self._parameter_flags():  # fine-tuning filters, undone on return
             if not d["_batch_session_ready"]:
+                check_first_batch(batch, self.models, self.training_fn)
                 self._begin(None)
                 d["_batch_session_ready"] = True
             else:
@@ -258,6 +261,9 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
                     break
                 except Exception as exc:
                     self._annotate(exc, "loading the next batch from the dataloader")
+                    clearer = loader_error(exc, loader)
+                    if clearer is not None:
+                        raise clearer from exc
                     raise
                 if d["_hooks_version"] != plan.hooks_version:
                     plan = self._current_plan()
@@ -268,6 +274,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
                 d["_last_batch"] = batch
                 if not started:
                     started = True
+                    check_first_batch(batch, self.models, self.training_fn, loader)
                     if plan.before_training:
                         self._sync_ctx(plan.ctx)
                         plan.ctx.clear_step_outputs()
@@ -328,6 +335,9 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             return iterator, True
         except Exception as exc:
             self._annotate(exc, "loading the next batch from the dataloader")
+            clearer = loader_error(exc, loader)
+            if clearer is not None:
+                raise clearer from exc
             raise
         finally:
             if resume_rng is not None:
