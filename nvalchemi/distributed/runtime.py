@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from nvalchemi.distributed.launch import LaunchEnv, detect_launch_env
-from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager, _best_effort_barrier
+from nvalchemi.distributed.manager import DistributedManager, _best_effort_barrier
+from nvalchemi.distributed.stalls import explain_collective_failure
 
 __all__ = [
     "all_agree",
@@ -348,15 +349,8 @@ def _object_device() -> torch.device | None:
 
 
 def _explain_collective_failure(exc: BaseException, operation: str) -> None:
-    # Keep the exception type (callers may catch RuntimeError); add what it usually means.
-    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if add_note is not None:
-        add_note(
-            f"nvalchemi: {operation} failed on rank {dist.get_rank()} of "
-            f"{dist.get_world_size()}. Another rank most likely exited, crashed or stalled; "
-            "check its log. The wait is bounded by the process-group timeout "
-            f"(DistributedManager.initialize(timeout_s=...) or {TIMEOUT_ENV})."
-        )
+    # Keep the exception type (callers may catch RuntimeError); add which rank went silent.
+    explain_collective_failure(exc, f"nvalchemi.distributed.{operation}()")
 
 
 def _launch_env() -> LaunchEnv:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from nvalchemi.distributed.stalls import explain_collective_failure
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch, loader_error
 from nvalchemi.training._loop_setup import (
     _fire,
@@ -608,6 +609,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             f"{d['epoch_count']}, batch {d['epoch_step_count']} of the epoch, batch_count "
             f"{d['batch_count']})",
         )
+        explain_collective_failure(exc)  # a timed-out collective: which one, which rank
         with contextlib.suppress(AttributeError, TypeError):
             exc._nvalchemi_annotated = True
 

@@ -48,6 +48,7 @@ class RunOptions:
     map_location: str | None = None
     distributed: bool | None = None
     ddp_backend: str | None = None
+    dist_timeout_s: float | None = None  # else the job's distributed.timeout_s
     validation_paths: tuple[str, ...] = ()
     validation_every_epochs: int | None = None
     validation_every_steps: int | None = None
@@ -95,13 +96,16 @@ def distributed_enabled(flag: bool | None, environ: Any = None) -> bool:
     return launch_env(environ).world_size > 1
 
 
-def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
+def _distributed(options: RunOptions, job: TrainingJobSpec) -> tuple[Any, list[Any]]:
     if not distributed_enabled(options.distributed):
         return None, []
     from nvalchemi.distributed import DistributedManager
     from nvalchemi.training.hooks.ddp import DDPHook
 
-    DistributedManager.initialize(backend=options.ddp_backend)
+    timeout_s = options.dist_timeout_s
+    if timeout_s is None and job.distributed is not None:
+        timeout_s = job.distributed.timeout_s
+    DistributedManager.initialize(backend=options.ddp_backend, timeout_s=timeout_s)
     return DistributedManager(), [DDPHook(backend=options.ddp_backend)]
 
 
@@ -321,7 +325,7 @@ def run_job(
     check_devices(
         job, options, None if resume_from is None else Path(resume_from), checkpoint_index
     )
-    manager, hooks = _distributed(options)
+    manager, hooks = _distributed(options, job)
     is_main = get_rank(manager) == 0
     if not is_main:
         console = None  # one rank reports
