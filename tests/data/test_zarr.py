@@ -639,3 +639,14 @@ def test_appends_to_a_format_1_store_keep_its_dtypes(path):
     reader = AtomicDataZarrReader(path)
     assert zarr.open_group(str(path), mode="r")["core/atomic_numbers"].dtype == np.int64
     assert_same(reader.read(2)[0], samples(3)[2])
+
+
+def test_defragment_refuses_a_damaged_store_instead_of_baking_in_zeros(path):
+    data = samples(4, lists=False)
+    writer = AtomicDataZarrWriter(path)
+    writer.write(data)
+    writer.delete([1])
+    (path / "core" / "positions" / "c" / "0" / "0").unlink()
+    with pytest.raises(ValueError, match=r"Cannot defragment .*core/positions/c/0/0 is missing"):
+        writer.defragment()
+    assert (path / "meta" / "samples_mask").is_dir()  # the store was left as it was

@@ -620,11 +620,27 @@ class AtomicDataZarrWriter:
 
         Neighbour-list indices are renumbered. Local stores are rebuilt in a
         sibling directory and swapped in; other stores are rewritten in place.
-        Loads the active data into memory.
+        Loads the active data into memory. A damaged store (see
+        :meth:`AtomicDataZarrReader.verify`) is refused: rewriting it would turn lost
+        chunks into zeros in a store that then looks whole.
+
+        Raises:
+            StoreDamagedError: a chunk is missing (format 2), truncated or undecodable.
         """
         if config is not None:
             self.config = _as_config(config)
         root = self._root(mode="r")
+        report = AtomicDataZarrReader(self.store).verify()
+        problems = [
+            p for p in report["problems"]
+            if not (report["absent_may_be_zeros"] and " is missing " in p)
+        ]  # fmt: skip
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise StoreDamagedError(
+                f"Cannot defragment zarr store {describe(self.store)}: {problems[0]}{more}. "
+                "Fix: copy it again from its source, or rewrite it from the source files."
+            )
         num_samples = int(root.attrs.get("num_samples", 0))
         fields = root.attrs.get("fields", {"core": {}, "custom": {}})
         stamp = root.attrs.get("neighbor_list")
