@@ -7,9 +7,11 @@ thread that posts the time to the group's key-value store every few seconds (one
 tiny store write, nothing on the training path). A rank that is stopped
 (``SIGSTOP``), swapping, or stuck in a hung device or file-system call stops
 posting; a rank that is busy elsewhere (another code path, a longer data set) keeps
-posting. When a collective fails, :func:`explain_collective_failure` reads the
-heartbeats back and adds a note to the exception that names the collective, the
-silent rank(s) (or says that every rank is alive), the timeout and what to check.
+posting. When a collective fails,
+:func:`~nvalchemi.distributed.runtime.explain_collective_failure` reads the heartbeats
+back (:func:`silent_ranks`) and adds a note to the exception
+(:func:`collective_failure_note`) that names the collective, the silent rank(s) (or
+says that every rank is alive), the timeout and what to check.
 
 The note starts with ``nvalchemi:``; the CLI prints it instead of the bare
 "Timed out waiting 600000ms for send operation to complete".
@@ -17,7 +19,6 @@ The note starts with ``nvalchemi:``; the CLI prints it instead of the bare
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import threading
 import time
@@ -28,7 +29,7 @@ import torch.distributed as dist
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Heartbeat",
-    "explain_collective_failure",
+    "collective_failure_note",
     "heartbeat_interval",
     "is_collective_failure",
     "silent_ranks",
@@ -38,7 +39,6 @@ DEFAULT_TIMEOUT_S = 600.0
 """Default bound of every collective (10 minutes; PyTorch's own is 30 minutes for gloo)."""
 
 _KEY = "nvalchemi/heartbeat/"
-_MARK = "_nvalchemi_collective_explained"
 _FAILURE_TEXTS = (
     "timed out",
     "timeout",
@@ -155,7 +155,7 @@ def _collective_name(exc: BaseException, operation: str | None) -> str:
     return "a collective operation"
 
 
-def _rank_text(silent: dict[int, float | None] | None, rank: int, world_size: int) -> str:
+def _rank_text(silent: dict[int, float | None] | None, rank: int) -> str:
     if silent is None:
         return (
             "the rendezvous store did not answer either, so the rank (or launcher) hosting "
@@ -178,37 +178,27 @@ def _rank_text(silent: dict[int, float | None] | None, rank: int, world_size: in
     )
 
 
-def explain_collective_failure(exc: BaseException, operation: str | None = None) -> bool:
-    """Add a note naming the collective, the silent rank(s) and the timeout; once per error.
-
-    Returns whether ``exc`` was a collective failure. Keeps the exception's type (callers
-    may catch ``RuntimeError``). Reads the heartbeats of the shared
-    :class:`~nvalchemi.distributed.DistributedManager` when it has them.
-    """
-    if not is_collective_failure(exc) or getattr(exc, _MARK, False):
-        return getattr(exc, _MARK, False)
-    from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager
-
-    state = DistributedManager._state
-    rank, world_size = state.rank, state.world_size
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-    silent = None
-    beat = state.heartbeat
-    if beat is not None:
-        silent = silent_ranks(beat.store, world_size, beat.interval)
-    timeout = f"{state.timeout_s:g} s" if state.timeout_s else "the process-group timeout"
-    note = (
+def collective_failure_note(
+    exc: BaseException,
+    *,
+    operation: str | None,
+    rank: int,
+    world_size: int,
+    timeout_s: float | None,
+    heartbeat: Heartbeat | None,
+    timeout_env: str,
+) -> str:
+    """The ``nvalchemi:`` note for a failed collective: which one, which rank(s), the bound."""
+    if heartbeat is None:  # a group made elsewhere: no heartbeats to read
+        who = "another rank most likely exited, crashed or stalled; check the logs of the others"
+    else:
+        silent = silent_ranks(heartbeat.store, world_size, heartbeat.interval)
+        who = _rank_text(silent, rank)
+    timeout = f"{timeout_s:g} s" if timeout_s else "the process-group timeout"
+    return (
         f"nvalchemi: {_collective_name(exc, operation)} failed on rank {rank} of {world_size} "
-        f"(each collective waits at most {timeout}): {_rank_text(silent, rank, world_size)}. "
+        f"(each collective waits at most {timeout}): {who}. "
         f"The bound is --dist-timeout in the CLI, distributed.timeout_s in a job file, "
-        f"DistributedManager.initialize(timeout_s=...) or {TIMEOUT_ENV} (default "
+        f"DistributedManager.initialize(timeout_s=...) or {timeout_env} (default "
         f"{DEFAULT_TIMEOUT_S:g} s); raise it only for legitimately long pauses."
     )
-    add_note = getattr(exc, "add_note", None)
-    if add_note is not None:
-        add_note(note)
-    with contextlib.suppress(AttributeError, TypeError):
-        setattr(exc, _MARK, True)
-    return True

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nvalchemi.distributed.stalls import explain_collective_failure
+from nvalchemi.distributed.runtime import explain_collective_failure
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch, loader_error
 from nvalchemi.training._loop_setup import (
     _fire,
