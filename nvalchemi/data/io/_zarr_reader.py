@@ -245,7 +245,10 @@ class _Rows:
         rows = self.chunk_rows
         chunk = start // rows
         if stop <= (chunk + 1) * rows:  # the common case: one chunk
-            self._read_chunk(chunk, out, start - chunk * rows)
+            fd = self._fds.get(chunk) if self.mode == "raw" else None
+            offset = (start - chunk * rows) * self.row_bytes
+            if fd is None or os.preadv(fd, [out], offset) != out.nbytes:
+                self._read_chunk(chunk, out, start - chunk * rows)  # open, decode, or raise
             return out
         if self.mode == "zarr" and not self.strict:
             return np.asarray(self.array[start:stop])  # one call through zarr
