@@ -120,13 +120,16 @@ def test_a_stalled_rank_is_named_with_the_collective_within_the_timeout(tmp_path
 
 # --------------------------------------------------------------------------- requeue on 75
 _EXIT_WITH = """
-import sys
+import sys, time
 from nvalchemi.distributed import DistributedManager, barrier
 DistributedManager.initialize(backend="gloo", timeout_s=60)
 barrier()
 rank = DistributedManager().rank
 DistributedManager.cleanup()
-sys.exit(int(sys.argv[1 + rank]))
+code = int(sys.argv[1 + rank])
+if code == 75:
+    time.sleep(1.0)  # an error elsewhere is seen first (torchrun then stops this rank)
+sys.exit(code)
 """
 
 
