@@ -617,7 +617,7 @@ def test_small_stores_are_small_and_chunks_follow_the_content(tmp_path):
     root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
     assert root["core/atomic_numbers"].dtype == np.uint8  # read back as int64
     config = ZarrArrayConfig()
-    assert config.chunk_rows((10**6, 3), 4) == (256 << 10) // 12  # the byte target
+    assert config.chunk_rows((10**6, 3), 4) == (1 << 20) // 12  # the byte target
     assert config.chunk_rows((100, 3), 4) == (16 << 10) // 12  # floor for small first writes
     assert config.chunk_rows((3000, 3), 4) == 4096  # the data, rounded up to a power of two
     assert config.chunk_rows((10**6,), 1, compressed=True) == (64 << 10)

@@ -7,7 +7,9 @@ files directly, which avoids zarr's per-call overhead of a few hundred microseco
   the requested rows;
 * chunks compressed with Blosc or Zstd by decoding the whole chunk once (numcodecs)
   into a small least-recently-used cache of decoded chunks shared by the reader's
-  arrays (``cache_bytes``), so neighbouring samples cost no second decode;
+  arrays (``cache_bytes``), so neighbouring samples cost no second decode; an
+  encoded array of at most 4 MiB (species of a small store, cells, pbc flags) is
+  decoded once, at its first read, and kept whole;
 
 every other array (sharded, other codecs, other stores) goes through zarr with the
 same cache. A chunk file that is absent, truncated or undecodable raises
@@ -44,6 +46,7 @@ __all__ = ["AtomicDataZarrReader"]
 
 CACHE_BYTES = 32 << 20
 """Default budget of decoded chunks kept by one reader (per process)."""
+_WHOLE_ARRAY_BYTES = 4 << 20  # encoded arrays this small are decoded once and kept whole
 
 
 class _ChunkProblem(Exception):
@@ -107,6 +110,8 @@ class _Rows:
         self.mode = self._layout(array)
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._present: set[int] = set()
+        self._whole: np.ndarray | None = None
+        self._whole_worth = self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
         weakref.finalize(self, _close_fds, self._fds)
 
     def _layout(self, array: Any) -> str:
@@ -239,9 +244,13 @@ class _Rows:
     # ------------------------------------------------------------------ reads
     def read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``[start, stop)`` as a new, writable numpy array (``_ChunkProblem`` if damaged)."""
+        if self._whole is not None:
+            return self._whole[start:stop].copy()
         out = np.empty((max(0, stop - start), *self.trailing), dtype=self.dtype)
         if stop <= start:
             return out
+        if self._whole_worth and self._keep_whole():
+            return self._whole[start:stop].copy()
         rows = self.chunk_rows
         chunk = start // rows
         if stop <= (chunk + 1) * rows:  # the common case: one chunk
@@ -259,6 +268,23 @@ class _Rows:
             self._read_chunk(chunk, out[row - start : end - start], row - chunk * rows)
             row = end
         return out
+
+    def _keep_whole(self) -> bool:
+        """Decode a small encoded array once and keep it (not when a chunk is damaged).
+
+        A damaged chunk leaves the array to chunked reads, which fail only for the
+        samples in that chunk.
+        """
+        self._whole_worth = False
+        whole = np.empty(self.shape, dtype=self.dtype)
+        try:
+            for chunk in range(self.num_chunks()):
+                start, stop = self.chunk_span(chunk)
+                self._read_chunk(chunk, whole[start:stop], 0)
+        except _ChunkProblem:
+            return False
+        self._whole = whole
+        return True
 
     def _read_chunk(self, chunk: int, part: np.ndarray, offset: int) -> None:
         """Fill ``part`` with the rows of ``chunk`` from row ``offset`` of the chunk on."""

@@ -22,12 +22,13 @@ as int64). ``core/neighbor_list`` holds *store-global* atom indices
 sample-local indices. Storing neighbour lists (e.g. built with
 ``NeighborListTransform`` before writing) means training need not recompute them.
 
-Compact by content (see :class:`ZarrArrayConfig`): chunks of about ``chunk_bytes``
-(256 KiB) but no larger than the first write needs, Blosc compression for every array
-it shrinks by a quarter or more (indices, masks, species, repeated cells), raw bytes
-for noisy floats. Every chunk is written, also chunks of zeros, so a missing chunk
-file always means a damaged store (format 2; stores of format 1 and the reference's
-left zero chunks out and still read, with absent chunks as zeros).
+Compact by content (see :class:`ZarrArrayConfig`): chunks of at most ``chunk_bytes``
+(1 MiB; 64 KiB when compressed) but no larger than the first write needs, Blosc
+compression for every array it shrinks by a quarter or more (indices, masks, neighbour
+lists, repeated cells), raw bytes for noisy floats. Every chunk is written, also
+chunks of zeros, so a missing chunk file always means a damaged store (format 2;
+stores of format 1 and the reference's left zero chunks out and still read, with
+absent chunks as zeros).
 
 Correctness rules of the writer: a write or append validates the whole incoming
 data before touching the store; an append whose samples lack a stored non-label
@@ -91,10 +92,10 @@ __all__ = [
     "ZarrWriteConfig",
 ]
 
-CHUNK_BYTES = 256 << 10
+CHUNK_BYTES = 1 << 20
 """Default target size of one chunk (decoded bytes)."""
 _MIN_CHUNK_BYTES = 16 << 10  # floor for small first writes that later grow by appends
-_COMPRESSED_CHUNK_DIVISOR = 4  # compressed arrays: chunks of chunk_bytes / 4
+_COMPRESSED_CHUNK_DIVISOR = 16  # compressed arrays: chunks of chunk_bytes / 16
 _WORTH_COMPRESSING = 0.75  # "auto": compress an array when that saves at least 25%
 
 
@@ -127,9 +128,10 @@ def _compresses_well(data: np.ndarray, rows: int) -> bool:
 class ZarrArrayConfig(BaseModel):
     """How arrays of one group (or one field) are encoded and chunked.
 
-    Chunks are sized by content: about ``chunk_bytes`` (decoded) each, but no larger
-    than the data of the first write (rounded up to a power of two, at least 16 KiB),
-    so a small store is small. ``chunk_size`` (rows) fixes the size instead;
+    Chunks are sized by content: about ``chunk_bytes`` (decoded) each, a sixteenth of
+    that for compressed arrays (decoded whole to read one sample), but no larger than
+    the data of the first write (rounded up to a power of two, at least 16 KiB), so a
+    small store is small. ``chunk_size`` (rows) fixes the size instead;
     ``shard_size`` (rows, a multiple of ``chunk_size``) packs chunks into shard files.
 
     ``compressors="auto"`` (the default) compresses an array with Blosc (LZ4, byte
