@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 
+from nvalchemi.distributed.runtime import explain_collective_failure
 from nvalchemi.training import loader_position
+from nvalchemi.training._first_batch import check_dataloader, check_first_batch, loader_error
 from nvalchemi.training._loop_setup import (
     _fire,
     _LoopSetup,
@@ -109,6 +111,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             ValueError: a metric-driven scheduler (``ReduceLROnPlateau``) without a
                 ``validation_config`` (it would never step).
         """
+        check_dataloader(dataloader)
         d = self.__dict__
         self.close()
         d["_stop_reason"] = None
@@ -138,6 +141,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             d["_auto_session"] = True
         with self._parameter_flags():  # fine-tuning filters, undone on return
             if not d["_batch_session_ready"]:
+                check_first_batch(batch, self.models, self.training_fn)
                 self._begin(None)
                 d["_batch_session_ready"] = True
             else:
@@ -263,6 +267,9 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
                     break
                 except Exception as exc:
                     self._annotate(exc, "loading the next batch from the dataloader")
+                    clearer = loader_error(exc, loader)
+                    if clearer is not None:
+                        raise clearer from exc
                     raise
                 if d["_hooks_version"] != plan.hooks_version:
                     plan = self._current_plan()
@@ -273,6 +280,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
                 d["_last_batch"] = batch
                 if not started:
                     started = True
+                    check_first_batch(batch, self.models, self.training_fn, loader)
                     if plan.before_training:
                         self._sync_ctx(plan.ctx)
                         plan.ctx.clear_step_outputs()
@@ -347,6 +355,9 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             return iterator, True
         except Exception as exc:
             self._annotate(exc, "loading the next batch from the dataloader")
+            clearer = loader_error(exc, loader)
+            if clearer is not None:
+                raise clearer from exc
             raise
         return iterator, False
 
@@ -615,6 +626,7 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
             f"{d['epoch_count']}, batch {d['epoch_step_count']} of the epoch, batch_count "
             f"{d['batch_count']})",
         )
+        explain_collective_failure(exc)  # a timed-out collective: which one, which rank
         with contextlib.suppress(AttributeError, TypeError):
             exc._nvalchemi_annotated = True
 

@@ -19,8 +19,8 @@ def structure(z: int, tag: float, *, stress: bool = False) -> AtomicData:
         fields["stress"] = torch.eye(3) * tag
     return AtomicData(
         atomic_numbers=torch.full((n,), z),
-        positions=torch.full((n, 3), tag),
-        energy=torch.tensor(tag),
+        positions=torch.full((n, 3), float(tag)),
+        energy=torch.tensor(float(tag)),
         **fields,
     )
 

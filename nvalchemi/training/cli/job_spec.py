@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "DatasetSpec",
+    "DistributedSpec",
     "MaceSourceOptions",
     "OutputSpec",
     "RuntimeHookSpec",
@@ -318,6 +319,18 @@ class ValidationSpec(_Block):
         return self
 
 
+class DistributedSpec(_Block):
+    """Multi-rank runs: how long a collective may wait for a rank before the run fails."""
+
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds every collective waits for the other ranks before the run fails "
+        "naming the silent rank (default: NVALCHEMI_DIST_TIMEOUT_S, else 600); --dist-timeout "
+        "overrides it",
+    )
+
+
 class TrainingJobSpec(_Block):
     """A complete training or fine-tuning job for ``nvalchemi-training spec run``."""
 
@@ -334,6 +347,7 @@ class TrainingJobSpec(_Block):
     dataset: DatasetSpec
     output: OutputSpec
     validation: ValidationSpec | None = None
+    distributed: DistributedSpec | None = None
     strategy: dict[str, Any] = Field(
         json_schema_extra={"additionalProperties": True},
         description="TrainingStrategy.to_spec_dict()-shaped payload plus fine-tuning keys",

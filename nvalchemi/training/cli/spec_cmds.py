@@ -43,6 +43,11 @@ def _run_options(fn: Any) -> Any:
                      help="DDP training. Default: on when the launcher started several "
                      "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1)."),
         click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
+        click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True),
+                     metavar="SECONDS",
+                     help="How long a collective waits for the other ranks before the run "
+                     "fails naming the silent rank (default: the job's distributed.timeout_s, "
+                     "else NVALCHEMI_DIST_TIMEOUT_S, else 600)."),
         click.option("--validation-dataset", "validation_paths", multiple=True,
                      help="Validation data file(s) (override the job's)."),
         click.option("--validation-every-epochs", type=click.IntRange(min=1)),
@@ -75,6 +80,7 @@ def _options(kwargs: dict[str, Any]) -> Any:
         map_location=kwargs["map_location"],
         distributed=kwargs["distributed"],
         ddp_backend=kwargs["ddp_backend"],
+        dist_timeout_s=kwargs["dist_timeout"],
         validation_paths=tuple(kwargs["validation_paths"]),
         validation_every_epochs=kwargs["validation_every_epochs"],
         validation_every_steps=kwargs["validation_every_steps"],
