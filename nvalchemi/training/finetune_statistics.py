@@ -221,7 +221,10 @@ def _batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
     from nvalchemi.data import Batch
 
     pending = []
-    for item in data:
+    items = data
+    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        items = (data[i] for i in range(len(data)))  # map-style datasets: by index
+    for item in items:
         if isinstance(item, Batch):
             yield item
             continue
@@ -233,7 +236,11 @@ def _batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
         yield Batch.from_data_list(pending)
 
 
-def _run_pass(model: Any, data: Iterable[Any], head: str | None, batch_size: int, run: bool):
+def _run_pass(
+    model: Any, data: Iterable[Any], head: str | None, batch_size: int, run_on: Any
+) -> _Pass:
+    """One pass: counts, labels, force sums, neighbour counts, and the model's energies
+    for the batches ``run_on(counts)`` selects (NaN elsewhere)."""
     from nvalchemi.data.neighbors import compute_neighbors
     from nvalchemi.models.statistics import element_counts, mean_num_neighbors
 
@@ -266,11 +273,12 @@ def _run_pass(model: Any, data: Iterable[Any], head: str | None, batch_size: int
                 if mean is not None:
                     totals.edges += round(mean * batch.num_nodes)
                     totals.neighbor_atoms += batch.num_nodes
-            if run:
+            predicted = torch.full_like(energy, float("nan"))
+            if run_on(counts[keep]):
                 with torch.no_grad():
                     out = model(batch.to(device), head=head)
                 predicted = out["energy"].detach().double().reshape(-1).cpu()
-                totals.predicted.append(predicted[keep])
+            totals.predicted.append(predicted[keep])
     finally:
         config.active_outputs = previous
         model.train(was_training)
@@ -291,9 +299,26 @@ def _compute(
     from nvalchemi.models.statistics import atomic_number, solve_atomic_energies
 
     source = model.get_reference_energies(head)
-    totals = _run_pass(model, data, head, batch_size, run=e0 != "refit")
+    wanted = {atomic_number(z): float(v) for z, v in (given or {}).items()}
+    bad = sorted(z for z in wanted if z not in source)
+    if bad:
+        raise ValueError(f"atomic_energies names elements {_symbols(bad)} the model lacks.")
+    # Elements whose E0 the fit may move: every one for "estimated", else those the
+    # source has none for (0) and that no fixed value covers.
+    free = {z for z, e in source.items() if e == 0.0 and z not in wanted}
+
+    def run_on(counts: torch.Tensor) -> bool:
+        if e0 == "refit":
+            return False  # the network's share is not part of a refit
+        if e0 == "estimated":
+            return True
+        # A structure without a free element does not change the fitted ones.
+        return bool(counts[:, sorted(free)].any()) if free else False
+
+    totals = _run_pass(model, data, head, batch_size, run_on)
     counts = torch.cat(totals.counts)
     energies = torch.cat(totals.energies)
+    predicted = torch.cat(totals.predicted)
     present = torch.nonzero(counts.sum(0)).flatten().tolist()
     unsupported = sorted(z for z in present if z not in source)
     if unsupported:
@@ -302,26 +327,24 @@ def _compute(
             f"does not support (it has {_symbols(sorted(source))}); build the source "
             "model with those elements."
         )
-    columns = counts[:, present]
     new = [z for z in present if source[z] == 0.0]
+    ran = torch.isfinite(predicted)
     residual_rmse = None
+    if bool(ran.any()):
+        per_atom = (energies - predicted)[ran] / counts[ran].sum(1).clamp_min(1)
+        residual_rmse = float(per_atom.pow(2).mean().sqrt())
+    columns = counts[:, present]
     if e0 == "refit":
         values = solve_atomic_energies(columns, energies, present)
     else:
-        residual = energies - torch.cat(totals.predicted)
-        per_atom = residual / columns.sum(1).clamp_min(1)
-        residual_rmse = float(per_atom.pow(2).mean().sqrt())
-        wanted = {atomic_number(z): float(v) for z, v in (given or {}).items()}
-        bad = sorted(z for z in wanted if z not in source)
-        if bad:
-            raise ValueError(f"atomic_energies names elements {_symbols(bad)} the model lacks.")
-        held: dict[int, float] = {}
-        for z in present:
-            if z in wanted:
-                held[z] = wanted[z] - source[z]
-            elif e0 != "estimated" and z not in new:
-                held[z] = 0.0
-        offsets = solve_atomic_energies(columns, residual, present, fixed=held)
+        held = {z: wanted[z] - source[z] for z in present if z in wanted}
+        if e0 != "estimated":
+            held.update({z: 0.0 for z in present if z not in free and z not in held})
+        offsets = {z: held.get(z, 0.0) for z in present}
+        if bool(ran.any()) and len(held) < len(present):
+            offsets = solve_atomic_energies(
+                columns[ran], (energies - predicted)[ran], present, fixed=held
+            )
         values = {z: source[z] + offsets[z] for z in present}
         values.update({z: v for z, v in wanted.items() if z not in values})
     scale, shift = model.get_scale_shift(head)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReplayMix", "mix_replay", "pseudo_label", "split_holdout"]
+__all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
 _LABELS = ("energy", "forces", "stress")
 
@@ -67,12 +67,7 @@ def pseudo_label(
     from nvalchemi.data.datapipes.dataset import InMemoryDataset
 
     if cache is not None and Path(cache).exists():
-        from nvalchemi.data.io.zarr import AtomicDataZarrReader
-        from nvalchemi.data.neighbors import NeighborListTransform
-
-        config = model.model_config.neighbor_config
-        transforms = None if config is None else [NeighborListTransform(config)]
-        return InMemoryDataset(reader=AtomicDataZarrReader(str(cache)), transforms=transforms)
+        return read_pseudo_labels(cache, model.model_config.neighbor_config)
     labelled = []
     for batch in _batches(structures, batch_size):
         labelled.extend(_label_batch(model, batch, head))
@@ -81,6 +76,19 @@ def pseudo_label(
     if cache is not None:
         _write_store(labelled, Path(cache))
     return InMemoryDataset(data_list=labelled)
+
+
+def read_pseudo_labels(cache: str | Path, neighbor_config: Any = None) -> Any:
+    """The labelled structures :func:`pseudo_label` cached at ``cache`` (an ``InMemoryDataset``).
+
+    ``neighbor_config`` (a model's ``NeighborConfig``): neighbour lists to build.
+    """
+    from nvalchemi.data.datapipes.dataset import InMemoryDataset
+    from nvalchemi.data.io.zarr import AtomicDataZarrReader
+    from nvalchemi.data.neighbors import NeighborListTransform
+
+    transforms = None if neighbor_config is None else [NeighborListTransform(neighbor_config)]
+    return InMemoryDataset(reader=AtomicDataZarrReader(str(cache)), transforms=transforms)
 
 
 def split_holdout(dataset: Any, fraction: float, seed: int = 0) -> tuple[Any, Any]:
@@ -200,7 +208,7 @@ def _batches(structures: Iterable[Any], batch_size: int) -> Iterable[Any]:
     from nvalchemi.data import AtomicData, Batch
 
     pending = []
-    for item in structures:
+    for item in _items(structures):
         if isinstance(item, Batch):
             yield item
             continue
@@ -212,6 +220,13 @@ def _batches(structures: Iterable[Any], batch_size: int) -> Iterable[Any]:
             pending = []
     if pending:
         yield Batch.from_data_list(pending)
+
+
+def _items(structures: Iterable[Any]) -> Iterable[Any]:
+    """Items of a list, a map-style dataset (indexed) or any iterable."""
+    if hasattr(structures, "__len__") and hasattr(structures, "__getitem__"):
+        return (structures[i] for i in range(len(structures)))
+    return structures
 
 
 def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
