@@ -126,7 +126,7 @@ def compute_finetune_statistics(
         ValueError: an unknown mode; ``atomic_energies`` without ``e0="fixed"``; no
             energy labels; elements the model does not support.
     """
-    from nvalchemi.distributed.runtime import broadcast_object, get_rank
+    from nvalchemi.distributed.runtime import broadcast_object, get_rank, get_world_size
 
     if e0 not in get_args(E0Mode):
         raise ValueError(f"e0={e0!r}; choose one of {list(get_args(E0Mode))}.")
@@ -140,13 +140,15 @@ def compute_finetune_statistics(
             f"got e0={e0!r} with atomic_energies={'set' if atomic_energies else 'unset'}."
         )
     _check_protocol(model)
+    if get_world_size(distributed_manager) == 1:
+        return _compute(model, data, e0, atomic_energies, scale_shift, head, batch_size)
     outcome: Any = None
     if get_rank(distributed_manager) == 0:
         try:
             outcome = _compute(
                 model, data, e0, atomic_energies, scale_shift, head, batch_size
             ).to_dict()
-        except Exception as exc:
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
     outcome = broadcast_object(outcome, src=0, manager=distributed_manager)
     if "error" in outcome:
@@ -237,7 +239,12 @@ def _batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
 
 
 def _run_pass(
-    model: Any, data: Iterable[Any], head: str | None, batch_size: int, run_on: Any
+    model: Any,
+    data: Iterable[Any],
+    head: str | None,
+    batch_size: int,
+    run_on: Any,
+    supported: Iterable[int],
 ) -> _Pass:
     """One pass: counts, labels, force sums, neighbour counts, and the model's energies
     for the batches ``run_on(counts)`` selects (NaN elsewhere)."""
@@ -248,6 +255,7 @@ def _run_pass(
     neighbor_config = config.neighbor_config
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     totals = _Pass()
+    known = set(supported)
     previous, was_training = config.active_outputs, model.training
     config.active_outputs = {"energy"}
     model.eval()
@@ -258,6 +266,13 @@ def _run_pass(
             energy = batch["energy"].detach().double().reshape(-1).cpu()
             keep = torch.isfinite(energy)
             counts = element_counts(batch.atomic_numbers, batch.batch_idx, batch.num_graphs)
+            unknown = sorted(set(torch.nonzero(counts.sum(0)).flatten().tolist()) - known)
+            if unknown:
+                raise ValueError(
+                    f"the fine-tuning data has elements {_symbols(unknown)} that the model "
+                    f"does not support (it has {_symbols(sorted(known))}); build the source "
+                    "model with those elements."
+                )
             totals.counts.append(counts[keep])
             totals.energies.append(energy[keep])
             totals.atoms += int(counts[keep].sum())
@@ -315,18 +330,11 @@ def _compute(
         # A structure without a free element does not change the fitted ones.
         return bool(counts[:, sorted(free)].any()) if free else False
 
-    totals = _run_pass(model, data, head, batch_size, run_on)
+    totals = _run_pass(model, data, head, batch_size, run_on, source)
     counts = torch.cat(totals.counts)
     energies = torch.cat(totals.energies)
     predicted = torch.cat(totals.predicted)
     present = torch.nonzero(counts.sum(0)).flatten().tolist()
-    unsupported = sorted(z for z in present if z not in source)
-    if unsupported:
-        raise ValueError(
-            f"the fine-tuning data has elements {_symbols(unsupported)} that the model "
-            f"does not support (it has {_symbols(sorted(source))}); build the source "
-            "model with those elements."
-        )
     new = [z for z in present if source[z] == 0.0]
     ran = torch.isfinite(predicted)
     residual_rmse = None
