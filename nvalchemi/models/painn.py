@@ -17,7 +17,8 @@ Several readout heads (one per dataset or level of theory) can share the trunk:
 ``PaiNN(heads=("pbe", "r2scan"))`` or, on a trained model, :meth:`PaiNN.add_head`.
 Each head has its own readout MLP, reference energies, scale and shift; a structure
 uses the head named by ``model(data, head="r2scan")``, else its ``head`` field (a
-per-structure index into :attr:`PaiNN.head_names`), else the first head.
+per-structure index into :attr:`PaiNN.head_names`), else ``default_head`` (the first
+head unless set; :meth:`PaiNN.add_head` can make the new head the default).
 
 Example:
     >>> import torch
@@ -208,6 +209,7 @@ class PaiNN(nn.Module, BaseModelMixin):
             parameters ``readout.*``; the others live under ``head_readouts.<name>.*``.
         head_params: ``{name: {"atomic_energies": ..., "scale": s, "shift": t}}`` for
             the heads after the first (missing entries: no ``E0``, scale 1, shift 0).
+        default_head: the head of structures that name none (default: the first).
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class PaiNN(nn.Module, BaseModelMixin):
         active_outputs: Sequence[str] = ("energy", "forces"),
         heads: Sequence[str] | None = None,
         head_params: Mapping[str, Mapping[str, Any]] | None = None,
+        default_head: str | None = None,
     ) -> None:
         super().__init__()
         if cutoff <= 0:
@@ -290,6 +293,11 @@ class PaiNN(nn.Module, BaseModelMixin):
                 params.get("scale", 1.0),
                 params.get("shift", 0.0),
             )
+        if default_head is not None and default_head not in names:
+            raise ValueError(
+                f"default_head={default_head!r} is not one of the heads {list(names)}."
+            )
+        self.default_head = default_head
         self.to(_resolve_dtype(dtype))
 
         self.model_config = ModelConfig(
@@ -347,10 +355,10 @@ class PaiNN(nn.Module, BaseModelMixin):
         }
 
     def head_index(self, head: str | int | None) -> int:
-        """The index of ``head`` (a name or an index; ``None`` is the first head)."""
+        """The index of ``head`` (a name or an index; ``None``: the default head)."""
         names = self.head_names
         if head is None:
-            return 0
+            return 0 if self.default_head is None else names.index(self.default_head)
         if isinstance(head, int) and not isinstance(head, bool):
             if 0 <= head < len(names):
                 return head
@@ -358,12 +366,15 @@ class PaiNN(nn.Module, BaseModelMixin):
             return names.index(head)
         raise ValueError(f"PaiNN has no head {head!r}; its heads are {list(names)}.")
 
-    def add_head(self, name: str, copy_from: str | int | None = None) -> None:
-        """Add a readout head ``name``: a copy of head ``copy_from`` (default: the first).
+    def add_head(
+        self, name: str, copy_from: str | int | None = None, *, make_default: bool = False
+    ) -> None:
+        """Add a readout head ``name``: a copy of head ``copy_from`` (default: the default head).
 
         The copy predicts exactly what its original does until it is trained, so a
         fine-tune that adds a head starts from the source model's predictions. The
-        new head's parameters are ``head_readouts.<name>.*``.
+        new head's parameters are ``head_readouts.<name>.*``. ``make_default=True``
+        makes it the head of structures that name none.
         """
         if not isinstance(name, str) or not name or "." in name:
             raise ValueError(f"head names must be non-empty strings without '.'; got {name!r}.")
@@ -374,6 +385,8 @@ class PaiNN(nn.Module, BaseModelMixin):
         scale, shift = self.get_scale_shift(index)
         self.head_readouts[name] = _Head(copy.deepcopy(readout), e0.detach().clone(), scale, shift)
         self.heads = (*self.head_names[:1], *self.head_readouts)
+        if make_default:
+            self.default_head = name
 
     def _head_parts(self, index: int) -> tuple[nn.Module, torch.Tensor]:
         if index == 0:
@@ -489,7 +502,7 @@ class PaiNN(nn.Module, BaseModelMixin):
             return self.head_index(head)
         per_graph = _get_field(data, "head")
         if per_graph is None:
-            return 0
+            return self.head_index(None)
         per_graph = per_graph.reshape(-1).long()
         if len(self.head_names) == 1:
             return 0  # every index but 0 is checked below; one head has nothing to choose
@@ -642,6 +655,7 @@ class PaiNN(nn.Module, BaseModelMixin):
             "dtype": self.dtype,
             "heads": None if self.heads is None else list(self.heads),
             "head_params": self.head_params,
+            "default_head": self.default_head,
         }
 
     def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:

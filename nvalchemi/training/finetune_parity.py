@@ -41,8 +41,8 @@ class ParityReport:
     num_structures: int
     max_abs: dict[str, float]
     per_structure: list[dict[str, float]] = field(default_factory=list)
-    head: str | None = None
-    source_head: str | None = None
+    head: str | int | None = None
+    source_head: str | int | None = None
 
     def ok(self, tolerance: float = 1e-10) -> bool:
         """Whether every difference is at most ``tolerance``."""
@@ -52,7 +52,7 @@ class ParityReport:
         """A small table for the terminal."""
         heads = ""
         if self.head is not None or self.source_head is not None:
-            heads = f" (head {self.head or 'first'} vs source head {self.source_head or 'first'})"
+            heads = f" (head {_name(self.head)} vs source head {_name(self.source_head)})"
         lines = [f"zero-step parity on {self.num_structures} structures{heads}:"]
         for output, value in self.max_abs.items():
             lines.append(f"  {output:<7} max |fine-tune - source| = {value:.3e} {_UNITS[output]}")
@@ -72,8 +72,8 @@ def check_zero_step_parity(
     model: torch.nn.Module,
     structures: Iterable[Any],
     *,
-    head: str | None = None,
-    source_head: str | None = None,
+    head: str | int | None = None,
+    source_head: str | int | None = None,
     outputs: Sequence[str] = _OUTPUTS,
     batch_size: int = 8,
 ) -> ParityReport:
@@ -112,6 +112,12 @@ def check_zero_step_parity(
         if values:
             max_abs[output] = max(values)
     return ParityReport(len(per_structure), max_abs, per_structure, head, source_head)
+
+
+def _name(head: str | int | None) -> str:
+    if head is None:
+        return "default"
+    return f"#{head}" if isinstance(head, int) else head
 
 
 def _batches(structures: Iterable[Any], batch_size: int) -> Iterable[Any]:

@@ -103,3 +103,26 @@ def test_differences_are_reported_per_output_and_structure():
     assert "energy" in report.format() and "forces" in report.format()
     with pytest.raises(ValueError, match="not comparable"):
         check_zero_step_parity(source, shifted, data, outputs=("dipole",))
+
+
+def test_structures_without_a_head_field_train_the_added_head(tmp_path):
+    from nvalchemi.data.datapipes import DataLoader, InMemoryDataset
+    from nvalchemi.data.neighbors import NeighborListTransform
+
+    source = painn()
+    TrainingStrategy(models=source, **RECIPE).save_checkpoint(tmp_path / "ckpt")
+    strategy = FineTuningStrategy.from_pretrained_checkpoint(
+        tmp_path / "ckpt",
+        new_heads={"dft": None},
+        trainable_patterns=("main.head_readouts.dft.*",),
+        **{**RECIPE, "num_steps": 2},
+    )
+    model = strategy.models["main"]
+    assert model.default_head == "dft"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = InMemoryDataset(data_list=structures(4), transforms=[NeighborListTransform(4.0)])
+    strategy.run(DataLoader(data, batch_size=2))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(n.startswith("head_readouts.dft.") for n in moved)
+    # The source head still predicts what the source does.
+    assert check_zero_step_parity(source, model, structures(2), head="default").ok(TOLERANCE)

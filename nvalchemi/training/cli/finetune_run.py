@@ -103,6 +103,13 @@ def _statistics(spec: FineTuneSpec, model: Any, train: Any, run_dir: Any, manage
         ) from None
 
 
+def _source_head(spec: FineTuneSpec) -> str | int | None:
+    """The source's head: named, else the first when a new head became the default."""
+    if spec.source_head is not None:
+        return spec.source_head
+    return 0 if spec.head is not None else None
+
+
 def _parity(spec: FineTuneSpec, source: Any, model: Any, train: Any) -> Any:
     from nvalchemi.training.finetune_parity import check_zero_step_parity
 
@@ -114,7 +121,7 @@ def _parity(spec: FineTuneSpec, source: Any, model: Any, train: Any) -> Any:
         model,
         [train[i] for i in range(count)],
         head=spec.head,
-        source_head=spec.source_head,
+        source_head=_source_head(spec),
     )
 
 
@@ -160,7 +167,9 @@ def _labelled_replay(
             fix="restore the file, or start a new fine-tune from the source checkpoint",
         )
     if get_rank(manager) == 0 and not cache.exists():
-        pseudo_label(source, _replay_source(job, None), head=job.finetune.source_head, cache=cache)
+        pseudo_label(
+            source, _replay_source(job, None), head=_source_head(job.finetune), cache=cache
+        )
     if get_world_size(manager) > 1:
         barrier(manager)  # rank 0 wrote the labels; every rank reads the same store
     return read_pseudo_labels(cache, neighbors)
@@ -209,7 +218,7 @@ def prepare_finetune_run(
     kept, held = split_holdout(labelled, replay.holdout_fraction, seed=seed)
     heads = None
     if spec.head is not None:
-        heads = [model.head_index(spec.head), model.head_index(spec.source_head)]
+        heads = [model.head_index(spec.head), model.head_index(_source_head(spec))]
     try:
         mix = mix_replay(
             train,

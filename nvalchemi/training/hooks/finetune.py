@@ -544,8 +544,11 @@ class AddHeadHook(BaseModel):
     Args:
         heads: ``{"<head>": copy_from}`` for model ``"main"`` or
             ``{"<model key>.<head>": copy_from}``; ``copy_from`` names the head the new
-            one starts as a copy of (``None``: the model's first head). A head the model
-            already has is left alone (a resumed run rebuilds its models with it).
+            one starts as a copy of (``None``: the model's default head). A head the model
+            already has is left alone (a resumed run rebuilds its models with it). The
+            head added last becomes the model's default head: structures without a
+            ``head`` field (the fine-tuning data) train and validate it, while replay
+            structures name the source head.
 
     The models need ``add_head(name, copy_from)`` and ``head_names``
     (:class:`~nvalchemi.models.PaiNN`). Registering after optimizers were built raises
@@ -607,7 +610,7 @@ class AddHeadHook(BaseModel):
                 "would not be optimized. Use FineTuningStrategy(new_heads=...)."
             )
         for model, head, copy_from in pending:
-            model.add_head(head, copy_from=copy_from)
+            model.add_head(head, copy_from=copy_from, make_default=True)
         for hook in getattr(workflow, "hooks", None) or ():
             if isinstance(hook, TrainableParameterHook):
                 hook.apply(workflow)
