@@ -88,7 +88,26 @@ def test_bad_finetune_options_are_explained(tmp_path, trained_run):
     assert_user_error(invoke(*base, "--e0", "fixed"), "needs the values", fix="--e0-value")
     assert_user_error(invoke(*base, "--replay-ratio", 0.2), "need replay data", fix="--replay")
     assert_user_error(
-        invoke("finetune", "init", "--from", tmp_path, "--dataset", TRAIN, "--output-dir", tmp_path),
+        invoke(
+            "finetune", "init", "--from", tmp_path, "--dataset", TRAIN, "--output-dir", tmp_path
+        ),
         "not an nvalchemi checkpoint",
         fix="checkpoint directory",
     )
+
+
+def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
+    path, _ = _job(tmp_path, trained_run, "--head", "ft", "--e0", "estimated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert invoke("spec", "run", path, "--no-report").exit_code == 0
+    root = tmp_path / "ft" / "checkpoints"
+    common = ["evaluate", root, "--dataset", TRAIN, "--max-structures", 6, "--no-plots",
+              "--no-ema", "--json"]  # fmt: skip
+    by_head = {}
+    for head in ("default", "ft"):
+        result = invoke(*common, "--head", head)
+        assert result.exit_code == 0, result.output
+        by_head[head] = json.loads(result.stdout)["metrics"]["energy_per_atom_mae"]
+    assert by_head["default"] != by_head["ft"]  # the heads hold different E0
+    assert_user_error(invoke(*common, "--head", "nope"), "not a head", fix="--head")
