@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -97,6 +98,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         self.model = model
         self.reconstruction_spec = reconstruction_spec
         self._spec_record: tuple[str, dict[str, Any]] | None = None
+        self.default_head: str | None = None
         zs = [int(z) for z in model.atomic_numbers.tolist()]
         table = torch.zeros(_MAX_Z + 1, len(zs), dtype=self._model_dtype)
         table[torch.tensor(zs), torch.arange(len(zs))] = 1.0
@@ -142,10 +144,10 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         return tuple(getattr(self.model, "heads", None) or ("Default",))
 
     def head_index(self, head: str | int | None) -> int:
-        """The index of ``head`` (a name or an index; ``None`` is the first head)."""
+        """The index of ``head`` (a name or an index; ``None``: the default head)."""
         names = self.head_names
         if head is None:
-            return 0
+            return 0 if self.default_head is None else names.index(self.default_head)
         if isinstance(head, int) and not isinstance(head, bool):
             if 0 <= head < len(names):
                 return head
@@ -280,7 +282,8 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def _graph_heads(self, data: Any, num_graphs: int, device: torch.device) -> torch.Tensor:
         per_graph = data.get("head") if isinstance(data, Mapping) else getattr(data, "head", None)
         if per_graph is None or len(self.head_names) == 1:
-            return torch.zeros(num_graphs, dtype=torch.long, device=device)
+            default = self.head_index(None)
+            return torch.full((num_graphs,), default, dtype=torch.long, device=device)
         per_graph = per_graph.reshape(-1).long().to(device)
         if not (per_graph.is_cuda and self.training):
             bad = (per_graph < 0) | (per_graph >= len(self.head_names))
@@ -365,6 +368,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         dtype: str = "float64",
         seed: int | None = None,
         heads: Sequence[str] | None = None,
+        default_head: str | None = None,
     ) -> MACEWrapper:
         """Build a ``ScaleShiftMACE`` from JSON-friendly arguments and record them.
 
@@ -373,7 +377,8 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         chemical symbols to ``E0`` (eV), or is a sequence aligned with ``atomic_numbers``
         (default zeros); with several ``heads`` it may also be one such sequence per
         head, and ``atomic_inter_scale``/``atomic_inter_shift`` one value per head.
-        ``seed`` fixes the initial weights. :meth:`checkpoint_spec` rebuilds the same
+        ``seed`` fixes the initial weights; ``default_head`` is the head of structures
+        that name none (default: the first). :meth:`checkpoint_spec` rebuilds the same
         architecture from these arguments (weights are restored from the checkpoint).
         """
         recorded = {k: v for k, v in locals().items() if k not in ("cls", "__class__")}
@@ -459,7 +464,55 @@ class MACEWrapper(nn.Module, BaseModelMixin):
                 torch.random.set_rng_state(generator_state)
         wrapper = cls(model.to(torch_dtype))
         wrapper._spec_record = ("from_mace_kwargs", recorded)
+        if default_head is not None:
+            wrapper.head_index(default_head)  # a ValueError naming the heads if unknown
+            wrapper.default_head = default_head
         return wrapper
+
+    def add_head(
+        self, name: str, copy_from: str | int | None = None, *, make_default: bool = False
+    ) -> None:
+        """Add a readout head ``name``, a copy of head ``copy_from`` (default: the default head).
+
+        mace-torch heads share the readout layers (one output column, and one block of the
+        last readout's hidden units, per head), so the model is rebuilt with one more head
+        and every weight copied; the new head's columns are those of ``copy_from``, and
+        the last readout's output weights are rescaled for its wider input (e3nn divides
+        by the square root of the fan-in), so every head predicts what it did and the
+        new head what ``copy_from`` does. Needs a wrapper from :meth:`from_mace_kwargs`.
+        """
+        if self._spec_record is None or self._spec_record[0] != "from_mace_kwargs":
+            raise ValueError(
+                "add_head rebuilds the MACE model from its constructor arguments: build the "
+                "wrapper with MACEWrapper.from_mace_kwargs(..., heads=[...]) (a model file or "
+                "object does not record them)."
+            )
+        names = self.head_names
+        if not isinstance(name, str) or not name or name in names:
+            raise ValueError(f"new head name {name!r} must be a new, non-empty name ({names}).")
+        source = self.head_index(copy_from)
+        kwargs = dict(self._spec_record[1])
+        count = len(names)
+        e0 = self.model.atomic_energies_fn.atomic_energies.detach().double().cpu()
+        rows = e0.reshape(count, -1) if e0.dim() == 2 else e0.reshape(1, -1)
+        kwargs["atomic_energies"] = [*rows.tolist(), rows[source].tolist()]
+        block = self._scale_shift_block()
+        for key, buffer in (
+            ("atomic_inter_scale", block.scale),
+            ("atomic_inter_shift", block.shift),
+        ):
+            values = torch.atleast_1d(buffer).detach().double().cpu().expand(count).tolist()
+            kwargs[key] = [*values, values[source]]
+        kwargs["heads"] = [*names, name]
+        kwargs["default_head"] = None
+        grown = type(self).from_mace_kwargs(**kwargs)
+        grown.model.load_state_dict(_grown_state(self.model, grown.model, count, source))
+        device = next(self.model.parameters()).device
+        self.model = grown.model.to(device)
+        self._spec_record = grown._spec_record
+        if make_default:
+            self.default_head = name
+        self._spec_record[1]["default_head"] = self.default_head
 
     @classmethod
     @requires_trust  # unpickles the file: specs may name it only with trust=True
@@ -542,6 +595,43 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
         """Save the inner MACE module (pickled, loadable by mace-torch) or its state dict."""
         torch.save(self.model.state_dict() if as_state_dict else self.model, Path(path))
+
+
+def _grown_state(old: nn.Module, new: nn.Module, heads: int, source: int) -> dict[str, Any]:
+    """``old``'s weights laid out for ``new`` (one more head, a copy of head ``source``).
+
+    Same-shaped tensors are copied; reference energies and scale/shift come with ``new``
+    (it was built from their values); every readout's per-head weights grow a copy of
+    head ``source``'s block.
+    """
+    state = new.state_dict()
+    rebuilt_with_values = ("atomic_energies_fn", "scale_shift")
+    for key, value in old.state_dict().items():
+        if state[key].shape == value.shape and not key.startswith(rebuilt_with_values):
+            state[key] = value
+    for i, before in enumerate(old.readouts):
+        prefix = f"readouts.{i}."
+        if hasattr(before, "linear_1"):  # gated MLP: per-head hidden blocks, masked
+            hidden = before.linear_1.irreps_out.num_irreps // heads
+            state[prefix + "linear_1.weight"] = _with_block(
+                before.linear_1.weight, heads, hidden, source
+            )
+            w = before.linear_2.weight.detach().reshape(heads, hidden, heads)
+            grown = torch.zeros(heads + 1, hidden, heads + 1, dtype=w.dtype, device=w.device)
+            for h in range(heads):
+                grown[h, :, h] = w[h, :, h]
+            grown[heads, :, heads] = w[source, :, source]
+            # e3nn scales by 1/sqrt(fan-in); the fan-in grew from heads to heads + 1 blocks.
+            state[prefix + "linear_2.weight"] = grown.reshape(-1) * math.sqrt((heads + 1) / heads)
+        else:
+            state[prefix + "linear.weight"] = _with_block(before.linear.weight, heads, 1, source)
+    return state
+
+
+def _with_block(weight: torch.Tensor, heads: int, width: int, source: int) -> torch.Tensor:
+    """A flat e3nn ``[mul_in, heads * width]`` weight with head ``source``'s columns appended."""
+    w = weight.detach().reshape(-1, heads, width)
+    return torch.cat([w, w[:, source : source + 1]], dim=1).reshape(-1)
 
 
 def _e0_list(values: Any, zs: list[int]) -> list[float]:

@@ -134,3 +134,42 @@ def test_mace_heads_pick_per_structure_and_hold_their_own_reference_energies(hel
     rebuilt = wrapper.checkpoint_spec().build()
     rebuilt.load_state_dict(wrapper.state_dict())
     assert torch.equal(_energies(rebuilt, batch), _energies(wrapper, batch))
+
+
+@pytest.mark.parametrize("heads", [None, ["pbe", "r2scan"]])
+def test_mace_add_head_keeps_every_head_and_copies_the_source(helpers, heads):
+    pytest.importorskip("mace")
+    from nvalchemi.models.mace import MACEWrapper
+
+    wrapper = MACEWrapper.from_mace_kwargs(
+        atomic_numbers=[29, 79], r_max=4.0, hidden_irreps="8x0e + 8x1o", num_interactions=2,
+        heads=heads, atomic_energies={29: -1.0, 79: -2.0}, seed=0,
+    )  # fmt: skip
+    with torch.no_grad():  # readouts that differ per head
+        for p in wrapper.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    batch = helpers.batch_of([helpers.triclinic_cu_au()] * 2, 4.0)
+    before = {h: wrapper(batch, head=h) for h in wrapper.head_names}
+    source = wrapper.head_names[-1]
+    wrapper.add_head("new", copy_from=source, make_default=True)
+    assert wrapper.head_names == (*before, "new") and wrapper.default_head == "new"
+    for head, out in [*before.items(), ("new", before[source])]:
+        now = wrapper(batch, head=head)
+        assert (now["energy"] - out["energy"]).abs().max() < 1e-10
+        assert (now["forces"] - out["forces"]).abs().max() < 1e-10
+    assert torch.equal(_energies(wrapper, batch), _energies(wrapper, batch, head="new"))
+    rebuilt = wrapper.checkpoint_spec().build()
+    rebuilt.load_state_dict(wrapper.state_dict())
+    assert rebuilt.default_head == "new"
+    assert torch.equal(_energies(rebuilt, batch), _energies(wrapper, batch))
+
+
+def test_mace_add_head_needs_recorded_constructor_arguments():
+    pytest.importorskip("mace")
+    from nvalchemi.models.mace import MACEWrapper
+
+    built = MACEWrapper.from_mace_kwargs(
+        atomic_numbers=[29], r_max=4.0, hidden_irreps="8x0e", num_interactions=1
+    )
+    with pytest.raises(ValueError, match="from_mace_kwargs"):
+        MACEWrapper(built.model).add_head("x")

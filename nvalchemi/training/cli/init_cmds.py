@@ -189,7 +189,7 @@ def _finetune_options(fn):
         click.option("--source-head", help="The source head to copy and to label replay with."),
         click.option("--trunk-lr-scale", type=click.FloatRange(min=0),
                      help="Learning rate of everything but the trained head, relative to "
-                          "--lr (0 freezes it; PaiNN heads)."),
+                          "--lr (0 freezes it; for MACE the head is every readout)."),
         click.option("--replay", "replay", multiple=True,
                      help="Replay structures mixed in against forgetting (repeatable)."),
         click.option("--replay-ratio", type=click.FloatRange(0, 1, min_open=True,

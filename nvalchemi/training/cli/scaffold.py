@@ -82,13 +82,15 @@ def scaffold_payload(
     has_validation: bool = False,
     weight_decay: float = 1e-6,
     trunk_lr: tuple[float, str | None] | None = None,
+    head_pattern: str | None = None,
 ) -> dict[str, Any]:
     """A complete ``strategy`` payload (AdamW, per-atom energy + force MSE, one device).
 
     ``trunk_lr=(scale, head)``: the trained head (``head``, else the first) learns at
     ``lr`` and everything else at ``scale * lr`` (a parameter group); ``scale == 0``
-    trains only the head (a trainable pattern). Head parameter names follow PaiNN:
-    ``readout.*`` for the first head, ``head_readouts.<head>.*`` for added ones.
+    trains only the head (a trainable pattern). ``head_pattern`` names the head's
+    parameters (relative to the model); default PaiNN's: ``readout.*`` for the first
+    head, ``head_readouts.<head>.*`` for added ones.
     """
     import torch
 
@@ -100,7 +102,7 @@ def scaffold_payload(
     base_lr = lr
     if trunk_lr is not None:
         scale, head = trunk_lr
-        pattern = "readout.*" if head is None else f"head_readouts.{head}.*"
+        pattern = head_pattern or ("readout.*" if head is None else f"head_readouts.{head}.*")
         if scale == 0:
             trainable_patterns = (*trainable_patterns, f"main.{pattern}")
         else:
@@ -206,6 +208,8 @@ def scaffold_job(
             model_specs=model_specs,
             has_validation=has_validation,
             trunk_lr=trunk_lr,
+            # mace-torch heads share the readout layers: "the head" is every readout
+            head_pattern="model.readouts.*" if model == "mace" else None,
         ),
     }
     if finetune is not None:
