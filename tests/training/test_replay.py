@@ -51,7 +51,7 @@ def test_the_replay_ratio_fixes_the_share_of_every_batch():
     batches = list(mix.loader())
     assert len(batches) == 4  # every fine-tuning structure about once per epoch (12 / 3)
     for batch in batches:
-        weights = batch["loss_weight"].tolist()
+        weights = batch["loss_weight"].reshape(-1).tolist()
         assert sorted(weights) == [0.25, 0.25, 1.0, 1.0, 1.0]
         assert [h for h, w in zip(batch["head"].tolist(), weights) if w == 0.25] == [0, 0]
     with pytest.raises(ValueError, match="between 0 and 1"):

@@ -23,7 +23,7 @@ Example:
     >>> multi.get_batch([4, 0]).atomic_numbers.tolist()
     [8, 1]
     >>> weighted = MultiDataset(mols(1, 2), mols(8, 3), loss_weights=[1.0, 0.25])
-    >>> weighted.get_batch([4, 0])["loss_weight"].tolist()
+    >>> weighted.get_batch([4, 0])["loss_weight"].reshape(-1).tolist()
     [0.25, 1.0]
 """
 
@@ -102,7 +102,7 @@ class MultiDataset(torch.utils.data.Dataset):
             batches).
         num_workers: accepted for compatibility and ignored.
         loss_weights: one non-negative weight per dataset, attached to every structure
-            as ``loss_weight`` (``[1]`` per structure, ``[B]`` per batch, in the
+            as ``loss_weight`` (``[1, 1]`` per structure, ``[B, 1]`` per batch, in the
             structure's float dtype). ``None``: no field.
         head_indices: one readout-head index per dataset, attached as ``head``
             (int64). ``None``: no field.
@@ -238,13 +238,14 @@ class MultiDataset(torch.utils.data.Dataset):
             yield from (self._with_constants(dataset[i], child) for i in range(len(dataset)))
 
     # -------------------------------------------------------------- constants
-    def _constants(self) -> list[tuple[str, tuple, torch.dtype | None]]:
-        """``(field, per-dataset values, dtype)``; ``None`` dtype: the structure's float."""
+    def _constants(self) -> list[tuple[str, tuple, torch.dtype | None, tuple[int, ...]]]:
+        """``(field, per-dataset values, dtype, trailing shape)``; ``None`` dtype: the
+        structure's float dtype."""
         out = []
         if self.loss_weights is not None:
-            out.append((LOSS_WEIGHT_FIELD, self.loss_weights, None))
+            out.append((LOSS_WEIGHT_FIELD, self.loss_weights, None, (1,)))
         if self.head_indices is not None:
-            out.append((HEAD_FIELD, self.head_indices, torch.int64))
+            out.append((HEAD_FIELD, self.head_indices, torch.int64, ()))
         return out
 
     def _with_constants(self, data: AtomicData, child: int) -> AtomicData:
@@ -252,19 +253,19 @@ class MultiDataset(torch.utils.data.Dataset):
         if not constants:
             return data
         data = copy.copy(data)  # never change the child's own (possibly cached) structure
-        for name, values, dtype in constants:
+        for name, values, dtype, trailing in constants:
             value = torch.tensor([values[child]], dtype=dtype or data["positions"].dtype)
-            data.add_system_property(name, value)
+            data.add_system_property(name, value.reshape(1, *trailing))
         return data
 
     def _attach_constants(self, batch: Batch, children: Sequence[int]) -> Batch:
-        for name, values, dtype in self._constants():
+        for name, values, dtype, trailing in self._constants():
             value = torch.tensor(
                 [values[c] for c in children],
                 dtype=dtype or batch["positions"].dtype,
                 device=batch.device,
             )
-            batch.add_key(name, value, level="system", overwrite=True)
+            batch.add_key(name, value.reshape(-1, *trailing), level="system", overwrite=True)
         return batch
 
     def get_metadata(self, index: int) -> tuple[int, int]:
