@@ -126,7 +126,12 @@ def compute_finetune_statistics(
         ValueError: an unknown mode; ``atomic_energies`` without ``e0="fixed"``; no
             energy labels; elements the model does not support.
     """
-    from nvalchemi.distributed.runtime import broadcast_object, get_rank, get_world_size
+    from nvalchemi.distributed.runtime import (
+        broadcast_object,
+        get_rank,
+        get_world_size,
+        is_distributed_initialized,
+    )
 
     if e0 not in get_args(E0Mode):
         raise ValueError(f"e0={e0!r}; choose one of {list(get_args(E0Mode))}.")
@@ -140,7 +145,9 @@ def compute_finetune_statistics(
             f"got e0={e0!r} with atomic_energies={'set' if atomic_energies else 'unset'}."
         )
     _check_protocol(model)
-    if get_world_size(distributed_manager) == 1:
+    if get_world_size(distributed_manager) == 1 or not is_distributed_initialized(
+        distributed_manager
+    ):
         return _compute(model, data, e0, atomic_energies, scale_shift, head, batch_size)
     outcome: Any = None
     if get_rank(distributed_manager) == 0:
