@@ -33,8 +33,8 @@ import torch
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.models.painn import PaiNN
 from nvalchemi.training import EnergyMSELoss, ForceMSELoss, OptimizerConfig, TrainingStrategy
-from nvalchemi.training._checkpoint_files import SnapshotBuffers, cpu_snapshot
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, save_checkpoint
+from nvalchemi.training.checkpoint.parts import SnapshotBuffers, cpu_snapshot
 from nvalchemi.training.hooks.checkpoint import CheckpointHook
 from nvalchemi.training.hooks.ema import EMAHook
 

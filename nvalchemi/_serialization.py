@@ -1,30 +1,35 @@
-"""Dotted import paths <-> objects behind an allow-list, and JSON codecs for torch values.
+"""Dotted import paths <-> objects under one trust rule, and JSON codecs for torch values.
 
-Specs and configs name classes and functions by dotted path (``"torch.optim.adam.Adam"``).
-Importing a path taken from a file is code execution, so :func:`import_path` only resolves
-trusted paths:
+Specs, configs and checkpoints name classes and functions by dotted path
+(``"torch.optim.adam.Adam"``, ``"common.PairPotential"``). Importing a path taken from a
+file is code execution, so :func:`import_path` resolves only paths that pass **the trust
+rule** (the one check every loader uses):
 
-* ``nvalchemi.*`` (minus the trust machinery itself), ``torch.nn.*``, ``torch.optim.*``,
-  ``torch.utils.data.*``, torch dtypes, ``torch.Tensor``/``torch.device``/``torch.dtype``/``torch.Size`` and plain
-  builtin value types (``builtins.float``, ...);
-* prefixes allowed with :func:`allow_import_path` and objects given to
-  :func:`register_trusted` or :func:`register_type_serializer`;
-* anything at all inside ``with trusted_imports():`` or with ``trust=True``.
+1. the allow-list: ``nvalchemi.*`` (minus the trust machinery itself), ``torch.nn.*``,
+   ``torch.optim.*``, ``torch.utils.data.*``, torch dtypes, ``torch.Tensor``/``device``/
+   ``dtype``/``Size`` and plain builtin value types; plus prefixes you allow with
+   :func:`allow_import_path` (the CLI's ``--allow-import PKG`` and a job file's
+   ``imports:``) and objects given to :func:`register_trusted`;
+2. **your own code that this process has already imported**: a module in
+   ``sys.modules`` (``__main__`` included) whose file is not part of the standard library
+   or of an installed package (``site-packages``). A script that does ``from common import
+   PairPotential`` loads checkpoints naming ``common.PairPotential`` with no extra call.
+   Nothing is ever imported through this door: a module that is not imported yet stays
+   refused, and the standard library and third-party packages stay refused whatever is
+   imported;
+3. anything at all with ``trust=True`` or inside ``with trusted_imports():``.
 
-Both the path as written and the place the object is really defined must be trusted, so an
-alias such as ``"torch.nn.functional.torch.load"`` is refused too. Anything else raises
-:class:`UnsafeImportError` *before* its module is imported.
+Both the path as written and the place the object is really defined must pass, so aliases
+such as ``"torch.nn.functional.torch.load"`` or ``common.system`` (after ``from os import
+system``) are refused. Refusals raise :class:`UnsafeImportError` *before* anything is
+imported.
 
-Passing the allow-list is not enough for every object: what a path *resolves to* is checked
-too, so re-exports and aliases cannot dodge the rules.
-
-* Callables that read files with full unpickling (``torch.load`` without ``weights_only``,
-  mace model files) are marked with :func:`requires_trust`; :func:`import_path` refuses
-  them without trust whatever path names them, and inside an :func:`untrusted_build`
-  block they refuse to run even when reached indirectly.
-* A spec's ``cls_path`` is *called* with keyword arguments taken from the file, so
-  :func:`check_spec_target` lets an untrusted spec call only classes (constructors) and
-  callables marked safe with :func:`spec_factory`.
+What a path *resolves to* is judged too: loaders that unpickle files are marked
+:func:`requires_trust` and refused without trust under any name (and refuse to run inside
+an :func:`untrusted_build`); a spec's ``cls_path`` is *called* with keyword arguments taken
+from the file, so :func:`check_spec_target` lets it name only classes, classmethods of your
+own classes, and callables marked :func:`spec_factory`. Function fields (a ``training_fn``,
+an activation) are only ever called with the framework's own arguments.
 
 >>> import_path("torch.optim.adam.Adam").__name__
 'Adam'
@@ -41,6 +46,10 @@ import contextvars
 import functools
 import importlib
 import inspect
+import os
+import site
+import sys
+import sysconfig
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any
@@ -53,6 +62,8 @@ __all__ = [
     "import_path",
     "check_import_path",
     "is_import_allowed",
+    "is_trusted_path",
+    "is_user_module",
     "object_to_path",
     "allow_import_path",
     "register_trusted",
@@ -126,24 +137,86 @@ def _is_dtype_path(path: str) -> bool:
 
 
 def is_import_allowed(path: str) -> bool:
-    """Whether ``path`` passes the allow-list (ignoring any trust context)."""
+    """Whether ``path`` passes the allow-list (ignoring user code and any trust context)."""
     if _under(path, _DENIED):
         return False
     return path in _ALLOWED_EXACT or _under(path, _ALLOWED) or _is_dtype_path(path)
 
 
+@functools.cache
+def _installed_code_dirs() -> tuple[str, ...]:
+    """Directories of the standard library and of installed packages (never user code)."""
+    dirs = {sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    return tuple(sorted(os.path.realpath(d) + os.sep for d in dirs if d))
+
+
+def is_user_module(name: str) -> bool:
+    """Whether module ``name`` is the user's own code that this process already imported.
+
+    ``__main__`` counts; so does any imported module whose file lies outside the standard
+    library and installed packages (``site-packages``/``dist-packages``) and outside
+    ``nvalchemi`` (governed by the allow-list). Nothing is imported to answer.
+    """
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    top = name.partition(".")[0]
+    if top == "__main__":
+        return True
+    if top == "nvalchemi" or top in sys.stdlib_module_names:
+        return False
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return False  # builtin, frozen or namespace module
+    real = os.path.realpath(file)
+    parts = set(real.split(os.sep))
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    return not real.startswith(_installed_code_dirs())
+
+
+def _imported_prefix(path: str) -> str | None:
+    """The longest prefix of ``path`` that is an imported module, if any."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        if name in sys.modules:
+            return name
+    return None
+
+
+def _in_user_code(path: str) -> bool:
+    prefix = _imported_prefix(path)
+    return prefix is not None and is_user_module(prefix)
+
+
+def is_trusted_path(path: str) -> bool:
+    """Whether ``path`` passes the trust rule without ``trust=True`` (see the module doc)."""
+    return is_import_allowed(path) or _in_user_code(path)
+
+
 def check_import_path(path: str, *, trust: bool = False) -> None:
     """Raise :class:`UnsafeImportError` unless ``path`` may be imported."""
-    if trust or _TRUST_ALL.get() or is_import_allowed(path):
+    if trust or _TRUST_ALL.get() or is_trusted_path(path):
         return
-    prefix = path.rsplit(".", 1)[0] if "." in path else path
+    top = path.split(".")[0]
+    if top in sys.stdlib_module_names:
+        hint = "note that the standard library is never reached from files without trust"
+    elif top not in sys.modules:
+        hint = (
+            f"import your module {top!r} before loading (loaders never import new code), or "
+            f"allow it with allow_import_path({top!r}) (CLI: --allow-import {top}, or "
+            f"`imports: [{top}]` in the job file)"
+        )
+    else:
+        hint = f"allow it explicitly with allow_import_path({top!r}) or register_trusted(<obj>)"
     raise UnsafeImportError(
         f"Refusing to import {path!r}: it is outside the import allow-list (nvalchemi.*, "
-        "torch.nn.*, torch.optim.*, torch.utils.data.*, torch dtypes, registered types). Specs, configs and "
-        "checkpoints from untrusted sources could run arbitrary code this way. If you trust "
-        "this input, pass trust=True (or wrap the call in "
-        "`with nvalchemi._serialization.trusted_imports():`), or allow it explicitly with "
-        f"allow_import_path({prefix!r}) or register_trusted(<object>)."
+        "torch.nn.*, torch.optim.*, torch.utils.data.*, torch dtypes, registered types) and "
+        "is not code of yours that this process has imported. Specs, configs and checkpoints "
+        f"from untrusted sources could run arbitrary code this way ({hint}). If you trust this "
+        "input, pass trust=True (or use `with nvalchemi._serialization.trusted_imports():`)."
     )
 
 
@@ -284,10 +357,12 @@ def check_spec_target(
     """Refuse what an untrusted spec may not call, judged on the resolved object ``obj``.
 
     Without trust (``trust=True`` or a :func:`trusted_imports` block) the target must be a
-    class, or a callable marked with :func:`spec_factory` / :func:`register_spec_factory`,
-    and never one marked with :func:`requires_trust`. With ``expect``, the class (or the
-    class owning a classmethod factory) must subclass it. ``where`` (e.g. the spec file and
-    key) starts the error message. Raises :class:`UnsafeImportError`.
+    class, a classmethod of a class of your own imported code, or a callable marked with
+    :func:`spec_factory` / :func:`register_spec_factory`, and never one marked with
+    :func:`requires_trust`. With ``expect``, the class (or the
+    class owning a classmethod factory) must subclass it (else ``RuntimeError`` saying what
+    was expected). ``where`` (e.g. the spec file and key) starts the error message.
+    Raises :class:`UnsafeImportError`.
     """
     if _trusted_now(trust):
         return
@@ -301,7 +376,7 @@ def check_spec_target(
     owner = getattr(obj, "__self__", None)
     if isinstance(obj, type):
         cls = obj
-    elif is_spec_factory(obj):
+    elif is_spec_factory(obj) or (isinstance(owner, type) and is_user_module(owner.__module__)):
         cls = owner if isinstance(owner, type) else None
     else:
         raise UnsafeImportError(
@@ -310,10 +385,10 @@ def check_spec_target(
         )
     if expect is not None and (cls is None or not issubclass(cls, expect)):
         items = expect if isinstance(expect, tuple) else (expect,)
-        wanted = " or ".join(t.__name__ for t in items)
-        raise UnsafeImportError(
-            f"{prefix}{path!r} is not a subclass of {wanted} (or a marked factory of one); an "
-            f"untrusted spec here may only name such classes. {hint}"
+        wanted = " or ".join("nn.Module" if t is torch.nn.Module else t.__name__ for t in items)
+        raise RuntimeError(
+            f"{prefix}{path!r} names {_defined_path(cls or obj)!r}, which is not a subclass of "
+            f"{wanted}: expected {wanted} (or a marked factory of one). Nothing was built."
         )
 
 
@@ -351,16 +426,26 @@ def _resolve(path: str) -> tuple[Any, str | None]:
     for i in range(len(parts), 0, -1):
         module_name = ".".join(parts[:i])
         try:
-            obj = importlib.import_module(module_name)
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name is not None and module_name.startswith(exc.name):
                 continue
             raise ValueError(f"Importing {module_name!r} for {path!r} failed: {exc}") from exc
-        break
-    else:
-        raise ValueError(f"Cannot import {path!r}: module {parts[0]!r} not found.")
-    current, problem = module_name, None
-    for attr in parts[i:]:
+        return _walk(module, module_name, parts[i:], path)
+    raise ValueError(f"Cannot import {path!r}: module {parts[0]!r} not found.")
+
+
+def _resolve_imported(path: str) -> tuple[Any, str | None]:
+    """Resolve ``path`` from an already-imported module, importing nothing."""
+    prefix = _imported_prefix(path)
+    if prefix is None:
+        raise ValueError(f"Cannot resolve {path!r}: no module of it is imported.")
+    return _walk(sys.modules[prefix], prefix, path.split(".")[prefix.count(".") + 1 :], path)
+
+
+def _walk(obj: Any, current: str, attrs: list[str], path: str) -> tuple[Any, str | None]:
+    problem = None
+    for attr in attrs:
         try:
             obj = getattr(obj, attr)
         except AttributeError:
@@ -381,13 +466,13 @@ def _defined_at_problem(path: str, obj: Any) -> str | None:
         return None
     defined = f"{module}.{qualname}"
     torch_internal = module.split(".")[0] == "torch" and not _under(defined, _DENIED)
-    if defined == path or torch_internal or is_import_allowed(defined):
+    if defined == path or torch_internal or is_trusted_path(defined):
         return None
-    return f"it is really {defined!r}, which is outside the allow-list"
+    return f"it is really {defined!r}, which is outside the allow-list and not your own code"
 
 
 def import_path(path: str, *, trust: bool = False) -> Any:
-    """Import the object named by dotted ``path`` through the allow-list.
+    """Import the object named by dotted ``path`` under the trust rule (module docstring).
 
     Raises :class:`UnsafeImportError` (a ``ValueError``) for untrusted paths, before importing
     anything; for an allowed path whose object is marked :func:`requires_trust` (whatever
@@ -396,7 +481,10 @@ def import_path(path: str, *, trust: bool = False) -> Any:
     if not isinstance(path, str):
         raise TypeError(f"import path must be a str, got {type(path).__name__}")
     check_import_path(path, trust=trust)
-    obj, problem = _resolve(path)
+    if _trusted_now(trust) or is_import_allowed(path):
+        obj, problem = _resolve(path)
+    else:  # the user-code door: imported modules only, nothing new is imported
+        obj, problem = _resolve_imported(path)
     if not _trusted_now(trust):
         problem = problem or _defined_at_problem(path, obj)
         if problem:

@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -131,16 +132,33 @@ class BaseSpec(BaseModel):
         params = _parameters(self.target())
         return name in params or _accepts_var_kwargs(params)
 
-    def build(self, *args: Any, **extra_kwargs: Any) -> Any:
+    def build(self, *args: Any, strict: bool = False, **extra_kwargs: Any) -> Any:
         """Call the target with ``*args`` and the stored kwargs (``extra_kwargs`` win).
 
         Nested specs are built first unless the target annotates that parameter as a spec.
+        Stored kwargs the target no longer accepts (its signature changed since the spec
+        was written) raise ``TypeError`` with ``strict=True``; otherwise they are dropped
+        with a warning.
         """
         target = self.target()
         params = _parameters(target)
+        stored = self.kwargs
+        unknown = (
+            [] if not params or _accepts_var_kwargs(params) else sorted(set(stored) - set(params))
+        )
+        if unknown:
+            message = (
+                f"Spec of {self.cls_path} (saved at {self.timestamp}) has keyword(s) {unknown} "
+                f"that {self.cls_path} does not accept (its signature changed since the spec was "
+                "written)"
+            )
+            if strict:
+                raise TypeError(f"{message}; update the spec's keyword arguments to match.")
+            warnings.warn(f"{message}; dropping them.", UserWarning, stacklevel=2)
+            stored = {k: v for k, v in stored.items() if k not in unknown}
         kwargs = {
             k: _build_value(v, params[k].annotation if k in params else _EMPTY)
-            for k, v in self.kwargs.items()
+            for k, v in stored.items()
         }
         kwargs.update(extra_kwargs)
         if self._trusted:
@@ -265,48 +283,79 @@ def _make_spec(path: str, timestamp: str, kwargs: dict, target: Any, trusted: bo
     return spec
 
 
-def create_model_spec_from_json(spec_dict: Mapping[str, Any], *, trust: bool = False) -> BaseSpec:
+def create_model_spec_from_json(
+    spec_dict: Mapping[str, Any],
+    *,
+    trust: bool = False,
+    expect: type | tuple[type, ...] | None = None,
+    where: str = "",
+) -> BaseSpec:
     """Rehydrate a spec from its JSON dict (as written by ``spec.model_dump()``).
 
-    Every dotted path inside (the target, nested specs, ``{"__type__": ...}`` values) must
-    pass the import allow-list unless ``trust=True``; refusal raises
-    :class:`~nvalchemi._serialization.UnsafeImportError` before anything is imported.
-    Strings are decoded to classes, dtypes or devices where the target's parameter is annotated
-    ``type``/``torch.dtype``/``torch.device`` (or, unannotated, named ``dtype``/``device``/
-    ``*_dtype``/``*_device``); lists become tuples where the parameter is annotated as a tuple.
+    This is the one place where what a file names is checked (every loader comes here):
+    unless ``trust=True``, every dotted path inside (the target, nested specs,
+    ``{"__type__": ...}`` values, class arguments) must pass the trust rule of
+    :mod:`nvalchemi._serialization`, each ``cls_path`` must name a class (a subclass of
+    ``expect`` at the top level, when given), a classmethod of your own class or a marked
+    factory, and nothing that unpickles files; refusals raise
+    :class:`~nvalchemi._serialization.UnsafeImportError` naming ``where`` (e.g. the file)
+    and the key, before anything is built. Strings are decoded to classes, dtypes or
+    devices where the target's parameter is annotated ``type``/``torch.dtype``/
+    ``torch.device`` (or, unannotated, named ``dtype``/``device``/``*_dtype``/
+    ``*_device``); lists become tuples where the parameter is annotated as a tuple.
     """
+    return _rehydrate(spec_dict, trust, expect, where, "")
+
+
+def _located(where: str, key: str) -> str:
+    if where and key:
+        return f"{where}, key {key!r}"
+    return where or (f"key {key!r}" if key else "")
+
+
+def _refuse(exc: UnsafeImportError, where: str) -> UnsafeImportError:
+    return UnsafeImportError(f"{where}: {exc}") if where else exc
+
+
+def _rehydrate(spec_dict: Any, trust: bool, expect: Any, where: str, key: str) -> BaseSpec:
     if not isinstance(spec_dict, Mapping):
         raise TypeError(f"spec JSON must be a mapping, got {type(spec_dict).__name__}")
-    for key in ("cls_path", "timestamp"):
-        if key not in spec_dict:
+    for name in ("cls_path", "timestamp"):
+        if name not in spec_dict:
             raise ValueError(
-                f"Spec JSON missing required field {key!r}; present keys: {sorted(spec_dict)}"
+                f"Spec JSON missing required field {name!r}; present keys: {sorted(spec_dict)}"
             )
     path = spec_dict["cls_path"]
+    at = _located(where, f"{key}.cls_path" if key else "cls_path")
     if not trust and spec_dict.get("trust"):
-        # A spec must not lift the allow-list for what it loads itself (e.g. a loader called
+        # A spec must not lift the trust rule for what it loads itself (e.g. a loader called
         # with trust=True on a directory the spec's author controls).
-        raise UnsafeImportError(
-            f"Spec for {path!r} asks for trust=True; an untrusted spec may not grant trust. "
-            "Pass trust=True to create_model_spec_from_json yourself if you trust its source."
+        raise _refuse(
+            UnsafeImportError(
+                f"Spec for {path!r} asks for trust=True; an untrusted spec may not grant trust. "
+                "Pass trust=True to create_model_spec_from_json yourself if you trust its source."
+            ),
+            _located(where, key),
         )
     if not isinstance(path, str):
         raise ValueError(f"Spec JSON field 'cls_path' must be a str, got {path!r}")
     try:
         target = _resolve_callable(path, trust=trust)
-    except UnsafeImportError:
-        raise
+    except UnsafeImportError as exc:
+        raise _refuse(exc, at) from None
     except (ValueError, ImportError, TypeError) as exc:
         raise ValueError(
-            f"Could not resolve cls_path={path!r} while rehydrating spec JSON: {exc}"
+            f"{at + ': ' if at else ''}Could not resolve cls_path={path!r} while rehydrating "
+            f"spec JSON: {exc}"
         ) from exc
-    check_spec_target(target, path=path, trust=trust)
+    check_spec_target(target, path=path, trust=trust, expect=expect, where=at)
     params = _parameters(target)
     kwargs = {
-        k: _decode(v, params[k].annotation if k in params else _EMPTY, k, trust)
+        k: _decode(v, params[k].annotation if k in params else _EMPTY, k, trust, where,
+                   f"{key}.{k}" if key else k)
         for k, v in spec_dict.items()
         if k not in ("cls_path", "timestamp")
-    }
+    }  # fmt: skip
     spec = _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
     spec._untrusted_json = not trust
     return spec
@@ -349,21 +398,29 @@ def _item_annotation(annotation: Any) -> Any:
     return _EMPTY
 
 
-def _decode(value: Any, annotation: Any, name: str, trust: bool) -> Any:
+def _decode(value: Any, annotation: Any, name: str, trust: bool, where: str, key: str) -> Any:
     if isinstance(value, Mapping):
         if "cls_path" in value:
-            return create_model_spec_from_json(value, trust=trust)
-        decoded = decode_tagged(value, trust=trust)
+            return _rehydrate(value, trust, None, where, key)
+        try:
+            decoded = decode_tagged(value, trust=trust)
+        except UnsafeImportError as exc:
+            raise _refuse(exc, _located(where, f"{key}.__type__")) from None
         if decoded is not _NOT_TAGGED:
             return decoded
-        return {k: _decode(v, _EMPTY, k, trust) for k, v in value.items()}
+        return {k: _decode(v, _EMPTY, k, trust, where, f"{key}.{k}") for k, v in value.items()}
     if isinstance(value, list):
         item = _item_annotation(annotation)
-        items = [_decode(v, item, "", trust) for v in value]
+        items = [_decode(v, item, "", trust, where, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if _wants_tuple(annotation) else items
     if isinstance(value, str):
         if _wants_class(annotation):
-            return import_path(value, trust=trust)
+            try:
+                cls = import_path(value, trust=trust)
+                check_spec_target(cls, path=value, trust=trust)  # it is called later
+            except UnsafeImportError as exc:
+                raise _refuse(exc, _located(where, key)) from None
+            return cls
         unannotated = not _union_members(annotation)
         if _wants(annotation, torch.dtype) or (
             unannotated and (name == "dtype" or name.endswith("_dtype"))

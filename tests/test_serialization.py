@@ -140,24 +140,90 @@ def test_trust_flag_and_context_allow_everything(evil_module):
     assert import_path("os.path.join", trust=True) is __import__("os").path.join
     with trusted_imports():
         run = import_path("nv_evil_mod.run")
+        assert import_path("json.dumps") is __import__("json").dumps
     assert evil_module.read_text() == "imported"
     with pytest.raises(UnsafeImportError):
-        import_path("nv_evil_mod.Thing")  # trust does not outlive the block
+        import_path("json.dumps")  # trust does not outlive the block
     assert callable(run)
 
 
 def test_allow_import_path_and_register_trusted(evil_module, restore_allow_list):
     assert not is_import_allowed("nv_evil_mod.run")
-    allow_import_path("nv_evil_mod")
+    allow_import_path("nv_evil_mod")  # allowed prefixes may be imported by the loader
     assert import_path("nv_evil_mod.run").__name__ == "run"
-    ser._ALLOWED.discard("nv_evil_mod")
-    thing = import_path("nv_evil_mod.Thing", trust=True)
+    assert evil_module.read_text() == "imported"
+    import json
+
     with pytest.raises(UnsafeImportError):
-        import_path("nv_evil_mod.Thing")
-    register_trusted(thing)
-    assert import_path("nv_evil_mod.Thing") is thing
+        import_path("json.dumps")
+    register_trusted(json.dumps)
+    assert import_path("json.dumps") is json.dumps
     with pytest.raises(UnsafeImportError):
-        import_path("nv_evil_mod.run")  # only the registered object is trusted
+        import_path("json.loads")  # only the registered object is trusted
+
+
+# ---------------------------------------------------- the user's own imported code
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """``nv_user_pkg`` (a class, a re-export of os.system) and a submodule marking its import."""
+    root = tmp_path / "nv_user_pkg"
+    root.mkdir()
+    marker = tmp_path / "sub-imported.txt"
+    (root / "__init__.py").write_text(
+        "import torch\n"
+        "from os import system\n"
+        "class PairPotential(torch.nn.Module):\n"
+        "    def __init__(self, width: int = 2):\n"
+        "        super().__init__()\n"
+        "        self.width = width\n"
+        "    @classmethod\n"
+        "    def from_width(cls, width):\n"
+        "        return cls(width)\n"
+        "def energy_fn(model, batch):\n"
+        "    return {}\n"
+    )
+    (root / "sub.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass X: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    for name in ("nv_user_pkg", "nv_user_pkg.sub"):
+        sys.modules.pop(name, None)
+    ser._resolve.cache_clear()
+
+
+def test_user_code_loads_once_imported_and_never_before(user_package):
+    with pytest.raises(UnsafeImportError, match=r"import your module 'nv_user_pkg' before"):
+        import_path("nv_user_pkg.PairPotential")
+    assert "nv_user_pkg" not in sys.modules  # refusing imported nothing
+    import nv_user_pkg
+
+    assert import_path("nv_user_pkg.PairPotential") is nv_user_pkg.PairPotential
+    assert import_path("nv_user_pkg.energy_fn") is nv_user_pkg.energy_fn
+    assert ser.is_user_module("nv_user_pkg") and not is_import_allowed("nv_user_pkg.energy_fn")
+    check_spec_target(nv_user_pkg.PairPotential.from_width, path="x", expect=torch.nn.Module)
+    with pytest.raises(ValueError):  # a submodule that is not imported is not imported now
+        import_path("nv_user_pkg.sub.X")
+    assert not user_package.exists() and "nv_user_pkg.sub" not in sys.modules
+
+
+def test_user_code_cannot_reach_the_standard_library_or_installed_packages(user_package):
+    import json
+
+    import numpy  # noqa: F401 - imported, but an installed package
+    import nv_user_pkg  # noqa: F401
+
+    for path, pattern in (
+        ("nv_user_pkg.system", r"really '(posix|nt)\.system'"),
+        ("nv_user_pkg.torch", r"alias of module 'torch'"),
+        ("json.dumps", r"standard library is never reached"),
+        ("numpy.load", r"outside the import allow-list"),
+    ):
+        with pytest.raises(UnsafeImportError, match=pattern):
+            import_path(path)
+    assert not ser.is_user_module("json") and not ser.is_user_module("numpy")
+    assert not ser.is_user_module("torch") and not ser.is_user_module("nvalchemi.spec")
+    assert ser.is_user_module("__main__") and json
 
 
 def test_allow_import_path_rejects_empty_prefix():
@@ -351,7 +417,7 @@ def test_check_spec_target_allows_classes_and_marked_factories_only(restore_spec
     check_spec_target(_Factories, path="x")
     check_spec_target(_Factories.from_width, path="x", expect=_Factories)
     for obj, pattern in (
-        (_Factories.unmarked, "neither a class nor a callable marked safe"),
+        (torch.nn.Embedding.from_pretrained, "neither a class nor a callable marked safe"),
         (torch.nn.init.zeros_, "neither a class nor a callable marked safe"),
         (_Factories.from_pickle, "loads pickled files"),
         (_unpickle, "loads pickled files"),
@@ -360,14 +426,15 @@ def test_check_spec_target_allows_classes_and_marked_factories_only(restore_spec
             check_spec_target(obj, path="p", where="spec.json, key 'model.cls_path'")
         assert str(info.value).startswith("spec.json, key 'model.cls_path': ")
         check_spec_target(obj, path="p", trust=True)
-    with pytest.raises(UnsafeImportError, match=r"not a subclass of Module"):
+    with pytest.raises(RuntimeError, match=r"not a subclass of nn.Module: expected nn.Module"):
         check_spec_target(_Factories, path="p", expect=torch.nn.Module)
-    with pytest.raises(UnsafeImportError, match=r"not a subclass of Module"):
+    with pytest.raises(RuntimeError, match=r"expected nn.Module"):
         check_spec_target(_Factories.from_width, path="p", expect=torch.nn.Module)
-    assert not is_spec_factory(_Factories.unmarked)
-    register_spec_factory(_Factories.unmarked)
-    assert is_spec_factory(_Factories.unmarked)
-    check_spec_target(_Factories.unmarked, path="x")
+    check_spec_target(_Factories.unmarked, path="x")  # a classmethod of your own class
+    assert not is_spec_factory(torch.nn.Embedding.from_pretrained)
+    register_spec_factory(torch.nn.Embedding.from_pretrained)
+    assert is_spec_factory(torch.nn.Embedding.from_pretrained)
+    check_spec_target(torch.nn.Embedding.from_pretrained, path="x")
     assert not is_spec_factory(register_spec_factory(_unpickle))  # trust marker wins
 
 

@@ -146,7 +146,7 @@ class NvalchemiCalculator(Calculator):
             ...     "runs/x/checkpoints", checkpoint_index=0, use_ema=False)  # doctest: +SKIP
         """
         _check_ase_keywords(kwargs, "NvalchemiCalculator.from_checkpoint")
-        from nvalchemi.training.checkpoint import load_model_from_checkpoint
+        from nvalchemi.training.checkpoint.store import load_model_from_checkpoint
 
         model = load_model_from_checkpoint(
             path,

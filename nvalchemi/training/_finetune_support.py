@@ -203,7 +203,7 @@ def load_plain_weights(
     """Load a ``state_dict`` file (``weights_only``) or mapping into ``model`` (see the caller)."""
     target = _weights_target(model, model_key)
     if isinstance(weights, (str, os.PathLike)):
-        from nvalchemi.training._checkpoint_files import safe_torch_load
+        from nvalchemi.training.checkpoint.store import safe_torch_load
 
         where = str(weights)
         raw = safe_torch_load(Path(weights), "cpu")

@@ -23,11 +23,14 @@ gate on the 1-based epoch number; ``SETUP``, ``BEFORE_TRAINING``, ``AFTER_TRAINI
 from __future__ import annotations
 
 import contextlib
+import itertools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from nvalchemi.training import loader_position
 from nvalchemi.training._loop_setup import (
     _fire,
     _LoopSetup,
@@ -110,10 +113,12 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
         self.close()
         d["_stop_reason"] = None
         with self:
+            d["_running"] = True
             try:
                 with self._parameter_flags():  # fine-tuning filters, undone on exit
                     self._train_run(dataloader)
             finally:
+                d["_running"] = False
                 d["_batch_session_ready"] = False
 
     def train_batch(self, batch: Any) -> torch.Tensor:
@@ -306,32 +311,43 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
     def _open_epoch(self, loader: Any, skip: int) -> tuple[Any, bool]:
         """``iter(loader)`` past ``skip`` consumed batches; return ``(iterator, exhausted)``.
 
-        Loaders that shuffle with the global torch RNG (``DataLoader(shuffle=True)``
-        without a generator draws its sampler seed, and its workers' base seed, from it
-        when iterated) get the same order on a mid-epoch resume: the RNG state at each
-        epoch start is recorded (saved in ``runtime_state``); a resume iterates from that
-        state, skips the consumed batches, then restores the current (checkpoint) state.
-        CPU RNG only: no device sync, once per epoch.
+        The generator states the epoch's order is drawn from are recorded first (saved in
+        ``runtime_state``); the first epoch after a resume replays the saved record, so the
+        interrupted epoch gets the same order (see :mod:`nvalchemi.training.loader_position`).
+        CPU RNG states only: no device sync, once per epoch.
         """
         d = self.__dict__
-        resume_rng = None
-        if d["epoch_step_count"] == 0:
-            d["_epoch_rng_state"] = torch.get_rng_state()
-        elif skip and d["_epoch_rng_state"] is not None:
-            resume_rng = torch.get_rng_state()
-            torch.set_rng_state(d["_epoch_rng_state"])
+        resume, d["_resume_loader"] = d["_resume_loader"], None
+        replaying = resume is not None and resume["epoch"] == d["epoch_count"]
+        if resume is not None and not replaying:
+            loader_position.restore_generators(loader, resume["generators_now"])
+        if replaying and (skip or d["epoch_step_count"]):
+            problem = loader_position.order_problem(loader)
+            if problem is not None:
+                warnings.warn(
+                    f"Resuming in the middle of epoch {d['epoch_count'] + 1}: the batch order of "
+                    f"the dataloader ({type(loader).__name__}) may differ from the interrupted "
+                    f"run's, because {problem}. The run continues from the checkpoint's weights "
+                    "and counters, but not bitwise like the uninterrupted run.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        scope = loader_position.replay(loader, resume) if replaying else contextlib.nullcontext()
         try:
-            iterator = iter(loader)
-            for _ in range(skip):  # materialized but not trained
-                next(iterator)
+            with scope:
+                d["_epoch_record"] = (
+                    resume if replaying else loader_position.capture(loader, d["epoch_count"])
+                )
+                iterator = iter(loader)
+                for _ in range(skip):  # materialized but not trained
+                    next(iterator)
+                if replaying:  # samplers may draw their order lazily, at the first batch
+                    iterator = itertools.chain([next(iterator)], iterator)
         except StopIteration:
             return iterator, True
         except Exception as exc:
             self._annotate(exc, "loading the next batch from the dataloader")
             raise
-        finally:
-            if resume_rng is not None:
-                torch.set_rng_state(resume_rng)
         return iterator, False
 
     @staticmethod

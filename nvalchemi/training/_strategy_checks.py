@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import inspect
+import sys
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -59,19 +60,19 @@ def _normalize_configs(configs: Any, single: bool) -> Any:
 
 
 def _resolve_dotted(path: str) -> Any:
-    from nvalchemi._serialization import import_path
+    import importlib.util
+
+    from nvalchemi._serialization import UnsafeImportError, import_path
 
     if "." not in path:
         raise ValueError(f"training_fn {path!r}: expected 'module.attribute'.")
+    top = path.split(".")[0]
+    if top not in sys.modules and importlib.util.find_spec(top) is None:
+        raise ValueError(f"training_fn {path!r}: module {top!r} not found.")
     try:
-        return import_path(path, trust=True)
-    except ModuleNotFoundError as exc:
-        module = path.rsplit(".", 1)[0]
-        if exc.name and module.startswith(exc.name):
-            raise ValueError(f"training_fn {path!r}: module {exc.name!r} not found.") from None
-        raise ValueError(
-            f"training_fn {path!r}: missing transitive dependency {exc.name!r}."
-        ) from None
+        return import_path(path)  # the trust rule: a string never imports a new module
+    except UnsafeImportError as exc:
+        raise ValueError(f"training_fn {path!r}: {exc} Or pass the function itself.") from None
     except (AttributeError, ImportError, ValueError) as exc:
         raise ValueError(
             f"training_fn {path!r} has no attribute or cannot be imported: {exc}"

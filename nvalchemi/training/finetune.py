@@ -49,7 +49,6 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from nvalchemi._serialization import requires_trust
-from nvalchemi.training._checkpoint_load import run_validators
 from nvalchemi.training._finetune_support import (
     apply_reuse,
     load_patches,
@@ -58,6 +57,7 @@ from nvalchemi.training._finetune_support import (
     rehydrate_payload,
     reject_new_run_conflicts,
 )
+from nvalchemi.training.checkpoint.load import run_validators
 from nvalchemi.training.hooks.finetune import (
     AddHeadHook,
     ForgettingHook,
@@ -232,7 +232,7 @@ class FineTuningStrategy(TrainingStrategy):
         :meth:`from_pretrained_checkpoint`.
         """
         from nvalchemi._serialization import import_path
-        from nvalchemi.training.checkpoint import read_strategy_metadata
+        from nvalchemi.training.checkpoint.load import read_strategy_metadata
 
         meta = read_strategy_metadata(root_folder, checkpoint_index)
         path = (meta or {}).get("strategy_cls")
@@ -299,12 +299,7 @@ class FineTuningStrategy(TrainingStrategy):
                 passed; the checkpoint has no models; a reuse flag without strategy
                 metadata; no loss or optimizer configs.
         """
-        from nvalchemi.training._checkpoint_files import read_json
-        from nvalchemi.training.checkpoint import (
-            _open_checkpoint,
-            load_models_from_checkpoint,
-            read_strategy_metadata,
-        )
+        from nvalchemi.training.checkpoint.store import CheckpointStore, read_json, read_models
 
         kwargs = dict(strategy_kwargs)
         if "models" in kwargs:
@@ -313,38 +308,28 @@ class FineTuningStrategy(TrainingStrategy):
                 "models=... (use from_pretrained_weights(model, weights) for your own model)."
             )
         reject_new_run_conflicts(kwargs, "from_pretrained_checkpoint")
-        manifest, paths = _open_checkpoint(checkpoint_dir, checkpoint_index)
-        root, entry = paths.root, paths.entry
+        files = CheckpointStore(checkpoint_dir).open(checkpoint_index)
+        root, entry = files.root, files.entry
         names = list(entry.models)
         if not names:
             raise ValueError(
                 f"Checkpoint {entry.index} in {root} holds no models to fine-tune from."
             )
-        meta = read_strategy_metadata(root, entry.index)
+        meta_path = files.strategy()
+        meta = read_json(meta_path, "strategy metadata") if meta_path is not None else None
         apply_reuse(kwargs, meta, use_original_loss, use_original_opt_class, optimizer_lr, trust)
         kwargs = rehydrate_payload(kwargs, trust, "from_pretrained_checkpoint")
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
-        loaded = load_models_from_checkpoint(
-            root, entry.index, device, names, use_ema=use_ema_weights, trust=trust
-        )
-        missing = sorted(set(names) - set(loaded))
-        if missing:
-            raise ValueError(f"Checkpoint {entry.index} in {root}: models {missing} not loaded.")
-        if validators:  # the entries read spec files: only build them when needed
-            run_validators(
-                validators,
-                {
-                    name: {
-                        "model": model,
-                        "spec": read_json(paths.spec("models", name), "spec file"),
-                        "optimizers": {},
-                        "schedulers": {},
-                        "metadata": {"associations": manifest.associations.get(name, {})},
-                    }
-                    for name, model in loaded.items()
-                },
-                root,
-            )
+        read = read_models(files, names, device, use_ema=use_ema_weights, trust=trust)
+        loaded = {name: model for name, (model, _) in read.items()}
+        if validators:
+            assoc = files.manifest.associations
+            entries = {
+                name: {"model": model, "spec": spec, "optimizers": {}, "schedulers": {},
+                       "metadata": {"associations": assoc.get(name, {})}}
+                for name, (model, spec) in read.items()
+            }  # fmt: skip
+            run_validators(validators, entries, root)
         for model in loaded.values():
             model.train()
         single = names == ["main"] and bool((meta or {}).get("single_model_input", True))

@@ -26,7 +26,6 @@ Extension seams used by checkpointing and DDP hooks: :meth:`runtime_state` /
 
 from __future__ import annotations
 
-import base64
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from enum import Enum
@@ -342,11 +341,13 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         d["_last_loss"] = None
         d["_active_dataloader"] = None
         d["_stop_reason"] = None
+        d["_running"] = False
         d["_validated_at"] = None
         d["_consecutive_skips"] = 0
         d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
         d["_epoch_length"] = None  # batches per epoch of the running loader (sized loaders)
-        d["_epoch_rng_state"] = None  # torch CPU RNG state at the current epoch's start
+        d["_epoch_record"] = None  # generator states the open epoch's order was drawn from
+        d["_resume_loader"] = None  # a restored loader position, applied at the next epoch
         d["_target_keys"] = loss_target_keys(self.loss_fn)
         hooks = list(self.hooks)
         self.hooks = []
@@ -471,6 +472,11 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         return orchestrator is not None and orchestrator.window_open
 
     @property
+    def running(self) -> bool:
+        """Whether :meth:`run` is executing (``False`` during ``train_batch`` sessions)."""
+        return self.__dict__["_running"]
+
+    @property
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called during the current run."""
         return self.__dict__["_stop_reason"] is not None
@@ -507,26 +513,35 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
     def runtime_state(self) -> dict[str, Any]:
         """Counters and loop state to resume exactly (JSON-ready).
 
-        ``epoch_rng_state`` (base64 of the torch CPU RNG state at the current epoch's
-        start) lets a mid-epoch resume reproduce the order of loaders that shuffle with
-        the global RNG, such as ``DataLoader(shuffle=True)`` without a generator. Under
-        DDP it is rank 0's state (shuffle with a seeded ``DistributedSampler`` there).
-        Checkpoint hooks should call :meth:`check_nonfinite` first (on every rank), so a
-        checkpoint never captures a run that already diverged; this method itself does
-        not synchronise.
+        ``loader_position`` records the random-generator states the loader drew its
+        current epoch's order from, and its generators' states now (see
+        :mod:`nvalchemi.training.loader_position`), so a resume reproduces the order of
+        ``DataLoader(shuffle=True)`` with or without a ``generator``, ``RandomSampler``
+        and friends. Under DDP it is rank 0's (shuffle with a seeded
+        ``DistributedSampler`` there). Checkpoint hooks should call
+        :meth:`check_nonfinite` first (on every rank), so a checkpoint never captures a
+        run that already diverged; this method itself does not synchronise.
         """
+        from nvalchemi.training import loader_position
+
         d = self.__dict__
         state: dict[str, Any] = {name: int(d[name]) for name in _COUNTERS}
         state["consecutive_skips"] = int(d["_consecutive_skips"])
         validated = d["_validated_at"]
         state["validated_at"] = list(validated) if validated is not None else None
-        rng = d["_epoch_rng_state"]
-        if rng is not None:
-            state["epoch_rng_state"] = base64.b64encode(rng.numpy().tobytes()).decode("ascii")
+        record = d["_epoch_record"]
+        if record is not None:
+            now = [g.get_state() for g in loader_position.generators(d["_active_dataloader"])]
+            state["loader_position"] = loader_position.encode(record, now)
+        elif d["_resume_loader"] is not None:  # restored but not run yet: keep what was saved
+            resume = d["_resume_loader"]
+            state["loader_position"] = loader_position.encode(resume, resume["generators_now"])
         return state
 
     def load_runtime_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`runtime_state` output (``ValueError`` for negative/malformed values)."""
+        from nvalchemi.training import loader_position
+
         if not isinstance(state, Mapping):
             raise ValueError(f"runtime_state must be a mapping; got {type(state).__name__}.")
         d = self.__dict__
@@ -550,7 +565,16 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         validated = state.get("validated_at")
         d["_validated_at"] = tuple(int(v) for v in validated) if validated else None
         d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
-        d["_epoch_rng_state"] = _decode_rng_state(state.get("epoch_rng_state"))
+        record = loader_position.decode(state.get("loader_position"))
+        legacy = _decode_rng_state(state.get("epoch_rng_state"))  # written before 0.2
+        if record is None and legacy is not None:
+            record = {
+                "epoch": d["epoch_count"],
+                "torch": legacy,
+                "generators": [],
+                "generators_now": [],
+            }
+        d["_resume_loader"], d["_epoch_record"] = record, None
 
     def _inference_autocast(
         self, device: torch.device, mode: str = "auto"
@@ -628,17 +652,17 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         self, root_folder: Any, *, checkpoint_index: int = -1, **kwargs: Any
     ) -> int:
         """Write a restartable checkpoint (see :mod:`nvalchemi.training.checkpoint`)."""
-        from nvalchemi.training.checkpoint import strategy_save_checkpoint
+        from nvalchemi.training.checkpoint.save import save_checkpoint
 
-        return strategy_save_checkpoint(
-            self, root_folder, checkpoint_index=checkpoint_index, **kwargs
+        return save_checkpoint(
+            root_folder, strategy=self, checkpoint_index=checkpoint_index, **kwargs
         )
 
     def restore_checkpoint(
         self, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
     ) -> Mapping[str, Any]:
         """Load a checkpoint into this strategy in place."""
-        from nvalchemi.training.checkpoint import strategy_restore_checkpoint
+        from nvalchemi.training.checkpoint.load import strategy_restore_checkpoint
 
         return strategy_restore_checkpoint(
             self, root_folder, checkpoint_index, map_location, **kwargs
@@ -649,7 +673,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
     ) -> TrainingStrategy:
         """Rebuild a strategy from a checkpoint and restore its state (resume)."""
-        from nvalchemi.training.checkpoint import strategy_load_checkpoint
+        from nvalchemi.training.checkpoint.load import strategy_load_checkpoint
 
         return strategy_load_checkpoint(cls, root_folder, checkpoint_index, map_location, **kwargs)
 

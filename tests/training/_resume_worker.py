@@ -45,6 +45,7 @@ from nvalchemi.training import (  # noqa: E402
     TrainingStrategy,
     ValidationConfig,
 )
+from nvalchemi.training.checkpoint import CheckpointManifest  # noqa: E402
 from nvalchemi.training.hooks.checkpoint import CheckpointHook  # noqa: E402
 from nvalchemi.training.hooks.early_stopping import EarlyStoppingHook  # noqa: E402
 from nvalchemi.training.preemption import PreemptionHandler  # noqa: E402
@@ -116,7 +117,116 @@ class LossLog:
                 time.sleep(1.0)
 
 
+# ---------------------------------------------------------------------------- loader kinds
+LOADER_KINDS = ("shuffle", "generator", "random_sampler", "distributed", "ours")
+
+
+def make_loader(kind: str, workers: int) -> Any:
+    """The training loader of a ``loaders`` job: the ways people shuffle (16 molecules, batch 4)."""
+    from torch.utils.data import DataLoader as TorchLoader
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    from nvalchemi.data import Batch
+
+    frames = molecules(16, 0)
+    common = {"batch_size": 4, "collate_fn": Batch.from_data_list, "num_workers": workers}
+    if kind == "shuffle":
+        return TorchLoader(frames, shuffle=True, **common)
+    if kind == "generator":
+        return TorchLoader(
+            frames, shuffle=True, generator=torch.Generator().manual_seed(1234), **common
+        )
+    if kind == "random_sampler":
+        sampler = RandomSampler(frames, generator=torch.Generator().manual_seed(99))
+        return TorchLoader(frames, sampler=sampler, **common)
+    if kind == "distributed":
+        sampler = DistributedSampler(frames, num_replicas=1, rank=0, shuffle=True, seed=1234)
+        return TorchLoader(frames, sampler=sampler, **common)
+    return DataLoader(
+        InMemoryDataset(data_list=frames), batch_size=4, shuffle=True, seed=7, num_workers=workers
+    )
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
+    )
+
+
+def loader_strategy(job: dict[str, Any], hooks: list[Any]) -> TrainingStrategy:
+    torch.manual_seed(0)
+    return TrainingStrategy(
+        models=make_model(),
+        optimizer_configs=OptimizerConfig(
+            torch.optim.AdamW,
+            {"lr": 1e-2},
+            torch.optim.lr_scheduler.StepLR,
+            {"step_size": 3, "gamma": 0.7},
+        ),
+        loss_fn=EnergyMSELoss() + ForceMSELoss(),
+        hooks=hooks,
+        num_epochs=3,
+    )
+
+
+def run_loader_job(job: dict[str, Any]) -> int:
+    """``mode``: ``reference`` (checkpoint every step), ``resume_all`` (resume from each of the
+    reference's checkpoints in turn, compare), ``train`` (checkpoint every 3 steps, may
+    pause to be killed) or ``resume`` (from the latest checkpoint)."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # resumed without the saved hooks, on purpose
+    root, kind, workers = Path(job["root"]), job["loader"], job.get("workers", 0)
+    mode = job["mode"]
+    if mode == "resume_all":
+        reference = torch.load(job["final_file"], weights_only=True)["model"]
+        losses = dict(
+            tuple(line.split()) for line in Path(job["loss_file"]).read_text().splitlines()
+        )
+        out = []
+        for entry in CheckpointManifest.read(root).checkpoints:
+            log = Path(job["scratch"]) / f"resume-{entry.index}.loss"
+            log.unlink(missing_ok=True)
+            hooks = [LossLog(str(log), None)]
+            strategy = TrainingStrategy.load_checkpoint(
+                root, entry.index, map_location="cpu", hooks=hooks
+            )
+            strategy.run(make_loader(kind, workers))
+            hooks[0].handle.close()
+            after = [tuple(line.split()) for line in log.read_text().splitlines()]
+            final = strategy.unwrapped_models()["main"].state_dict()
+            same = all(_bitwise_equal(final[k], reference[k]) for k in reference)
+            out.append(
+                {
+                    "index": entry.index,
+                    "step": entry.step_count,
+                    "epoch_step": entry.epoch_step_count,
+                    "losses": all(losses[s] == v for s, v in after)
+                    and len(after) == 12 - entry.step_count,
+                    "final": same,
+                }
+            )
+        Path(job["result_file"]).write_text(json.dumps(out))
+        return 0
+    cadence = 1 if mode == "reference" else 3
+    hooks = [
+        LossLog(job["loss_file"], job.get("pause_at_step")),
+        CheckpointHook(root, step_interval=cadence, async_save=mode != "reference"),
+    ]
+    if mode == "resume":
+        strategy = TrainingStrategy.load_checkpoint(root, map_location="cpu", hooks=hooks)
+    else:
+        strategy = loader_strategy(job, hooks)
+    strategy.run(make_loader(kind, workers))
+    torch.save({"model": strategy.unwrapped_models()["main"].state_dict()}, job["final_file"])
+    return 0
+
+
 def run_job(job: dict[str, Any]) -> int:
+    if "loader" in job:
+        return run_loader_job(job)
     if job.get("slow_writes"):
         os.environ["NVALCHEMI_CHECKPOINT_SLOW_WRITES"] = str(job["slow_writes"])
     mode = job.get("mode", "steps")

@@ -13,7 +13,6 @@ from pydantic import ValidationError
 
 from nvalchemi.training import TrainingStage, TrainingStrategy, create_model_spec
 from nvalchemi.training import checkpoint as ckpt
-from nvalchemi.training._checkpoint_manifest import UPGRADES
 from nvalchemi.training.checkpoint import (
     CheckpointManifest,
     load_checkpoint,
@@ -23,6 +22,7 @@ from nvalchemi.training.checkpoint import (
     strategy_load_checkpoint,
     strategy_restore_checkpoint,
 )
+from nvalchemi.training.checkpoint.store import UPGRADES
 from nvalchemi.training.errors import NonFiniteLossError
 from nvalchemi.training.hooks.early_stopping import EarlyStoppingHook
 
@@ -89,9 +89,11 @@ def test_model_names_loads_those_models_and_their_optimizers_only(tmp_path):
     }
     save_checkpoint(tmp_path, models, optimizers)
     loaded = load_checkpoint(tmp_path, model_names=["b"])
-    assert set(loaded["models"]) == {"b"} and loaded["strategy"] is None
-    assert set(loaded["models"]["b"]["optimizers"]) == {"ob"}
-    assert loaded["models"]["b"]["optimizers"]["ob"]["optimizer"].param_groups[0]["lr"] == 0.2
+    assert isinstance(loaded, CheckpointManifest)  # restricted to b and its optimizer
+    assert set(loaded.models) == {"b"} and set(loaded.optimizers) == {"ob"}
+    model, spec = loaded.models["b"]
+    assert torch.equal(model.weight, b.weight) and spec.cls_path.endswith("Linear")
+    assert loaded.optimizers["ob"][0].param_groups[0]["lr"] == 0.2
     with pytest.raises(KeyError, match=r"Unknown model\(s\) \['c'\]. Available: \['a', 'b'\]"):
         load_checkpoint(tmp_path, model_names=["c"])
 
@@ -254,15 +256,25 @@ def test_explicit_index_replaces_that_checkpoint_through_a_new_directory(tmp_pat
     assert C.same_state(layer.state_dict(), new_models["main"][0].state_dict())
 
 
-def test_leftovers_of_interrupted_saves_are_ignored_and_removed(tmp_path):
+def test_leftovers_of_interrupted_saves_are_removed_and_foreign_folders_kept(tmp_path):
     models, _, _ = C.linear_components()
     save_checkpoint(tmp_path, models)
-    (tmp_path / "checkpoints" / ".tmp-1-123-abc" / "models").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "1").mkdir()  # renamed but never listed (crash before manifest)
+    folder = tmp_path / "checkpoints"
+    interrupted = folder / ".tmp-1-123-abc"  # a save killed before its rename
+    (interrupted / "models").mkdir(parents=True)
+    (interrupted / ".nvalchemi-checkpoint").touch()
+    renamed = folder / "7"  # renamed into place, killed before the manifest named it
+    renamed.mkdir()
+    (renamed / ".nvalchemi-checkpoint").touch()
+    foreign = folder / "1"  # not written by nvalchemi: never deleted, never overwritten
+    (foreign / "data.txt").parent.mkdir()
+    (foreign / "data.txt").write_text("keep me")
     assert load_checkpoint(tmp_path).checkpoint_index == 0
     assert save_checkpoint(tmp_path, models) == 1
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["0", "1"]
-    assert (tmp_path / "checkpoints" / "1" / "models" / "main" / "weights.pt").is_file()
+    assert not interrupted.exists() and not renamed.exists()
+    assert (foreign / "data.txt").read_text() == "keep me"
+    entry = CheckpointManifest.read(tmp_path).entry(1)
+    assert entry.path.startswith("checkpoints/1.") and (tmp_path / entry.path / "models").is_dir()
 
 
 # ---------------------------------------------------------------------------- strategies
@@ -485,15 +497,13 @@ def test_every_torch_load_uses_weights_only(tmp_path, monkeypatch):
 
 
 _MODULES = [
-    "checkpoint.py",
+    "checkpoint/__init__.py",
+    "checkpoint/store.py",
+    "checkpoint/parts.py",
+    "checkpoint/save.py",
+    "checkpoint/load.py",
+    "checkpoint/rng.py",
     "_checkpoint.py",
-    "_checkpoint_files.py",
-    "_checkpoint_manifest.py",
-    "_checkpoint_rng.py",
-    "_checkpoint_state.py",
-    "_checkpoint_restore.py",
-    "_checkpoint_load.py",
-    "_checkpoint_writer.py",
     "preemption.py",
     "hooks/checkpoint.py",
 ]
@@ -572,3 +582,81 @@ def test_resuming_without_the_saved_hooks_or_validation_warns(tmp_path):
     messages = " | ".join(str(w.message) for w in record)
     assert "hooks ['CheckpointHook', 'EarlyStoppingHook']" in messages
     assert "has no validation_config" in messages
+
+
+# ---------------------------------------------------------------------------- reference behaviours
+def test_validators_are_called_with_the_model_name_its_entry_and_everything_loaded(tmp_path):
+    models, optimizers, _ = C.linear_components()
+    save_checkpoint(tmp_path, {**models, "other": (torch.nn.Linear(1, 1), None)}, optimizers)
+    calls = []
+
+    def record(name, entry, loaded):
+        calls.append((name, sorted(entry), sorted(loaded), entry is loaded[name]))
+
+    load_checkpoint(tmp_path, validators=[record])
+    assert calls == [
+        (
+            "main",
+            ["metadata", "model", "optimizers", "schedulers", "spec"],
+            ["main", "other"],
+            True,
+        ),
+        (
+            "other",
+            ["metadata", "model", "optimizers", "schedulers", "spec"],
+            ["main", "other"],
+            True,
+        ),
+    ]
+
+
+def test_the_mace_adapter_warns_that_the_file_must_be_trusted(tmp_path):
+    pytest.importorskip("mace")
+    bogus = tmp_path / "model.model"
+    bogus.write_bytes(b"not a pickle")
+    trusted = pytest.warns(UserWarning, match="pickle loader.*load only MACE model files you trust")
+    with trusted, pytest.raises(Exception):  # whatever mace's loader raises on junk
+        load_checkpoint(bogus, adapter="mace")
+
+
+def test_checkpoint_hook_keeps_its_cadence_with_train_batch_outside_run(tmp_path):
+    from nvalchemi.training.hooks.checkpoint import CheckpointHook
+
+    strategy = C.strategy(hooks=[CheckpointHook(tmp_path, step_interval=2, async_save=False)])
+    for batch in C.batches(3) + C.batches(2, seed=1):
+        strategy.train_batch(batch)
+    steps = [e.step_count for e in CheckpointManifest.read(tmp_path).checkpoints]
+    assert steps == [2, 4]  # written right after the batch, before the session ends
+    strategy.close()
+
+
+class _Batches:
+    """A sized re-iterable the loop cannot position (no set_epoch_step, no sampler)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.filterwarnings("ignore:The saved run used hooks")
+def test_resuming_mid_epoch_names_a_loader_whose_order_cannot_be_replayed(tmp_path):
+    from nvalchemi.training.hooks.checkpoint import CheckpointHook
+
+    hook = CheckpointHook(tmp_path, step_interval=1, async_save=False)
+    C.strategy(num_steps=None, num_epochs=2, hooks=[hook]).run(_Batches(C.batches(3)))
+    manifest = CheckpointManifest.read(tmp_path)
+    middle = next(e.index for e in manifest.checkpoints if e.epoch_step_count == 2)
+    resumed = TrainingStrategy.load_checkpoint(tmp_path, checkpoint_index=middle)
+    with pytest.warns(UserWarning, match=r"batch order of the dataloader \(_Batches\) may differ"):
+        resumed.run(_Batches(C.batches(3)))
+    again = TrainingStrategy.load_checkpoint(tmp_path, checkpoint_index=middle)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a list of batches replays exactly: no warning
+        again.run(C.batches(3))

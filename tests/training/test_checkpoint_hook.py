@@ -32,9 +32,10 @@ def _entries(root: Path) -> list[tuple[int, int, str]]:
 
 
 # ---------------------------------------------------------------------------- construction
-def test_exactly_one_positive_interval_and_positional_directory():
+def test_exactly_one_positive_interval_and_the_directory_by_position_or_keyword():
     hook = CheckpointHook("runs/x", step_interval=10)
     assert hook.checkpoint_dir == Path("runs/x") and hook.keep_last is None
+    assert CheckpointHook(checkpoint_dir="runs/x", step_interval=1).checkpoint_dir == Path("runs/x")
     assert "last_checkpoint_index" not in hook.model_dump()
     with pytest.raises(ValidationError, match="exactly one"):
         CheckpointHook("runs/x")
@@ -42,7 +43,7 @@ def test_exactly_one_positive_interval_and_positional_directory():
         CheckpointHook("runs/x", step_interval=1, epoch_interval=1)
     with pytest.raises(ValidationError, match="greater than 0"):
         CheckpointHook("runs/x", step_interval=0)
-    with pytest.raises(TypeError, match="both positionally and by keyword"):
+    with pytest.raises(TypeError, match="multiple values for argument 'checkpoint_dir'"):
         CheckpointHook("runs/x", checkpoint_dir="runs/y", step_interval=1)
     with pytest.raises(ValidationError, match="Extra inputs"):
         CheckpointHook("runs/x", step_interval=1, max_checkpoints=5)

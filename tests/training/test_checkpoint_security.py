@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import torch
 
 from nvalchemi._serialization import UnsafeImportError, trusted_imports
 from nvalchemi.training import TrainingStrategy, create_model_spec
-from nvalchemi.training._checkpoint_restore import build_model
 from nvalchemi.training.checkpoint import (
     UnsafeCheckpointError,
     load_checkpoint,
@@ -24,6 +24,7 @@ from nvalchemi.training.checkpoint import (
     save_checkpoint,
     strategy_load_checkpoint,
 )
+from nvalchemi.training.checkpoint.store import build_model
 
 
 class Payload:
@@ -156,7 +157,7 @@ def test_spec_may_not_grant_itself_trust(saved):
         load_checkpoint(root)
 
 
-def test_models_outside_the_allow_list_load_only_with_trust(tmp_path, monkeypatch):
+def test_user_models_load_once_their_module_is_imported_and_never_import_it(tmp_path, monkeypatch):
     package = tmp_path / "site"
     package.mkdir()
     (package / "ckpt_custom_model.py").write_text(
@@ -172,11 +173,18 @@ def test_models_outside_the_allow_list_load_only_with_trust(tmp_path, monkeypatc
 
     model = ckpt_custom_model.Custom(width=3)
     save_checkpoint(tmp_path / "ckpt", {"main": (model, None)})
-    with pytest.raises(UnsafeImportError, match="allow_import_path"):
+    del sys.modules["ckpt_custom_model"]  # as in a fresh process that has not imported it
+    with pytest.raises(
+        UnsafeImportError, match=r"spec\.json.*import your module 'ckpt_custom_model'"
+    ):
         load_model_from_checkpoint(tmp_path / "ckpt")
-    loaded = load_model_from_checkpoint(tmp_path / "ckpt", trust=True)
-    assert isinstance(loaded, ckpt_custom_model.Custom) and loaded.width == 3
+    assert "ckpt_custom_model" not in sys.modules  # the refusal imported nothing
+    import ckpt_custom_model
+
+    loaded = load_model_from_checkpoint(tmp_path / "ckpt")
+    assert type(loaded).__name__ == "Custom" and loaded.width == 3
     assert torch.equal(loaded.layer.weight, model.layer.weight)
+    del sys.modules["ckpt_custom_model"]
 
 
 # ------------------------------------------ factories that unpickle files (audit P2)
@@ -352,3 +360,55 @@ def test_class_arguments_naming_functions_or_pickle_loaders_are_refused(tmp_path
         with pytest.raises(UnsafeImportError, match=pattern) as info:
             load_model_from_checkpoint(tmp_path / "ckpt")
         assert str(spec_file) in str(info.value)
+
+
+# ---------------------------------------------------------------------------- the whole list
+_CRAFTED = [
+    "os.system",
+    "subprocess.run",
+    "subprocess.Popen",
+    "builtins.exec",
+    "builtins.eval",
+    "builtins.open",
+    "shutil.rmtree",
+    "importlib.import_module",
+    "torch.load",
+    "nv_not_imported_user_module.Model",
+]
+
+
+@pytest.mark.parametrize("target", _CRAFTED)
+@pytest.mark.parametrize(
+    "where", ["model", "nested", "type_value", "optimizer", "loss", "training_fn"]
+)
+def test_crafted_paths_are_refused_naming_the_file_and_key_and_run_nothing(saved, target, where):
+    root, folder, marker = saved
+    evil = {"cls_path": target, "timestamp": "t", "path": str(marker)}
+    model_spec = folder / "models" / "main" / "spec.json"
+    if where == "model":
+        _edit_json(model_spec, lambda d: d.update(evil))
+        load, file, key = (lambda: load_checkpoint(root)), model_spec, "cls_path"
+    elif where == "nested":
+        _edit_json(model_spec, lambda d: d.update(model=evil))
+        load, file, key = (lambda: load_checkpoint(root)), model_spec, "model.cls_path"
+    elif where == "type_value":
+        _edit_json(model_spec, lambda d: d.update(extra={"__type__": target}))
+        load, file, key = (lambda: load_checkpoint(root)), model_spec, "extra.__type__"
+    elif where == "optimizer":
+        file = folder / "optimizers" / "main_optimizer" / "spec.json"
+        file.write_text(json.dumps(evil))
+        load, key = (lambda: load_checkpoint(root, model_names=["main"])), "cls_path"
+    elif where == "loss":
+        file = folder / "strategy.json"
+        _edit_json(file, lambda d: d.update(loss_fn_spec=evil))
+        load, key = (lambda: strategy_load_checkpoint(TrainingStrategy, root)), "loss_fn_spec"
+    else:
+        file = folder / "strategy.json"
+        _edit_json(file, lambda d: d.update(training_fn=target))
+        load, key = (lambda: strategy_load_checkpoint(TrainingStrategy, root)), "training_fn"
+    with pytest.raises(ValueError, match=r"Refusing|allow-list") as info:
+        load()
+    text = str(info.value)
+    assert repr(target) in text or target in text
+    assert key in text and (str(file) in text or where in ("loss", "training_fn"))
+    assert not marker.exists() and "nv_not_imported_user_module" not in sys.modules

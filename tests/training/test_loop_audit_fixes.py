@@ -366,14 +366,18 @@ def test_plain_shuffling_dataloader_resumes_mid_epoch_exactly(tmp_path, duration
     assert _same_weights(reference, resumed)
 
 
-def test_runtime_state_carries_the_epoch_start_rng_state_as_json():
+def test_runtime_state_carries_the_loader_position_as_json():
     strategy = S.make_strategy(num_steps=1)
     strategy.run(S.make_batches(2))
     state = strategy.runtime_state()
-    assert isinstance(state["epoch_rng_state"], str)
+    position = state["loader_position"]
+    assert position["epoch"] == 0 and isinstance(position["torch"], str)
     json.dumps(state)
     other = S.make_strategy()
     other.load_runtime_state(state)
     assert other.runtime_state() == state
-    with pytest.raises(ValueError, match="epoch_rng_state"):
-        other.load_runtime_state({**state, "epoch_rng_state": "not base64!"})
+    with pytest.raises(ValueError, match="loader_position"):
+        other.load_runtime_state({**state, "loader_position": {**position, "torch": "not base64!"}})
+    legacy = {k: v for k, v in state.items() if k != "loader_position"}
+    other.load_runtime_state({**legacy, "epoch_rng_state": position["torch"]})  # before 0.2
+    assert other.runtime_state()["loader_position"]["torch"] == position["torch"]

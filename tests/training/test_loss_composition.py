@@ -413,11 +413,14 @@ class Halve:
         return create_model_spec(Halve)
 
 
-def test_custom_schedule_round_trip_needs_trust():
+def test_custom_schedule_round_trips_from_the_users_imported_module():
     loss_fn = Halve() * EnergyMSELoss() + ForceMSELoss()
     data = json.loads(json.dumps(loss_fn.to_spec().model_dump()))
+    rebuilt = create_model_spec_from_json(data).build()  # this module is imported user code
+    assert rebuilt.current_weight(step=0, epoch=2) == loss_fn.current_weight(step=0, epoch=2)
+    foreign = json.loads(json.dumps(data).replace(__name__, "nv_not_imported_pkg.schedules"))
     with pytest.raises(ValueError, match=r"outside the import allow-list"):
-        create_model_spec_from_json(data)
+        create_model_spec_from_json(foreign)
     rebuilt = create_model_spec_from_json(data, trust=True).build()
     assert rebuilt.current_weight(step=0, epoch=2) == loss_fn.current_weight(step=0, epoch=2)
     assert ser.is_import_allowed("nvalchemi.training.losses.composition._ProductWeight")

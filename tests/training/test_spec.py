@@ -270,11 +270,14 @@ def test_strings_resolved_while_building_follow_the_spec_trust():
     with pytest.raises(ValueError, match=r"outside the import allow-list"):
         create_model_spec_from_json(data).build()
     ser._ALLOWED.discard(__name__)
-    data["optimizer_cls"] = f"{__name__}.MySGD"
+    data["optimizer_cls"] = f"{__name__}.MySGD"  # this (imported) module is the user's code
+    assert create_model_spec_from_json(data).build().optimizer_cls is MySGD
+    data["optimizer_cls"] = "json.JSONDecoder"
     with pytest.raises(ValueError, match=r"outside the import allow-list"):
         create_model_spec_from_json(data).build()
-    config = create_model_spec_from_json(data, trust=True).build()
-    assert config.optimizer_cls is MySGD
+    assert create_model_spec_from_json(data, trust=True).kwargs["optimizer_cls"] == (
+        "json.JSONDecoder"
+    )
 
 
 @pytest.mark.parametrize(

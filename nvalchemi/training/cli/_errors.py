@@ -71,7 +71,11 @@ def user_message(exc: BaseException) -> str:
     """One paragraph describing ``exc`` for a person at a terminal."""
     from pydantic import ValidationError
 
-    if isinstance(exc, ValidationError):
+    from nvalchemi.training.checkpoint.store import CheckpointLockError, CheckpointWriteError
+
+    if isinstance(exc, (CheckpointLockError, CheckpointWriteError)):
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    elif isinstance(exc, ValidationError):
         lines = _validation_lines(exc)
         title = exc.title or "input"
         text = f"invalid {title}: " + "; ".join(lines)

@@ -121,6 +121,13 @@ def print_evaluation(console: Any, evaluation: Any, title: str) -> dict[str, Any
 @click.option("--head", help="Readout head of a multi-head model (default: its default head).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")
 @click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
+@click.option(
+    "--allow-import",
+    "allow_imports",
+    multiple=True,
+    metavar="PKG",
+    help="Let the checkpoint name classes of this module of yours (repeatable).",
+)
 @debug_option  # fmt: skip
 def evaluate(
     checkpoint_dir: str,
@@ -135,8 +142,12 @@ def evaluate(
     head: str | None,
     as_json: bool,
     trust: bool,
+    allow_imports: tuple[str, ...],
 ) -> None:
     """Evaluate a checkpoint: energy/force/stress errors, per-element forces, parity plots."""
+    from nvalchemi.training.cli._load import allow_user_code
+
+    allow_user_code(list(allow_imports), ".", field="--allow-import")
     index = parse_checkpoint_index(checkpoint_index)
     model = load_checkpoint_model(checkpoint_dir, index=index, device=device, use_ema=ema,
                                   trust=trust)  # fmt: skip

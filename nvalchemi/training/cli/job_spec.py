@@ -414,6 +414,11 @@ class TrainingJobSpec(_Block):
 
     name: str = "training-job"
     workflow: Literal["train", "finetune"]
+    imports: list[str] = Field(
+        default_factory=list,
+        description="modules of your own code (next to the job file, or installed) whose classes "
+        "and functions this job names, e.g. [common]: they pass the import trust rule",
+    )
     source: SourceSpec
     dataset: DatasetSpec
     output: OutputSpec

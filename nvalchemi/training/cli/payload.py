@@ -22,7 +22,8 @@ from nvalchemi.training.cli.job_spec import RuntimeHookSpec, TrainingJobSpec, wi
 __all__ = ["ResolvedJob", "build_hooks", "check_job", "parse_spec"]
 
 _UNSAFE_FIX = (
-    "name classes from nvalchemi.*, torch.nn.*, torch.optim.* (the import allow-list), or "
+    "name classes from nvalchemi.*, torch.nn.*, torch.optim.* (the import allow-list); for "
+    "your own code list its module in the job's `imports:` (or pass --allow-import PKG); or "
     "pass --trust if you wrote this job file yourself"
 )
 

@@ -55,6 +55,7 @@ class RunOptions:
     num_steps: int | None = None
     lr: float | None = None  # resume only: new learning rate of every optimizer
     trust: bool = False
+    allow_imports: tuple[str, ...] = ()
 
 
 @dataclass

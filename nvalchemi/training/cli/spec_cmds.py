@@ -16,6 +16,12 @@ _TRUST_HELP = (
     "Trust the job file: resolve dotted paths outside the import allow-list and load "
     "pickled model files. Only for files you wrote or trust."
 )
+_ALLOW_HELP = (
+    "Let the job and its checkpoints name classes and functions of this module of yours "
+    "(repeatable; also `imports:` in the job file), e.g. --allow-import common."
+)
+allow_import_option = click.option("--allow-import", "allow_imports", multiple=True, metavar="PKG",
+                                   help=_ALLOW_HELP)  # fmt: skip
 
 
 @main.group()
@@ -46,6 +52,7 @@ def _run_options(fn: Any) -> Any:
         click.option("--threads", type=click.IntRange(min=1),
                      help="torch CPU threads (default: torch's choice)."),
         click.option("--trust", is_flag=True, help=_TRUST_HELP),
+        allow_import_option,
         debug_option,
     ]  # fmt: skip
     for option in reversed(options):
@@ -73,6 +80,7 @@ def _options(kwargs: dict[str, Any]) -> Any:
         validation_every_steps=kwargs["validation_every_steps"],
         minutes=kwargs["minutes"],
         trust=kwargs["trust"],
+        allow_imports=tuple(kwargs["allow_imports"]),
     )
 
 
@@ -142,14 +150,15 @@ def _summary(result: Any, console: Any) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Also print the normalized job as JSON on stdout.")  # fmt: skip
 @click.option("--trust", is_flag=True, help=_TRUST_HELP)
+@allow_import_option
 @debug_option
-def spec_report(path: str, as_json: bool, trust: bool) -> None:
+def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str, ...]) -> None:
     """Render a job as tables and warnings (loads no model weights and no data)."""
     from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.job_spec import dump_job
     from nvalchemi.training.cli.report import render_report
 
-    job, resolved = load_job(path, trust=trust)
+    job, resolved = load_job(path, trust=trust, allow_imports=allow_imports)
     render_report(job, resolved, err_console())
     if as_json:
         click.echo(dump_job(job), nl=False)
@@ -180,7 +189,7 @@ def spec_run(
     from nvalchemi.training.cli.schedule_checks import check_horizons
 
     options = _options(kwargs)
-    job, resolved = load_job(path, trust=options.trust)
+    job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
     is_main = launch_env().rank == 0
     if num_steps is not None:
         configs = job.strategy.get("optimizer_configs") or {}
@@ -239,7 +248,7 @@ def spec_resume(
     options = _options(kwargs)
     options.num_steps = num_steps
     options.lr = lr
-    job, resolved = load_job(spec_path, trust=options.trust)
+    job, resolved = load_job(spec_path, trust=options.trust, allow_imports=options.allow_imports)
     console = err_console()
     is_main = launch_env().rank == 0
     progress = saved_progress(checkpoint_dir, index)

@@ -8,7 +8,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -28,17 +30,15 @@ class CheckpointHook(BaseModel):
     Cadence: with ``step_interval`` a save is due when an optimizer step that was
     actually taken brings ``step_count`` to a multiple (vetoed or accumulating batches
     never re-trigger it); with ``epoch_interval`` when an epoch count reaches a multiple.
-    A due save is written at the next batch boundary (before the next epoch/batch
-    starts, or at the end of training), so it also holds what happens after the batch:
-    the epoch end, validation, metric-driven schedulers and early stopping. Resuming
-    from it continues exactly like the uninterrupted run. (The save runs in the
-    ``BEFORE_EPOCH``/``BEFORE_BATCH`` dispatch; a hook registered before this one that
-    changed checkpointed state at those stages would see that change twice on resume --
-    none of the bundled hooks does.)
+    Inside ``run()`` a due save is written at the next batch boundary (before the next
+    epoch/batch starts, or at the end of training), so it also holds what happens after
+    the batch: the epoch end, validation, metric-driven schedulers and early stopping;
+    resuming from it continues exactly like the uninterrupted run. With
+    ``strategy.train_batch()`` outside ``run()`` it is written right after the batch.
 
     Gradient accumulation: a checkpoint is never written inside an accumulation window
     (its partial gradients are not saved, so it would not resume exactly). A save due
-    while a window is open is deferred to the first batch boundary after the window's
+    while a window is open waits for the first batch boundary after the window's
     optimizer step; the train-end save is skipped (with a warning) if training ended
     inside a window, and an explicit :meth:`save` there warns.
 
@@ -47,18 +47,17 @@ class CheckpointHook(BaseModel):
     ``keep_best`` triggers a save of its own. ``keep_last`` bounds the number of other
     checkpoints (``None``: keep all). Load them with ``checkpoint_index="latest"``/``"best"``.
 
-    Saving: the training thread checks the loss record (``strategy.check_nonfinite()``,
-    agreed by all ranks, so a diverged run never overwrites good checkpoints) and copies
-    the state to CPU memory; with ``async_save`` a background thread writes it while
-    training continues (at most one write in flight; the next save waits for it). The
-    CPU copy goes into buffers kept between saves (pinned for GPU tensors), so the
-    training thread stalls for about the time of the copy. Rank 0
-    writes (every rank with ``rank_zero_only=False``, e.g. node-local directories);
-    every rank waits until the snapshot is taken. Pending writes are flushed when the
-    strategy's run ends, also on errors.
+    Saving goes through the one save routine (:func:`~nvalchemi.training.checkpoint.save.
+    save_strategy`): all ranks agree that the loss is finite, the writing rank copies the
+    state into CPU buffers kept between saves (the training thread stalls for about that
+    copy) and, with ``async_save``, a background thread writes it while training continues
+    (at most one write in flight). Rank 0 writes (every rank with ``rank_zero_only=False``,
+    e.g. node-local directories) and holds the root's writer lock for the whole run, so a
+    second process writing the same root (an overlapping requeued job) stops with an error
+    naming this one. Pending writes are flushed when the run ends, also on errors.
 
     Args:
-        checkpoint_dir: the checkpoint root (positional).
+        checkpoint_dir: the checkpoint root.
         step_interval / epoch_interval: exactly one, > 0.
         keep_last / keep_best: retention (``None``: unlimited / no best tracking).
         best_metric / best_mode: validation summary key and ``"min"``/``"max"``.
@@ -86,18 +85,15 @@ class CheckpointHook(BaseModel):
 
     _writer: Any = PrivateAttr(default=None)
     _buffers: Any = PrivateAttr(default=None)
+    _lock: Any = PrivateAttr(default=None)
     _strategy: Any = PrivateAttr(default=None)
     _pending: tuple[str, Any] | None = PrivateAttr(default=None)
     _saved_at: tuple[int, int] | None = PrivateAttr(default=None)
     _last_step: int = PrivateAttr(default=-1)
     _scores: list[float] = PrivateAttr(default_factory=list)
 
-    def __init__(self, checkpoint_dir: Any = _MISSING, /, **data: Any) -> None:
+    def __init__(self, checkpoint_dir: Any = _MISSING, **data: Any) -> None:
         if checkpoint_dir is not _MISSING:
-            if "checkpoint_dir" in data:
-                raise TypeError(
-                    "CheckpointHook got checkpoint_dir both positionally and by keyword."
-                )
             data["checkpoint_dir"] = checkpoint_dir
         super().__init__(**data)
 
@@ -112,47 +108,46 @@ class CheckpointHook(BaseModel):
 
     # ------------------------------------------------------------------ dispatch
     def _runs_on_stage(self, stage: Any) -> bool:
-        if stage is _S.AFTER_BATCH:
-            return self.step_interval is not None
         if stage is _S.AFTER_EPOCH:
             return self.epoch_interval is not None
         return stage in (
-            _S.SETUP,
-            _S.BEFORE_EPOCH,
-            _S.BEFORE_BATCH,
-            _S.AFTER_VALIDATION,
+            _S.SETUP, _S.BEFORE_EPOCH, _S.BEFORE_BATCH, _S.AFTER_BATCH, _S.AFTER_VALIDATION,
             _S.AFTER_TRAINING,
-        )
+        )  # fmt: skip
 
     def __call__(self, ctx: Any, stage: TrainingStage) -> None:
+        strategy = ctx.workflow
         if stage is _S.BEFORE_BATCH or stage is _S.BEFORE_EPOCH:
-            if self._pending is not None and not _window_open(ctx.workflow):
-                self._save_pending(ctx.workflow)
+            if self._pending is not None and not strategy.accumulation_window_open:
+                self._save(strategy)
         elif stage is _S.AFTER_BATCH:
             step = ctx.step_count
             if step > self._last_step:  # an optimizer step was taken in this batch
                 self._last_step = step
-                if step % self.step_interval == 0:
+                if self.step_interval is not None and step % self.step_interval == 0:
                     self._request("step")
+            if (
+                self._pending is not None
+                and not strategy.running
+                and not strategy.accumulation_window_open
+            ):
+                self._save(strategy)  # train_batch() outside run(): no later boundary to wait for
         elif stage is _S.AFTER_EPOCH:
             if ctx.epoch > 0 and ctx.epoch % self.epoch_interval == 0:
                 self._request("epoch")
         elif stage is _S.AFTER_VALIDATION:
             self._on_validation(ctx)
         elif stage is _S.AFTER_TRAINING:
-            strategy = ctx.workflow
             wanted = self._pending is not None or (
                 self.save_on_train_end and not self._is_saved(strategy)
             )
-            if wanted and _window_open(strategy):
+            if wanted and strategy.accumulation_window_open:
                 self._pending = None
                 _warn_window("the train-end checkpoint was not written", strategy)
-            elif self._pending is not None:
-                self._save_pending(strategy)
-            elif self.save_on_train_end and not self._is_saved(strategy):
-                self._save(strategy, "train_end", None)
+            elif wanted:
+                self._save(strategy, None if self._pending is not None else "train_end")
         elif stage is _S.SETUP:
-            self._setup(ctx.workflow)
+            self._setup(strategy)
 
     # ------------------------------------------------------------------ public
     def save(self, strategy: Any, *, reason: str = "manual") -> None:
@@ -161,12 +156,10 @@ class CheckpointHook(BaseModel):
         Inside a gradient-accumulation window it still saves, with a warning: the
         window's partial gradients are not in the checkpoint.
         """
-        if _window_open(strategy) and (self._pending is not None or not self._is_saved(strategy)):
-            _warn_window("this checkpoint will not resume exactly", strategy)
-        if self._pending is not None:
-            self._save_pending(strategy, reason)
-        elif not self._is_saved(strategy):
-            self._save(strategy, reason, None)
+        if self._pending is not None or not self._is_saved(strategy):
+            if strategy.accumulation_window_open:
+                _warn_window("this checkpoint will not resume exactly", strategy)
+            self._save(strategy, reason)
 
     def flush(self) -> int | None:
         """Wait for the in-flight write; return the latest checkpoint index written."""
@@ -175,26 +168,30 @@ class CheckpointHook(BaseModel):
         return self.last_checkpoint_index
 
     def close(self) -> None:
-        """Flush and stop the background writer (and release the snapshot buffers)."""
+        """Flush, stop the background writer, release the root's lock and the buffers."""
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
                 writer.close()
         finally:
             self._buffers = None
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                lock.close()
 
     def __enter__(self) -> CheckpointHook:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         error: BaseException | None = None
+        strategy = self._strategy
         try:
-            if exc_type is None and self._pending is not None and self._strategy is not None:
-                if _window_open(self._strategy):
+            if exc_type is None and self._pending is not None and strategy is not None:
+                if strategy.accumulation_window_open:
                     self._pending = None
-                    _warn_window("a pending checkpoint was not written", self._strategy)
+                    _warn_window("a pending checkpoint was not written", strategy)
                 else:
-                    self._save_pending(self._strategy)
+                    self._save(strategy)
         except Exception as caught:
             error = caught
         try:
@@ -203,11 +200,11 @@ class CheckpointHook(BaseModel):
             error = error or caught
         if exc_type is not None:
             return  # the run's own error wins; other ranks may be gone: no collectives
-        if self._strategy is not None:
+        if strategy is not None:
             from nvalchemi.distributed.runtime import all_agree
 
             # Also the barrier: no rank goes on (e.g. reads the checkpoint) before the write ends.
-            if all_agree(error is not None, self._strategy.distributed_manager) and error is None:
+            if all_agree(error is not None, strategy.distributed_manager) and error is None:
                 raise RuntimeError(
                     "CheckpointHook: the final checkpoint write failed on another rank."
                 )
@@ -215,38 +212,37 @@ class CheckpointHook(BaseModel):
             raise error
 
     # ------------------------------------------------------------------ internals
+    def _writes_here(self, strategy: Any) -> bool:
+        from nvalchemi.distributed.runtime import get_rank
+
+        return not self.rank_zero_only or get_rank(strategy.distributed_manager) == 0
+
     def _setup(self, strategy: Any) -> None:
-        from nvalchemi.training._checkpoint_state import checkpoint_state_of
+        from nvalchemi.training.checkpoint.parts import checkpoint_record
+        from nvalchemi.training.checkpoint.store import CheckpointStore
 
         self._strategy = strategy
         self._last_step = strategy.step_count
         self._pending = None
-        book = checkpoint_state_of(strategy)
-        loaded = book.get("loaded_from") or {}
+        store = CheckpointStore(self.checkpoint_dir)
+        if self._writes_here(strategy) and self._lock is None:
+            self._lock = contextlib.ExitStack()
+            self._lock.enter_context(store.lock())  # fail now, not at the first save
+        record = checkpoint_record(strategy)
+        loaded = record.get("loaded_from") or {}
         if (
             loaded.get("root")
             and Path(loaded["root"]).resolve() == Path(self.checkpoint_dir).resolve()
         ):
             self._saved_at = (strategy.step_count, strategy.batch_count)
             self.last_checkpoint_index = loaded.get("index")
-        self._scores = self._recorded_scores()
-        _check_loader_seed(book.get("dataloader_state"), strategy.active_dataloader)
-
-    def _recorded_scores(self) -> list[float]:
-        from nvalchemi.training._checkpoint_writer import read_manifest
-
-        try:
-            manifest = read_manifest(Path(self.checkpoint_dir))
-        except Exception:
-            return []
-        if manifest is None:
-            return []
-        out = []
-        for entry in manifest.checkpoints:
-            metric = entry.metric or {}
-            if metric.get("name") == self.best_metric and isinstance(metric.get("value"), float):
-                out.append(metric["value"])
-        return out
+        with contextlib.suppress(Exception):  # a broken root is reported by the first save
+            manifest = store.manifest()
+            self._scores = [
+                e.metric["value"] for e in (manifest.checkpoints if manifest else [])
+                if (e.metric or {}).get("name") == self.best_metric and isinstance(e.metric.get("value"), float)
+            ]  # fmt: skip
+        _check_loader_seed(record.get("dataloader_state"), strategy.active_dataloader)
 
     def _request(self, reason: str) -> None:
         if self._pending is None:
@@ -255,60 +251,23 @@ class CheckpointHook(BaseModel):
     def _is_saved(self, strategy: Any) -> bool:
         return self._saved_at == (strategy.step_count, strategy.batch_count)
 
-    def _save_pending(self, strategy: Any, reason: str | None = None) -> None:
-        pending_reason, metric = self._pending
-        self._save(strategy, reason or pending_reason, metric)
+    def _save(self, strategy: Any, reason: str | None = None) -> None:
+        from nvalchemi.training.checkpoint.parts import SnapshotBuffers
+        from nvalchemi.training.checkpoint.save import BackgroundWriter, save_strategy
+        from nvalchemi.training.checkpoint.store import Retention
 
-    def _retention(self) -> Any:
-        from nvalchemi.training._checkpoint_writer import Retention
-
-        return Retention(self.keep_last, self.keep_best, self.best_metric, self.best_mode)
-
-    def _ensure_writer(self) -> Any:
-        if self._writer is None:
-            from nvalchemi.training._checkpoint_writer import BackgroundWriter
-
-            self._writer = BackgroundWriter(self.async_save)
-        return self._writer
-
-    def _save(self, strategy: Any, reason: str, metric: dict[str, Any] | None) -> None:
-        from nvalchemi.distributed.runtime import all_agree, get_rank
-        from nvalchemi.training._checkpoint_rng import gather_rng
-        from nvalchemi.training._checkpoint_writer import write_snapshot
-        from nvalchemi.training.checkpoint import agree_finite, prepare_strategy_snapshot
-
+        pending_reason, metric = self._pending or ("manual", None)
         self._pending = None
         self._strategy = strategy
-        manager = strategy.distributed_manager
-        agree_finite(strategy)
-        states = gather_rng(manager)
-        error = None
-        if get_rank(manager) == 0 or not self.rank_zero_only:
-            try:
-                writer = self._ensure_writer()
-                writer.wait()  # the previous write first: indices stay ordered, buffers free
-                root = Path(self.checkpoint_dir)
-                if self._buffers is None:
-                    from nvalchemi.training._checkpoint_files import SnapshotBuffers
-
-                    self._buffers = SnapshotBuffers()
-                snapshot = prepare_strategy_snapshot(
-                    root,
-                    strategy,
-                    reason=reason,
-                    metric=metric,
-                    rng_states=states,
-                    buffers=self._buffers,
-                )
-                writer.submit(
-                    write_snapshot, root, snapshot, self._retention(), on_done=self._written
-                )
-            except Exception as exc:
-                error = exc
-        if all_agree(error is not None, manager):
-            if error is not None:
-                raise error
-            raise RuntimeError("CheckpointHook: saving failed on the writing rank; see its error.")
+        if self._writer is None:
+            self._writer = BackgroundWriter(self.async_save)
+            self._buffers = SnapshotBuffers()
+        save_strategy(
+            self.checkpoint_dir, strategy, reason=reason or pending_reason, metric=metric,
+            retention=Retention(self.keep_last, self.keep_best, self.best_metric, self.best_mode),
+            rank_zero_only=self.rank_zero_only, writer=self._writer, buffers=self._buffers,
+            on_written=self._written,
+        )  # fmt: skip
         self._saved_at = (strategy.step_count, strategy.batch_count)
         if metric is not None:
             self._scores.append(metric["value"])
@@ -336,23 +295,16 @@ class CheckpointHook(BaseModel):
             self._pending = ("best", metric)
 
     def _attach(self, strategy: Any, metric: dict[str, Any]) -> None:
-        from nvalchemi.distributed.runtime import get_rank
-        from nvalchemi.training._checkpoint_writer import attach_metric
+        from nvalchemi.training.checkpoint.store import CheckpointStore, Retention
 
         self._scores.append(metric["value"])
-        if get_rank(strategy.distributed_manager) != 0 and self.rank_zero_only:
+        if not self._writes_here(strategy) or self._writer is None:
             return
-        writer = self._ensure_writer()
-        writer.wait()  # collects the index of the save this metric belongs to
-        if self.last_checkpoint_index is None:
-            return
-        writer.submit(
-            attach_metric,
-            Path(self.checkpoint_dir),
-            self.last_checkpoint_index,
-            metric,
-            self._retention(),
-        )
+        self._writer.wait()  # collects the index of the save this metric belongs to
+        if self.last_checkpoint_index is not None:
+            retention = Retention(self.keep_last, self.keep_best, self.best_metric, self.best_mode)
+            store = CheckpointStore(self.checkpoint_dir)
+            self._writer.submit(store.attach_metric, self.last_checkpoint_index, metric, retention)
 
     def _qualifies(self, value: float, strategy: Any) -> bool:
         from nvalchemi.distributed.runtime import broadcast_object
@@ -360,21 +312,14 @@ class CheckpointHook(BaseModel):
         if not math.isfinite(value):
             return False
         scores = sorted(self._scores, reverse=self.best_mode == "max")
-        good = len(scores) < self.keep_best or (
-            value < scores[self.keep_best - 1]
-            if self.best_mode == "min"
-            else value > scores[self.keep_best - 1]
+        n = self.keep_best
+        good = len(scores) < n or (
+            value < scores[n - 1] if self.best_mode == "min" else value > scores[n - 1]
         )
         return bool(broadcast_object(good, 0, strategy.distributed_manager))
 
 
-def _window_open(strategy: Any) -> bool:
-    return bool(getattr(strategy, "accumulation_window_open", False))
-
-
 def _warn_window(what: str, strategy: Any) -> None:
-    import warnings
-
     warnings.warn(
         f"CheckpointHook: training is inside a gradient-accumulation window (step "
         f"{strategy.step_count}, batch {strategy.batch_count}), whose partial gradients a "
@@ -387,13 +332,14 @@ def _warn_window(what: str, strategy: Any) -> None:
 
 def _check_loader_seed(saved: Any, loader: Any) -> None:
     """A resumed run must shuffle like the saved one: compare the loader seeds."""
-    if not isinstance(saved, dict) or "seed" not in saved:
-        return
-    state_dict = getattr(loader, "state_dict", None)
-    if not callable(state_dict):
+    if (
+        not isinstance(saved, dict)
+        or "seed" not in saved
+        or not callable(getattr(loader, "state_dict", None))
+    ):
         return
     try:
-        current = state_dict()
+        current = loader.state_dict()
     except Exception:
         return
     if isinstance(current, dict) and "seed" in current and current["seed"] != saved["seed"]:

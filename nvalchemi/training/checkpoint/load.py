@@ -1,0 +1,508 @@
+"""The one load routine: :func:`load_checkpoint` and the strategy loaders built on it.
+
+Every file is read once: the manifest and the entry's files come from the store, each
+``spec.json`` is rehydrated once through the trust rule of :mod:`nvalchemi.spec` (which
+is where every dotted path a file names is checked), and the strategy is restored through
+the table of :mod:`nvalchemi.training.checkpoint.parts`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from nvalchemi._serialization import encode_value, import_path
+from nvalchemi.training.checkpoint.parts import (
+    checkpoint_record,
+    history_event,
+    hook_types,
+    restore_strategy,
+)
+from nvalchemi.training.checkpoint.store import (
+    CheckpointManifest,
+    CheckpointStore,
+    EntryFiles,
+    build_model,
+    load_spec,
+    read_json,
+    safe_torch_load,
+)
+
+__all__ = [
+    "CheckpointValidator",
+    "check_finite_weights",
+    "load_checkpoint",
+    "read_strategy_metadata",
+    "run_validators",
+    "strategy_load_checkpoint",
+    "strategy_restore_checkpoint",
+]
+
+Index = int | str
+SCHEDULER_BASES: tuple[type, ...] = (
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+)
+
+
+@runtime_checkable
+class CheckpointValidator(Protocol):
+    """Checks a model right after it was loaded: ``validator(model_name, entry, loaded)``.
+
+    ``entry`` is ``{"model", "spec", "optimizers", "schedulers", "metadata"}`` of that model,
+    ``loaded`` the mapping of every loaded model's entry. Raise to reject the checkpoint;
+    the loader re-raises as ``ValueError`` naming the validator, the model and the path.
+    Pass validators as a list or as ``{name: validator}``.
+
+    Example:
+        >>> def small(name, entry, loaded):
+        ...     if sum(p.numel() for p in entry["model"].parameters()) > 10**9:
+        ...         raise ValueError("too large")
+        >>> isinstance(small, CheckpointValidator)
+        True
+    """
+
+    def __call__(
+        self, model_name: str, entry: Mapping[str, Any], loaded: Mapping[str, Any]
+    ) -> None: ...
+
+
+def check_finite_weights(
+    model_name: str, entry: Mapping[str, Any], loaded: Mapping[str, Any]
+) -> None:
+    """A :class:`CheckpointValidator` that rejects NaN/inf parameters or buffers."""
+    model = entry["model"]
+    bad = [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if bad:
+        raise ValueError(f"non-finite values in {bad[:5]}")
+
+
+def run_validators(validators: Any, loaded: Mapping[str, Any], root: Path) -> None:
+    """Call each validator on each loaded model entry; re-raise failures as ``ValueError``."""
+    if not validators:
+        return
+    items = (
+        list(validators.items())
+        if isinstance(validators, Mapping)
+        else [(getattr(v, "__name__", type(v).__name__), v) for v in validators]
+    )
+    for model_name, entry in loaded.items():
+        for label, validator in items:
+            try:
+                validator(model_name, entry, loaded)
+            except Exception as exc:
+                raise ValueError(
+                    f"Checkpoint validator {label!r} failed for model {model_name!r} loaded from "
+                    f"{root}: {exc}"
+                ) from exc
+
+
+class _Specs:
+    """The entry's ``spec.json`` files, each rehydrated once (through the trust rule)."""
+
+    def __init__(self, files: EntryFiles, trust: bool) -> None:
+        self.files, self.trust, self._cache = files, trust, {}
+
+    def get(self, kind: str, name: str, expect: Any = None) -> Any:
+        key = (kind, name)
+        if key not in self._cache:
+            self._cache[key] = load_spec(
+                self.files.spec(kind, name), trust=self.trust, expect=expect
+            )
+        return self._cache[key]
+
+
+def _entry(model: nn.Module, spec: Any, assoc: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "spec": spec,
+        "optimizers": {},
+        "schedulers": {},
+        "metadata": {"associations": assoc},
+    }
+
+
+# ---------------------------------------------------------------------------- the loader
+def load_checkpoint(
+    root_folder: str | Path,
+    checkpoint_index: Index = -1,
+    map_location: Any = None,
+    model_names: Sequence[str] | None = None,
+    *,
+    adapter: str | None = None,
+    adapter_kwargs: Mapping[str, Any] | None = None,
+    validators: Any = None,
+    hooks: list[Any] | None = None,
+    training_fn: Any = None,
+    strategy: Any = None,
+    trust: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    allow_spec_changes: bool = False,
+) -> Any:
+    """Load a checkpoint: as a new strategy, into a live strategy, or as components.
+
+    Args:
+        checkpoint_index: an index, ``-1``/``"latest"`` or ``"best"``.
+        map_location: device for every tensor (default: the strategy's recorded device).
+        model_names: load only these models and their optimizers/schedulers (no strategy).
+        strategy: restore in place into this live strategy (its hooks receive their state).
+        hooks / training_fn: for the rebuilt strategy (hooks are not saved; pass them
+            again, e.g. ``[EMAHook(), CheckpointHook(...)]``, to restore their state).
+        trust: lift the trust rule for this checkpoint's dotted paths (only for
+            checkpoints you trust; tensor files are always read with ``weights_only=True``).
+        overrides: changes for the rebuilt strategy: ``optimizer_kwargs`` /
+            ``scheduler_kwargs`` (merged into every optimizer config),
+            ``optimizer_configs`` (replaced), or constructor fields such as
+            ``num_steps`` or ``validation_config``. Recorded in the manifest history.
+        allow_spec_changes: accept a live strategy whose specs differ from the checkpoint.
+        adapter: ``"mace"`` to import a MACE model file (pickle: trusted files only).
+
+    Returns:
+        For strategy checkpoints: ``{"strategy", "models": {name: {"model", "spec",
+        "optimizers", "schedulers", "metadata"}}, "manifest", "checkpoint_index",
+        "source", "strategy_metadata"}``. For component-only checkpoints, and with
+        ``model_names``: the :class:`CheckpointManifest` whose ``models``/``optimizers``/
+        ``schedulers`` map names to ``(object, spec)`` tuples.
+    """
+    if adapter is not None:
+        if strategy is not None:
+            raise ValueError("load_checkpoint: adapter=... cannot restore into a strategy.")
+        return _load_adapter(root_folder, adapter, adapter_kwargs or {}, map_location)
+    files = CheckpointStore(root_folder).open(checkpoint_index)
+    specs = _Specs(files, trust)
+    if strategy is not None:
+        if model_names is not None:
+            raise ValueError("load_checkpoint: model_names cannot be combined with strategy=....")
+        patterns = ("*",) if allow_spec_changes else ()
+        return _restore(strategy, files, specs, map_location, validators, patterns)
+    meta_path = files.strategy()
+    if meta_path is not None and model_names is None:
+        return _rebuild(None, files, specs, meta_path, map_location, hooks, training_fn,
+                        validators, trust, overrides, allow_spec_changes)  # fmt: skip
+    if overrides:
+        raise ValueError("load_checkpoint: overrides apply to strategy checkpoints only.")
+    return _load_components(files, specs, map_location, model_names, validators)
+
+
+def _rebuild(cls, files, specs, meta_path, map_location, hooks, training_fn, validators, trust,
+             overrides, allow_spec_changes) -> dict[str, Any]:  # fmt: skip
+    """Build the saved strategy class (``cls`` or a subclass) from its recipe, then restore it."""
+    meta = read_json(meta_path, "strategy metadata")
+    if not isinstance(meta, Mapping):
+        raise ValueError(f"{meta_path} must hold a JSON object (strategy metadata).")
+    if cls is None:  # the class the recipe names, under the trust rule
+        path = meta.get("strategy_cls") or "nvalchemi.training.strategy.TrainingStrategy"
+        cls = import_path(path, trust=trust) if isinstance(path, str) else None
+        if not callable(getattr(cls, "from_checkpoint_dict", None)):
+            raise ValueError(
+                f"{meta_path}: 'strategy_cls' {path!r} is not a TrainingStrategy class."
+            )
+    meta, approved, kwargs, record = _apply_overrides(dict(meta), overrides)
+    devices = meta.get("devices") or ["cpu"]
+    device = torch.device(map_location if map_location is not None else devices[0])
+    if map_location is None and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"Checkpoint {files.entry.index} in {files.root} was saved on {device}, which is not "
+            "available here; pass map_location='cpu' (or another device)."
+        )
+    if map_location is not None:
+        meta["devices"] = [str(map_location)]
+    models = {
+        name: build_model(specs.get("models", name, nn.Module), device)
+        for name in files.entry.models
+    }
+    single = bool(meta.get("single_model_input")) and set(models) == {"main"}
+    strategy = cls.from_checkpoint_dict(
+        {**meta, "model_specs": {}}, models=models["main"] if single else models,
+        hooks=hooks, training_fn=training_fn, trust=trust, **kwargs,
+    )  # fmt: skip
+    if not isinstance(strategy, cls):
+        raise TypeError(
+            f"Loaded strategy has type {type(strategy).__name__}, expected {cls.__name__}."
+        )
+    if record:
+        checkpoint_record(strategy)["history"].append(
+            history_event("resume_overrides", from_index=files.entry.index, overrides=record)
+        )
+    _warn_missing_runtime_parts(meta, strategy)
+    patterns = ("*",) if allow_spec_changes else approved
+    return _restore(strategy, files, specs, map_location, validators, patterns)
+
+
+def _restore(strategy, files, specs, map_location, validators, patterns) -> dict[str, Any]:
+    from nvalchemi.distributed.runtime import get_rank
+
+    rank = get_rank(strategy.distributed_manager)
+    info = restore_strategy(
+        strategy, files, map_location=map_location, approved=patterns, rank=rank
+    )
+    models = strategy.unwrapped_models()
+    assoc = files.manifest.associations if files.manifest is not None else {}
+    loaded = {}
+    for name in files.entry.models:
+        try:
+            spec: Any = specs.get("models", name)
+        except ValueError:  # e.g. a model outside the trust rule restored in place: report the JSON
+            spec = read_json(files.spec("models", name), "spec file")
+        loaded[name] = _entry(models[name], spec, assoc.get(name, {}))
+    run_validators(validators, loaded, files.root)
+    return {
+        "strategy": strategy,
+        "models": loaded,
+        "manifest": files.manifest,
+        "checkpoint_index": files.entry.index,
+        "source": {"format": "native", "path": str(files.root)},
+        "strategy_metadata": info["metadata"],
+        "spec_changes": info["spec_changes"],
+    }
+
+
+def _warn_missing_runtime_parts(meta: Mapping[str, Any], strategy: Any) -> None:
+    """Hooks and the validation config are not saved: say so when a resume lacks them."""
+    missing = sorted(set(meta.get("hook_types") or []) - set(hook_types(strategy.hooks)))
+    if missing:
+        warnings.warn(
+            f"The saved run used hooks {missing} that were not passed to the resumed strategy "
+            "(hooks are not stored in checkpoints); pass them with hooks=[...] to keep e.g. "
+            "checkpointing, EMA and early stopping going.",
+            UserWarning,
+            stacklevel=5,
+        )
+    if meta.get("validation_configured") and strategy.validation_config is None:
+        warnings.warn(
+            "The saved run validated but the resumed strategy has no validation_config (it is "
+            "not stored in checkpoints); pass overrides={'validation_config': "
+            "ValidationConfig(...)} to validate (and step metric schedulers) as before.",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def _apply_overrides(meta: dict, overrides: Mapping[str, Any] | None):
+    """Merge ``overrides`` into the saved recipe; return (meta, approved patterns, kwargs, record)."""
+    overrides = dict(overrides or {})
+    approved: list[str] = []
+    record: dict[str, Any] = {}
+    for key, kind in (("optimizer_kwargs", "optimizers"), ("scheduler_kwargs", "schedulers")):
+        values = overrides.pop(key, None)
+        if not values:
+            continue
+        if not isinstance(values, Mapping):
+            raise TypeError(f"overrides[{key!r}] must be a mapping of keyword arguments.")
+        encoded = encode_value(dict(values))
+        configs = {k: [dict(c) for c in v] for k, v in meta["optimizer_configs"].items()}
+        for config in (c for entries in configs.values() for c in entries):
+            if kind == "optimizers" or config.get("scheduler_cls"):
+                config[key] = {**(config.get(key) or {}), **encoded}
+        meta["optimizer_configs"] = configs
+        record[key] = encoded
+        for name in values:
+            approved += [f"{kind}/*.{name}", f"{kind}/*.{name}[[]*", f"{kind}/*.{name}.*"]
+    if "optimizer_configs" in overrides:
+        approved += ["optimizers/*", "schedulers/*"]
+        record["optimizer_configs"] = "replaced"
+    for key, value in overrides.items():
+        try:
+            record.setdefault(key, encode_value(value))
+        except TypeError:
+            record.setdefault(key, f"<{type(value).__name__}>")
+    return meta, tuple(approved), overrides, record
+
+
+def _load_components(files, specs, map_location, model_names, validators) -> CheckpointManifest:
+    entry = files.entry
+    names = list(entry.models) if model_names is None else list(model_names)
+    unknown = sorted(set(names) - set(entry.models))
+    if unknown:
+        raise KeyError(f"Unknown model(s) {unknown}. Available: {sorted(entry.models)}")
+    associations = files.manifest.associations
+    if files.associations().is_file():
+        associations = read_json(files.associations(), "associations.json")
+    models = {}
+    for name in names:
+        spec = specs.get("models", name, nn.Module)
+        model = build_model(spec, map_location)
+        model.load_state_dict(safe_torch_load(files.state("models", name), map_location))
+        models[name] = (model, spec)
+    wanted = {o for n in names for o in associations.get(n, {}).get("optimizers", [])}
+    wanted_s = {s for n in names for s in associations.get(n, {}).get("schedulers", [])}
+    if model_names is None:
+        wanted, wanted_s = set(entry.optimizers), set(entry.schedulers)
+    optimizers = {}
+    for opt in sorted(wanted & set(entry.optimizers)):
+        spec = specs.get("optimizers", opt, torch.optim.Optimizer)
+        optimizer = spec.build(_optimizer_params(opt, associations, models))
+        optimizer.load_state_dict(safe_torch_load(files.state("optimizers", opt), map_location))
+        optimizers[opt] = (optimizer, spec)
+    schedulers = {}
+    for sched in sorted(wanted_s & set(entry.schedulers)):
+        spec = specs.get("schedulers", sched, SCHEDULER_BASES)
+        scheduler = spec.build(_scheduler_optimizer(sched, associations, optimizers))
+        scheduler.load_state_dict(safe_torch_load(files.state("schedulers", sched), map_location))
+        schedulers[sched] = (scheduler, spec)
+    loaded = {}
+    for name, (model, spec) in models.items():
+        assoc = associations.get(name, {})
+        loaded[name] = _entry(model, spec, assoc)
+        loaded[name]["optimizers"] = {
+            o: {"optimizer": optimizers[o][0], "spec": optimizers[o][1]}
+            for o in assoc.get("optimizers", []) if o in optimizers
+        }  # fmt: skip
+        loaded[name]["schedulers"] = {
+            s: {"scheduler": schedulers[s][0], "spec": schedulers[s][1]}
+            for s in assoc.get("schedulers", []) if s in schedulers
+        }  # fmt: skip
+    run_validators(validators, loaded, files.root)
+    return files.manifest.model_copy(
+        update={"models": models, "optimizers": optimizers, "schedulers": schedulers}
+    )
+
+
+def _optimizer_params(name: str, associations: Mapping[str, Any], models: Mapping[str, Any]) -> Any:
+    named = {f"{k}.{n}": p for k, (m, _) in models.items() for n, p in m.named_parameters()}
+    for assoc in associations.values():
+        groups = (assoc.get("optimizer_param_groups") or {}).get(name)
+        flat = (assoc.get("optimizer_parameter_names") or {}).get(name)
+        groups = groups if groups is not None else ([flat] if flat is not None else None)
+        if groups is not None:
+            missing = sorted({n for g in groups for n in g} - set(named))
+            if missing:
+                raise ValueError(
+                    f"Optimizer {name!r} references missing parameter(s) {missing[:5]}; load the "
+                    "models it optimizes (model_names=...)."
+                )
+            return [{"params": [named[n] for n in g]} for g in groups]
+    owners = [k for k, a in associations.items() if name in a.get("optimizers", []) and k in models]
+    if not owners and len(models) == 1:
+        owners = list(models)
+    if not owners:
+        raise ValueError(
+            f"Cannot determine which model's parameters to use for optimizer {name!r}; record "
+            "associations={model: {'optimizers': [...]}} when saving."
+        )
+    return [p for k in owners for p in models[k][0].parameters()]
+
+
+def _scheduler_optimizer(name: str, associations: Mapping[str, Any], optimizers: Mapping[str, Any]):
+    for assoc in associations.values():
+        opt = (assoc.get("scheduler_optimizers") or {}).get(name)
+        if opt is not None and opt in optimizers:
+            return optimizers[opt][0]
+        if name in assoc.get("schedulers", []):
+            position = assoc["schedulers"].index(name)
+            opts = assoc.get("optimizers", [])
+            if position < len(opts) and opts[position] in optimizers:
+                return optimizers[opts[position]][0]
+    if len(optimizers) == 1:
+        return next(iter(optimizers.values()))[0]
+    raise ValueError(f"Cannot determine the optimizer of scheduler {name!r}.")
+
+
+_MACE_KEYS = {
+    "model_name": "main",
+    "dtype": None,
+    "enable_cueq": False,
+    "compile_model": False,
+    "compile_kwargs": {},
+}
+
+
+def _load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_location: Any) -> dict:
+    if adapter != "mace":
+        raise ValueError(f"Unsupported checkpoint adapter {adapter!r}; supported: ['mace']")
+    unknown = sorted(set(kwargs) - set(_MACE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"Unknown adapter_kwargs {unknown} for adapter 'mace'; allowed: {sorted(_MACE_KEYS)}"
+        )
+    options = {**_MACE_KEYS, **kwargs}
+    if not isinstance(options["compile_kwargs"], Mapping):
+        raise TypeError("adapter_kwargs['compile_kwargs'] must be a mapping.")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"MACE model file {file} does not exist.")
+    warnings.warn(
+        f"load_checkpoint(adapter='mace') reads {file} with mace-torch's pickle loader, which "
+        "runs code stored in the file: load only MACE model files you trust.",
+        UserWarning,
+        stacklevel=3,
+    )
+    from nvalchemi.models.mace import MACEWrapper
+
+    model = MACEWrapper.from_checkpoint(
+        file, map_location=map_location or "cpu", dtype=options["dtype"]
+    )
+    return {
+        "strategy": None,
+        "models": {options["model_name"]: _entry(model, None, {})},
+        "manifest": None,
+        "checkpoint_index": None,
+        "source": {"format": "mace", "path": str(file)},
+        "metadata": {"adapter": "mace"},
+        "spec": None,
+    }
+
+
+# ---------------------------------------------------------------------------- strategy methods
+def read_strategy_metadata(
+    root_folder: str | Path, checkpoint_index: Index = "latest"
+) -> dict | None:
+    """The saved strategy recipe (``to_checkpoint_dict()`` output) or ``None``; loads no tensors."""
+    meta = CheckpointStore(root_folder).open(checkpoint_index).strategy()
+    return None if meta is None else read_json(meta, "strategy metadata")
+
+
+def strategy_restore_checkpoint(
+    strategy: Any,
+    root_folder: str | Path,
+    checkpoint_index: Index = -1,
+    map_location: Any = None,
+    *,
+    validators: Any = None,
+    trust: bool = False,
+    allow_spec_changes: bool = False,
+) -> Mapping[str, Any]:
+    """``TrainingStrategy.restore_checkpoint``: load a checkpoint into ``strategy`` in place."""
+    return load_checkpoint(
+        root_folder, checkpoint_index, map_location, strategy=strategy, validators=validators,
+        trust=trust, allow_spec_changes=allow_spec_changes,
+    )  # fmt: skip
+
+
+def strategy_load_checkpoint(
+    cls: type,
+    root_folder: str | Path,
+    checkpoint_index: Index = -1,
+    map_location: Any = None,
+    *,
+    hooks: list[Any] | None = None,
+    training_fn: Any = None,
+    validators: Any = None,
+    trust: bool = False,
+    overrides: Mapping[str, Any] | None = None,
+    allow_spec_changes: bool = False,
+) -> Any:
+    """``TrainingStrategy.load_checkpoint``: rebuild the saved strategy and restore its state.
+
+    See :func:`load_checkpoint` for the arguments; hooks are not saved, so pass the same
+    hooks again (e.g. ``EMAHook``) to restore their state.
+    """
+    files = CheckpointStore(root_folder).open(checkpoint_index)
+    meta_path = files.strategy()
+    if meta_path is None:
+        raise ValueError(
+            f"{cls.__name__}.load_checkpoint requires a checkpoint saved from a TrainingStrategy "
+            f"(checkpoint {files.entry.index} in {files.root} holds components only); use "
+            "load_checkpoint(...) or load_model_from_checkpoint(...)."
+        )
+    return _rebuild(cls, files, _Specs(files, trust), meta_path, map_location, hooks, training_fn,
+                    validators, trust, overrides, allow_spec_changes)["strategy"]  # fmt: skip
