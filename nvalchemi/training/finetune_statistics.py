@@ -85,7 +85,6 @@ class FineTuneStatistics:
     num_atoms: int
     residual_rmse_per_atom: float | None = None
     """Per-atom energy RMSE (eV) of the source model on the data, before the new ``E0``."""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
