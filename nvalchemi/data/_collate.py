@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nvalchemi.data.fields import FIELDS, Level
+from nvalchemi.data.fields import FIELDS, Level, is_label
 
 _LEVEL_ALIASES: dict[str, Level] = {
     "atom": "atom",
@@ -109,6 +109,8 @@ def missing_fill(name: str, like: torch.Tensor, rows: int) -> torch.Tensor | Non
         return torch.zeros(shape, dtype=like.dtype)
     if name == "pbc":
         return torch.zeros(shape, dtype=torch.bool)
+    if name == "loss_weight":  # a structure without a weight counts once
+        return torch.ones(shape, dtype=like.dtype)
     spec = FIELDS.get(name)
     if spec is not None and spec.label:
         return torch.full(shape, float("nan"), dtype=like.dtype)
@@ -122,8 +124,14 @@ def collate(
     part_graphs: torch.Tensor,
     exclude: set[str],
     field_levels: Mapping[str, str] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Level]]:
-    """Concatenate the fields of ``parts`` (structures or batches) level by level."""
+    part_missing: Sequence[Mapping[str, torch.Tensor]] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Level], dict[str, torch.Tensor]]:
+    """Concatenate the fields of ``parts`` (structures or batches) level by level.
+
+    Returns the fields, their levels, and the missing-label masks: for every label that
+    some structure lacks, a CPU bool ``(B,)`` tensor that is ``True`` for those structures
+    (``part_missing`` holds the masks the parts already carry, for batches).
+    """
     levels: dict[str, Level] = {}
     for fields, part_levels in parts:
         for key in fields:
@@ -139,10 +147,14 @@ def collate(
         "system": part_graphs.tolist(),
     }
     out: dict[str, torch.Tensor] = {}
+    masks: dict[str, torch.Tensor] = {}
     for key, level in levels.items():
         tensors = [fields.get(key) for fields, _ in parts]
         present = next(t for t in tensors if t is not None)
         missing = [i for i, t in enumerate(tensors) if t is None]
+        carried = part_missing is not None and any(key in m for m in part_missing)
+        if (missing or carried) and is_label(key):
+            masks[key] = _missing_mask(key, tensors, rows["system"], part_missing, present.device)
         if missing:
             fill_rows = rows[level]
             if missing_fill(key, present, 1) is None:
@@ -154,7 +166,7 @@ def collate(
                 raise ValueError(
                     f"Field {key!r} is present in some structures but missing in structures "
                     f"{missing[:10]}{'...' if len(missing) > 10 else ''}; every structure in a "
-                    f"batch needs it (only labels, cell and pbc may be missing).{hint}"
+                    f"batch needs it (only labels, cell, pbc and loss_weight may be missing).{hint}"
                 )
             for i in missing:
                 tensors[i] = missing_fill(key, present, fill_rows[i])
@@ -177,4 +189,24 @@ def collate(
             per_edge = repeat(exclusive_cumsum(part_nodes), part_edges)
             value = value + per_edge.to(value.device).unsqueeze(1)
         out[key] = value
-    return out, levels
+    return out, levels, masks
+
+
+def _missing_mask(
+    key: str,
+    tensors: Sequence[torch.Tensor | None],
+    graphs: Sequence[int],
+    part_missing: Sequence[Mapping[str, torch.Tensor]] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """``(B,)`` bool: ``True`` for the structures of the parts that lack ``key``."""
+    pieces = []
+    for i, (tensor, count) in enumerate(zip(tensors, graphs)):
+        carried = part_missing[i].get(key) if part_missing is not None else None
+        if tensor is None:
+            pieces.append(torch.ones(count, dtype=torch.bool, device=device))
+        elif carried is not None:
+            pieces.append(carried.to(device=device, dtype=torch.bool))
+        else:
+            pieces.append(torch.zeros(count, dtype=torch.bool, device=device))
+    return torch.cat(pieces)

@@ -7,10 +7,12 @@ Index tensors (``batch_idx``, ``ptr``, counts) are int64 and live on the batch's
 device.
 
 Structures may differ in which labels they carry: collating a crystal with stress
-and a molecule without it fills the molecule's stress with NaN, which losses treat
-as a missing label; a molecule batched with crystals gets a zero ``cell`` and
-``pbc`` False. A non-label field missing from some structures is an error that
-names the field and the structures.
+and a molecule without it fills the molecule's stress with NaN and records, in
+:attr:`Batch.missing_labels`, that the molecule has no stress; losses leave it out
+by that mask (a NaN label that was *not* missing is a real non-finite value and
+propagates). A molecule batched with crystals gets a zero ``cell`` and ``pbc``
+False; a structure without a ``loss_weight`` gets weight 1. A non-label field
+missing from some structures is an error that names the field and the structures.
 
 Example:
     >>> import torch
@@ -78,8 +80,10 @@ class Batch:
         edge_counts: torch.Tensor,
         device: torch.device,
         index: dict[str, torch.Tensor] | None = None,
+        missing: dict[str, torch.Tensor] | None = None,
     ) -> None:
         object.__setattr__(self, "_data", data)
+        object.__setattr__(self, "_missing", missing if missing is not None else {})
         object.__setattr__(self, "_level_of", levels)
         object.__setattr__(self, "_node_counts", node_counts)  # CPU int64 [B]
         object.__setattr__(self, "_edge_counts", edge_counts)  # CPU int64 [B]
@@ -127,11 +131,11 @@ class Batch:
         edge_counts = torch.tensor([d.num_edges for d in data_list], dtype=torch.int64)
         parts = [(d._data, d._levels) for d in data_list]
         ones = torch.ones(len(data_list), dtype=torch.int64)
-        data, levels = collate(
+        data, levels, missing = collate(
             parts, node_counts, edge_counts, ones, set(exclude_keys or ()), field_levels
         )
         target = torch.device(device) if device is not None else data_list[0].device
-        batch = cls._from_collated(data, levels, node_counts, edge_counts, target)
+        batch = cls._from_collated(data, levels, node_counts, edge_counts, target, missing)
         return common_stamps(data_list, batch) if "neighbor_list" in data else batch
 
     @classmethod
@@ -142,6 +146,7 @@ class Batch:
         node_counts: torch.Tensor,
         edge_counts: torch.Tensor,
         device: torch.device,
+        missing: dict[str, torch.Tensor] | None = None,
     ) -> Batch:
         index = {
             "batch_idx": owners(node_counts),
@@ -149,10 +154,12 @@ class Batch:
             "num_nodes_per_graph": node_counts,
             "num_edges_per_graph": edge_counts,
         }
+        missing = missing or {}
         if any(t.device != device for t in data.values()) or device.type != "cpu":
             data = {k: v.to(device, non_blocking=True) for k, v in data.items()}
             index = {k: v.to(device, non_blocking=True) for k, v in index.items()}
-        return cls._construct(data, levels, node_counts, edge_counts, device, index)
+            missing = {k: v.to(device, non_blocking=True) for k, v in missing.items()}
+        return cls._construct(data, levels, node_counts, edge_counts, device, index, missing)
 
     @classmethod
     def cat(cls, batches: Sequence[Batch]) -> Batch:
@@ -166,8 +173,10 @@ class Batch:
         graphs = torch.tensor([b.num_graphs for b in batches], dtype=torch.int64)
         part_nodes = torch.tensor([b.num_nodes for b in batches], dtype=torch.int64)
         part_edges = torch.tensor([b.num_edges for b in batches], dtype=torch.int64)
-        data, levels = collate(parts, part_nodes, part_edges, graphs, set(), None)
-        batch = cls._from_collated(data, levels, node_counts, edge_counts, device)
+        data, levels, missing = collate(
+            parts, part_nodes, part_edges, graphs, set(), None, [b._missing for b in batches]
+        )
+        batch = cls._from_collated(data, levels, node_counts, edge_counts, device, missing)
         return common_stamps(batches, batch) if "neighbor_list" in data else batch
 
     # ------------------------------------------------------------ counts/index
@@ -237,6 +246,27 @@ class Batch:
         return self._cached("edge_batch_idx", lambda: owners(self._edge_counts))
 
     @property
+    def missing_labels(self) -> dict[str, torch.Tensor]:
+        """Labels some structures lack: ``{label: (B,) bool mask, True where it is missing}``.
+
+        Known at collation, on the batch device; empty when every structure has every
+        label it carries (the common case, which losses then handle with no masking work).
+        The stored values of a missing label are NaN. Assigning a label field keeps its
+        mask (``batch.energy = batch.energy * 2`` leaves missing rows missing); deleting
+        the field drops it.
+
+        Example:
+            >>> import torch
+            >>> from nvalchemi.data import AtomicData, Batch
+            >>> a = AtomicData(atomic_numbers=torch.tensor([1]), positions=torch.zeros(1, 3),
+            ...                energy=torch.tensor(-1.0))
+            >>> b = AtomicData(atomic_numbers=torch.tensor([1]), positions=torch.zeros(1, 3))
+            >>> Batch.from_data_list([a, b]).missing_labels
+            {'energy': tensor([False,  True])}
+        """
+        return dict(self._missing)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self._data["positions"].dtype
 
@@ -286,6 +316,7 @@ class Batch:
         if name in self._data:
             del self._data[name]
             del self._level_of[name]
+            self._missing.pop(name, None)
         else:
             object.__delattr__(self, name)
 
@@ -417,8 +448,8 @@ class Batch:
                     part = part - n0
             else:
                 part = value[idx : idx + 1]
-            spec = FIELDS.get(key)
-            if spec is not None and spec.label and part.numel() and bool(part.isnan().all()):
+            mask = self._missing.get(key)
+            if mask is not None and bool(mask[idx]):
                 continue  # filled in for a structure that lacks this label
             fields[key] = part
         if "pbc" in fields and not bool(fields["pbc"].any()) and not bool(fields["cell"].any()):
@@ -451,8 +482,10 @@ class Batch:
                     data[key] = data[key] + shift.unsqueeze(1)
             else:
                 data[key] = value.index_select(0, graph_rows)
+        missing = {k: v.index_select(0, graph_rows) for k, v in self._missing.items()}
+        missing = {k: v for k, v in missing.items() if k in data}
         selected = Batch._from_collated(
-            data, dict(self._level_of), node_counts, edge_counts, self.device
+            data, dict(self._level_of), node_counts, edge_counts, self.device, missing
         )
         return copy_stamps(self, selected)
 
@@ -468,6 +501,7 @@ class Batch:
             merged._edge_counts,
             merged.device,
             merged._index,
+            merged._missing,
         )
         clear_stamps(self)
         copy_stamps(merged, self)
@@ -482,9 +516,10 @@ class Batch:
     def _map(self, fn) -> Batch:
         data = {k: fn(v) for k, v in self._data.items()}
         index = {k: fn(v) for k, v in self._index.items()}
+        missing = {k: fn(v) for k, v in self._missing.items()}
         device = next(iter(data.values())).device if data else self.device
         out = Batch._construct(
-            data, dict(self._level_of), self._node_counts, self._edge_counts, device, index
+            data, dict(self._level_of), self._node_counts, self._edge_counts, device, index, missing
         )
         return copy_stamps(self, out)
 
@@ -534,7 +569,7 @@ class Batch:
         """Pin every tensor (in place) for faster, asynchronous host-to-device copies."""
         if not torch.cuda.is_available():
             return self
-        for store in (self._data, self._index):
+        for store in (self._data, self._index, self._missing):
             for key, value in store.items():
                 store[key] = value.pin_memory()
         return self
@@ -556,12 +591,14 @@ class Batch:
         }
 
     def __eq__(self, other: object) -> bool:
-        """Same fields at the same levels, same per-system atom and edge counts, and
-        equal values (any device; NaN-filled missing labels compare equal). Syncs:
-        meant for tests and checks, not for the training loop."""
+        """Same fields at the same levels, same per-system atom and edge counts, the same
+        missing labels, and equal values (any device; NaN-filled missing labels compare
+        equal). Syncs: meant for tests and checks, not for the training loop."""
         if not isinstance(other, Batch):
             return NotImplemented
-        if self._level_of != other._level_of:
+        if self._level_of != other._level_of or set(self._missing) != set(other._missing):
+            return False
+        if not all(tensors_equal(v, other._missing[k]) for k, v in self._missing.items()):
             return False
         if not (
             torch.equal(self._node_counts, other._node_counts)
@@ -576,6 +613,7 @@ class Batch:
         return dict(self.__dict__)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_missing", {})  # batches pickled before missing-label masks
         for key, value in state.items():
             object.__setattr__(self, key, value)
 

@@ -41,7 +41,8 @@ class FieldSpec:
         kind: ``"float"``, ``"int"``, ``"bool"`` or ``"index"`` (stored as int64).
         unit: physical unit, or ``None`` when dimensionless.
         label: a reference label that a structure may lack; collating structures
-            where only some carry it fills the others with NaN ("missing").
+            where only some carry it fills the others with NaN and records them in
+            ``Batch.missing_labels`` (losses leave them out by that mask).
         description: one line for error messages and docs.
     """
 
@@ -134,6 +135,13 @@ FIELDS: dict[str, FieldSpec] = {
         _f("spin", "system", (1,), "float"),
         _f("graph_alpha_spins", "system", (1,), "float"),
         _f("graph_embeddings", "system", (None,), "float"),
+        _f(
+            "loss_weight",
+            "system",
+            (1,),
+            "float",
+            description="per-structure weight of its loss terms (1 when absent)",
+        ),
     )
 }
 

@@ -397,11 +397,12 @@ class _TrainingLoop(_NonFiniteGuard, _LoopSetup):
                 target_keys=p.target_keys,
             )
             loss = out["total_loss"]
-            d["_last_loss"] = loss
+            detached = loss.detach()
+            d["_last_loss"] = detached  # not the graph: it would live on into the next step
             mode = p.nonfinite
             if mode == _RAISE:  # inline _record_loss
                 record = d["_nonfinite_record"]
-                record.losses.append(loss.detach())
+                record.losses.append(detached)
                 components = out["per_component_unweighted"]
                 record.meta.append(
                     (
@@ -639,7 +640,9 @@ def _exit_hooks(hooks: list[Any], exc_type: Any, exc: Any, tb: Any) -> None:
 def _detached(out: Mapping[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in out.items():
-        if isinstance(value, torch.Tensor):
+        if key == "per_component_sample":
+            pass  # detached by the loss already, and computed only when first read
+        elif isinstance(value, torch.Tensor):
             value = value.detach()
         elif isinstance(value, dict):
             value = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in value.items()}

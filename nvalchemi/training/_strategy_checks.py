@@ -108,9 +108,9 @@ def _check_call_shape(fn: Any, single: bool) -> None:
         )
     if not single and kind == "module":
         raise ValueError(
-            f"training_fn {name!r} annotates its first parameter as one module, but this "
-            "strategy has named models (a dict is passed). Use models=model for single-model "
-            "training or annotate the parameter as dict[str, nn.Module]."
+            f"training_fn {name!r} annotates its first parameter as a single model, but this "
+            "strategy has named models (a dict is passed). Pass models=model for single-model "
+            "training, or annotate the parameter as a mapping (dict[str, nn.Module])."
         )
 
 
@@ -136,9 +136,16 @@ def _annotation_kind(annotation: Any) -> str | None:
         return None
     if issubclass(target, (Mapping, nn.ModuleDict)) or target is dict:
         return "mapping"
-    if issubclass(target, nn.Module):
+    if issubclass(target, nn.Module) or _is_model_mixin(target):
         return "module"
     return None
+
+
+def _is_model_mixin(target: type) -> bool:
+    """Whether ``target`` is ``BaseModelMixin`` or a subclass (a model type, not a mapping)."""
+    from nvalchemi.models.base import BaseModelMixin  # models is a lower layer
+
+    return issubclass(target, BaseModelMixin)
 
 
 def _check_unique(hooks: list[Any]) -> None:

@@ -30,7 +30,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    WrapValidator,
+    model_validator,
+)
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -74,6 +83,19 @@ def _load_adapter(value: Any) -> Any:
 
 def _dump_adapter(value: Any) -> Any:
     return value if value is None or isinstance(value, str) else {"__type__": object_to_path(value)}
+
+
+def _importable_class(value: Any, handler: Any) -> Any:
+    """Resolve a class or dotted path; a bad path says it must resolve to an importable class."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if not isinstance(value, str):
+            raise
+        why = "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in exc.errors())
+        if "must resolve to an importable class" in why:
+            raise ValueError(why) from None
+        raise ValueError(f"{value!r} must resolve to an importable class: {why}") from None
 
 
 _ORDINARY = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -138,9 +160,9 @@ class OptimizerConfig(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    optimizer_cls: SerializableClass
+    optimizer_cls: Annotated[SerializableClass, WrapValidator(_importable_class)]
     optimizer_kwargs: dict[str, Any] = Field(default_factory=dict)
-    scheduler_cls: SerializableOptionalClass = None
+    scheduler_cls: Annotated[SerializableOptionalClass, WrapValidator(_importable_class)] = None
     scheduler_kwargs: dict[str, Any] = Field(default_factory=dict)
     scheduler_metric_adapter: Annotated[
         Any, BeforeValidator(_load_adapter), PlainSerializer(_dump_adapter)

@@ -188,8 +188,10 @@ def configure_dataloader(
 ) -> torch.utils.data.DataLoader:
     """A ``torch.utils.data.DataLoader`` that collates ``AtomicData`` into a ``Batch``.
 
-    ``shuffle=None`` shuffles unless a sampler or batch sampler is given. Other
-    keywords (``num_workers``, ``pin_memory``, ``drop_last`` ...) go to the loader.
+    ``collate_fn=None`` collates ``AtomicData`` items with ``Batch.from_data_list`` and
+    anything else with torch's ``default_collate``. ``shuffle=None`` shuffles unless a
+    sampler or batch sampler is given. Other keywords (``num_workers``, ``pin_memory``,
+    ``drop_last`` ...) go to the loader.
 
     Raises:
         ValueError: ``shuffle=True`` together with a ``sampler`` or ``batch_sampler``, or
@@ -221,9 +223,12 @@ def configure_dataloader(
 
 
 def _collate_atomic_data(items: list[Any]) -> Any:
-    from nvalchemi.data import Batch
+    from nvalchemi.data import AtomicData, Batch
 
-    return Batch.from_data_list(list(items))
+    items = list(items)
+    if items and all(isinstance(item, AtomicData) for item in items):
+        return Batch.from_data_list(items)
+    return torch.utils.data.default_collate(items)
 
 
 def configure_parallelism(

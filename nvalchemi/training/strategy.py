@@ -200,8 +200,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         elif isinstance(models, (Mapping, nn.ModuleDict)):
             if len(models) == 0:
                 raise ValueError(
-                    "models must contain at least one torch.nn.Module; got an empty mapping. "
-                    "Pass models=model or models={'name': model}."
+                    "models must contain at least one BaseModelMixin (or nn.Module) model; got "
+                    "an empty mapping. Pass models=model or models={'name': model}."
                 )
             bad = {
                 str(k): type(v).__name__ for k, v in models.items() if not isinstance(v, nn.Module)
@@ -280,7 +280,9 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
                 f"num_epochs={self.num_epochs}, num_steps={self.num_steps}."
             )
         if not self.models:
-            raise ValueError("models must contain at least one torch.nn.Module.")
+            raise ValueError(
+                "models must contain at least one BaseModelMixin (or nn.Module) model."
+            )
         if not self.optimizer_configs:
             raise ValueError(
                 "optimizer_configs must configure at least one model; got an empty mapping. "

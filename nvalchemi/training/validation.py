@@ -198,7 +198,8 @@ class ValidationLoop:
         loss_fn = loss_fn if loss_fn is not None else config.loss_fn
         if loss_fn is None:
             raise ValueError(
-                "ValidationLoop needs a loss: pass loss_fn=... or set ValidationConfig(loss_fn=...)."
+                "ValidationLoop: loss_fn must be provided in standalone mode; pass loss_fn=... "
+                "or set ValidationConfig(loss_fn=...)."
             )
         validation_fn = validation_fn or config.validation_fn
         if validation_fn is None:

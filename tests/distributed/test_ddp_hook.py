@@ -189,6 +189,18 @@ def test_world_size_one_wraps_nothing_and_leaves_the_loader_alone(monkeypatch):
 
 
 # --------------------------------------------------------------------------- wrapping
+def test_a_manager_reporting_one_process_is_never_asked_to_initialise(fake_ddp):
+    manager = StubManager(world_size=1, initialized=False)
+    model, probe = Energy(), Probe()
+    loader = our_loader(shuffle=True)
+    strategy = strategy_for(model, [DDPHook(), probe], manager=manager)
+    strategy.run(loader)
+    assert manager.inits == 0 and manager.destroys == 0
+    assert not torch.distributed.is_initialized()
+    assert probe.models["main"] is model and probe.loader is loader
+    assert fake_ddp.created == []
+
+
 def test_wraps_trainable_models_with_the_exact_options_and_restores_them(fake_ddp):
     student, teacher = Energy(), Energy()
     probe = Probe()

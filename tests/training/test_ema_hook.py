@@ -266,10 +266,41 @@ def test_load_into_a_built_hook_and_config_conflicts():
     assert all(torch.equal(a, b) for a, b in zip(_shadow(other), _shadow(hook)))
     with pytest.raises(
         ValueError, match=r"EMAHook checkpoint conflict: decay=0.7 vs constructor decay=0.9"
-    ):
+    ) as info:
         EMAHook(decay=0.9).load_state_dict(state)
+    assert "construct the hook with matching config" in str(info.value).lower()
     with pytest.raises(ValueError, match="update_every"):
         EMAHook(decay=0.7, update_every=2).load_state_dict(state)
+
+
+class RepairedCopy(S.ForceMLP):
+    """A model whose runtime methods do not survive deepcopy and are repaired on the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, float]] = []
+
+    def modify_ema_methods(self) -> None:
+        first = next(self.parameters())
+        self.calls.append((id(self), float(first.detach().flatten()[0])))
+
+
+def test_ema_calls_modify_ema_methods_on_the_copy_before_pending_weights():
+    _, trained, _ = _trained_hook()
+    state = trained.state_dict()
+    for name, value in list(state["averaged_model_state"].items()):
+        if name.startswith("module.") and value.is_floating_point():
+            state["averaged_model_state"][name] = torch.full_like(value, 7.0)
+    torch.manual_seed(0)
+    model = RepairedCopy()
+    hook = EMAHook(decay=0.7)
+    hook.load_state_dict(state)  # pending until the copy exists
+    S.make_strategy(model, hooks=[hook], num_steps=1).run(S.make_batches(1))
+    copy_ = hook.get_averaged_model().module
+    assert model.calls == [] and len(copy_.calls) == 1  # once, on the copy only
+    copied_id, first_value = copy_.calls[0]
+    assert copied_id == id(copy_)
+    assert first_value != 7.0  # called before the checkpointed weights were loaded
 
 
 def test_state_without_averaged_weights_clears_them():

@@ -302,7 +302,8 @@ def test_assemble_targets_from_batch_then_predictions():
     )
     with pytest.raises(
         KeyError,
-        match=r"'forces' not found: Validation batch has no field 'forces' and the predictions",
+        match=r"'forces' \(target_key of ForceMSELoss\) not found: Validation batch has no "
+        r"field 'forces' and the predictions",
     ):
         assemble_loss_targets(
             as_composed_loss(ForceMSELoss()), preds, batch, batch_label="Validation batch"

@@ -125,6 +125,11 @@ def test_class_paths_go_through_the_allow_list():
         OptimizerConfig("torch.optim.NoSuchOptimizer")
     with pytest.raises(ValueError, match="outside the import allow-list"):
         OptimizerConfig("os.system")
+    for bad in ("nopackage.Optimizer", "Adam", "torch.optim"):
+        with pytest.raises(ValueError, match=f"'{bad}' must resolve to an importable class"):
+            OptimizerConfig(bad)
+        with pytest.raises(ValueError, match=f"'{bad}' must resolve to an importable class"):
+            OptimizerConfig(torch.optim.Adam, {"lr": 1.0}, scheduler_cls=bad)
     with pytest.raises(ValueError, match="must be a class"):
         OptimizerConfig(torch.optim.Adam, {"lr": 1.0}, scheduler_cls="torch.nn.functional.relu")
     with pytest.raises(TypeError, match="multiple values"):

@@ -67,6 +67,15 @@ def test_configure_dataloader_collates_batches_and_rejects_shuffle_with_sampler(
     assert len(configure_dataloader(data, batch_size=2, sampler=sampler)) == 2
 
 
+def test_configure_dataloader_default_collate_falls_back_for_other_items():
+    pairs = [(torch.tensor([float(i)]), i) for i in range(4)]
+    features, labels = next(iter(configure_dataloader(pairs, batch_size=2, shuffle=False)))
+    assert features.tolist() == [[0.0], [1.0]] and labels.tolist() == [0, 1]
+    dicts = [{"x": torch.ones(2) * i} for i in range(3)]
+    batch = next(iter(configure_dataloader(dicts, batch_size=3, shuffle=False, collate_fn=None)))
+    assert batch["x"].shape == (3, 2)
+
+
 def test_configure_parallelism_is_a_no_op_in_one_process():
     models = {"main": nn.Linear(2, 2)}
     assert configure_parallelism(models) is models

@@ -23,6 +23,7 @@ from _training_support import (
 )
 from torch import nn
 
+from nvalchemi.models.base import BaseModelMixin
 from nvalchemi.training import (
     EnergyMSELoss,
     ForceMSELoss,
@@ -68,7 +69,7 @@ class _DoBackward:
 
 
 CONSTRUCTION_ERRORS = [
-    ({"models": {}}, "models must contain at least one"),
+    ({"models": {}}, r"models must contain at least one BaseModelMixin \(or nn.Module\) model"),
     ({"models": {"main": object()}}, "models must map names to torch.nn.Module"),
     ({"models": 3}, "models must be a torch.nn.Module or a mapping"),
     ({"optimizer_configs": {}}, "optimizer_configs must configure at least one model"),
@@ -117,6 +118,15 @@ def test_named_strategy_rejects_a_single_module_annotation():
         strategy(
             {"main": TinyModel()}, optimizer_configs={"main": [adam()]}, training_fn=_single_fn
         )
+
+
+def _mixin_fn(model: BaseModelMixin, batch):
+    return default_training_fn(model, batch)
+
+
+def test_named_strategy_rejects_a_base_model_mixin_annotation():
+    with pytest.raises(ValueError, match=r"Pass models=model .* or annotate the parameter as a"):
+        strategy({"main": TinyModel()}, optimizer_configs={"main": [adam()]}, training_fn=_mixin_fn)
 
 
 def test_non_loss_is_a_type_error_naming_the_accepted_kinds():

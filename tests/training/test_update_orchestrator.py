@@ -363,3 +363,59 @@ def test_optimizer_step_skipped_by_a_plain_claimant_is_trusted():
     s.run(make_batches(2))
     assert s.step_count == 2
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ----------------------------------------------------------------------------- two-argument calls
+def test_every_built_in_update_hook_is_callable_without_will_skip():
+    from nvalchemi.training.hooks import (
+        EMAHook,
+        GradientAccumulationHook,
+        GradientClipHook,
+        LossSpikeSkipHook,
+        MixedPrecisionHook,
+    )
+
+    setup = Param()
+    for hook in (
+        TrainingUpdateHook(),
+        EMAHook(),
+        MixedPrecisionHook(precision="float32"),
+        GradientAccumulationHook(steps=1),
+        GradientClipHook(max_norm=1.0),
+        LossSpikeSkipHook(),
+    ):
+        ctx = setup.ctx()
+        assert hook(ctx, S.BEFORE_BATCH) == (True, ctx.loss), type(hook).__name__
+
+
+def test_ema_hook_called_as_hook_ctx_stage_updates_as_if_not_skipped():
+    from nvalchemi.training.hooks import EMAHook
+
+    model = TinyModel()
+    ctx = SimpleNamespace(models={"main": model}, workflow=None, step_count=0, loss=None)
+    hook = EMAHook(decay=0.5)
+    hook(ctx, S.SETUP)
+    hook(ctx, S.AFTER_OPTIMIZER_STEP)  # will_skip defaults to False: an update
+    assert hook.num_updates == 1
+    hook(ctx, S.AFTER_OPTIMIZER_STEP, True)
+    assert hook.num_updates == 1
+
+
+def test_a_users_two_argument_update_hook_runs_in_a_strategy():
+    seen = []
+
+    class Halve(TrainingUpdateHook):
+        priority = 30
+
+        def __call__(self, ctx, stage):  # no will_skip
+            seen.append(stage.name)
+            if stage is S.DO_BACKWARD:
+                return True, ctx.loss * 0.5
+            return True, ctx.loss
+
+    log = []
+    s = strategy(hooks=[Halve(), Logged("u", log)], num_steps=2)
+    s.run(make_batches(2))
+    assert s.step_count == 2
+    assert seen.count("DO_BACKWARD") == 2 and seen[0] == "SETUP"
+    assert [skip for _, stage, skip in log if stage == "AFTER_OPTIMIZER_STEP"] == [False, False]

@@ -134,6 +134,7 @@ def test_metrics_match_a_hand_computed_case():
                 batch_idx=batch.batch_idx,
                 num_graphs=batch.num_graphs,
                 num_nodes_per_graph=batch.num_nodes_per_graph,
+                missing_labels=batch.missing_labels,
             )
         per_batch.append(out)
     expected_total = sum(float(o["total_loss"]) for o in per_batch) / 2
@@ -279,7 +280,7 @@ def test_standalone_loop_rules():
         ValidationLoop(**base, loss_fn=EnergyMSELoss(), validation_fn=default_training_fn)
     with pytest.raises(ValueError, match="validation_fn is required"):
         ValidationLoop(**base, model=TinyModel(), loss_fn=EnergyMSELoss())
-    with pytest.raises(ValueError, match="needs a loss"):
+    with pytest.raises(ValueError, match="loss_fn must be provided"):
         ValidationLoop(**base, model=TinyModel(), validation_fn=default_training_fn)
     loop = ValidationLoop(
         **base, model=TinyModel(), loss_fn=EnergyMSELoss(), validation_fn=default_training_fn

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
+from nvalchemi.distributed.manager import DistributedManager
 from nvalchemi.distributed.runtime import (
     destroy_distributed,
     distributed_device,
@@ -57,7 +58,8 @@ class DDPHook(BaseModel):
     * injects a distributed sampler into ``strategy.active_dataloader`` so each rank sees
       a disjoint shard (see :meth:`prepare_dataloader`).
 
-    With a world size of one the hook does nothing. On teardown (end of ``run()``, or
+    With a world size of one the hook does nothing; a distributed manager that reports
+    ``world_size == 1`` (and is not initialised) is never asked to initialise. On teardown (end of ``run()``, or
     of a ``train_batch`` session) it puts the unwrapped models back and destroys the
     process group if it created it; register it first in ``hooks=[...]`` then, so it
     is torn down after hooks that still communicate (e.g. ``CheckpointHook``).
@@ -117,6 +119,8 @@ class DDPHook(BaseModel):
         """Initialise communication if needed and pin this rank's GPU (before device placement)."""
         self._strategy = strategy
         self._manager = strategy.distributed_manager
+        if self._single_process():
+            return  # a manager reporting one process: no process group to create
         created = self.auto_init and init_distributed(self._manager, backend=self.backend)
         if self._world_size() <= 1:
             return  # nothing to tear down either: one process has no group to destroy
@@ -379,6 +383,17 @@ class DDPHook(BaseModel):
     # ------------------------------------------------------------------ helpers
     def _world_size(self) -> int:
         return get_world_size(self._manager)
+
+    def _single_process(self) -> bool:
+        """Whether the given distributed manager reports one process and is not initialised.
+
+        Not for our own :class:`DistributedManager`: it reports one process until it is
+        initialised, which reads the launcher's variables (``init_distributed`` decides).
+        """
+        manager = self._manager
+        if manager is None or isinstance(manager, DistributedManager):
+            return False
+        return not is_distributed_initialized(manager) and self._world_size() <= 1
 
     def _warn_if_torn_down_early(self, strategy: Any) -> None:
         # Hooks exit in reverse registration order: one registered before this hook that

@@ -111,7 +111,10 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         num_updates: updates done so far (restored from checkpoints).
 
     Priority 50. :meth:`get_averaged_model` returns the ``AveragedModel``; its
-    ``.module`` is what validation runs. The lists of tensors to average are collected
+    ``.module`` is what validation runs. ``AveragedModel`` deep-copies the model; when the
+    copy defines ``modify_ema_methods()`` the hook calls it once, right after the copy is
+    made and before pending checkpoint weights are loaded (for models whose runtime-patched
+    methods do not survive ``deepcopy``; it must change only the copy's methods). The lists of tensors to average are collected
     at ``SETUP`` (each ``run()``/``train_batch`` session); replacing a model's parameter
     or buffer objects in the middle of a run is not seen until the next ``SETUP``.
 
@@ -140,7 +143,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return self.__pydantic_private__["_rt"]
 
     # ------------------------------------------------------------------ dispatch
-    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         if stage is _AFTER_OPTIMIZER_STEP:
             if not will_skip:
                 completed = ctx.step_count + 1  # the strategy advances step_count afterwards
@@ -188,6 +191,11 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             return rt.averaged
         source = self._source(ctx)
         averaged = self._build_averaged_model(source)
+        repair = getattr(averaged.module, "modify_ema_methods", None)
+        if callable(repair):
+            # Runtime methods a model installs (e.g. fused kernels) do not survive deepcopy;
+            # the model repairs its copy before any checkpointed weights are loaded into it.
+            repair()
         for param in averaged.parameters():
             param.requires_grad_(False)
         _align(averaged.module, source)
@@ -316,7 +324,8 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         if conflicts:
             raise ValueError(
                 "EMAHook checkpoint conflict: " + "; ".join(conflicts) + ". Construct the "
-                "EMAHook with the checkpoint's settings to resume, or start a fresh average."
+                "hook with matching config (the checkpoint's settings) to resume, or start a "
+                "fresh average."
             )
         if "num_updates" in state:
             value = state["num_updates"]

@@ -17,6 +17,9 @@ stage                    a hook returns ``(proceed, loss)``   the orchestrator t
 =======================  ===================================  =====================================
 
 Vetoes do not short-circuit: every hook runs and later hooks see ``will_skip=True``.
+``will_skip`` is optional: a hook may be written ``__call__(self, ctx, stage)`` (it is then
+called without it), and every built-in update hook can be called as ``hook(ctx, stage)``
+(``will_skip=False``).
 A hook whose class sets ``_veto_defers_step = True`` (gradient accumulation) only
 postpones the step; when it is the only one vetoing, :attr:`~TrainingUpdateOrchestrator.step_deferred`
 is set and the strategy does not count the batch as a skipped step. Just before stepping,
@@ -40,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -79,7 +83,7 @@ class TrainingUpdateHook:
     def _runs_on_stage(self, stage: Any) -> bool:
         return stage in UPDATE_STAGES
 
-    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         """Take part in ``stage``; return ``(proceed, loss)``."""
         return True, ctx.loss
 
@@ -120,6 +124,19 @@ def _hook_label(hook: Any) -> str:
     return type(hook).__name__
 
 
+def _takes_will_skip(hook: Any) -> bool:
+    """Whether ``hook`` is called ``hook(ctx, stage, will_skip)`` (else ``hook(ctx, stage)``)."""
+    try:
+        signature = inspect.signature(type(hook).__call__)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(hook, None, None, False)
+    except TypeError:
+        return False
+    return True
+
+
 class TrainingUpdateOrchestrator:
     """Runs update hooks in priority order and owns zeroing, backward and stepping.
 
@@ -154,12 +171,17 @@ class TrainingUpdateOrchestrator:
                     "TrainingUpdateOrchestrator(*hooks)."
                 )
         _check_exclusive(children)
-        self._hooks: list[Any] = _by_priority(children)
+        self._set_hooks(_by_priority(children))
         self._optimizer_step_skipped = False
         self._step_deferred = False
         self._veto_deferred = False
 
     # ----------------------------------------------------------------- membership
+    def _set_hooks(self, hooks: list[Any]) -> None:
+        self._hooks: list[Any] = hooks
+        # (hook, whether it takes will_skip), decided once: two-argument hooks work too
+        self._calls = [(hook, _takes_will_skip(hook)) for hook in hooks]
+
     @property
     def optimizer_step_skipped(self) -> bool:
         """Whether the last ``DO_OPTIMIZER_STEP`` dispatch did not step the optimizers."""
@@ -198,7 +220,7 @@ class TrainingUpdateOrchestrator:
         _check_exclusive(candidate)
         if workflow is not None:
             _call_on_register(hook, workflow)
-        self._hooks = _by_priority(candidate)
+        self._set_hooks(_by_priority(candidate))
 
     def on_register(self, workflow: Any) -> None:
         """Forward registration to every child that defines ``on_register``."""
@@ -235,17 +257,18 @@ class TrainingUpdateOrchestrator:
             self._optimizer_step_skipped = not ran
         elif stage is _AFTER_OPTIMIZER_STEP:
             skipped = self._optimizer_step_skipped
-            for hook in self._hooks:
-                hook(ctx, stage, skipped)
+            for hook, takes_skip in self._calls:
+                hook(ctx, stage, skipped) if takes_skip else hook(ctx, stage)
         elif stage is _SETUP:
-            for hook in self._hooks:
-                hook(ctx, stage, False)
+            for hook, takes_skip in self._calls:
+                hook(ctx, stage, False) if takes_skip else hook(ctx, stage)
 
     def _run_gated(self, ctx: Any, stage: TrainingStage) -> bool:
         will_skip = False
         deferred = True  # every veto so far only postpones the step
-        for hook in self._hooks:
-            if not _check_veto(hook, stage, hook(ctx, stage, will_skip)):
+        for hook, takes_skip in self._calls:
+            result = hook(ctx, stage, will_skip) if takes_skip else hook(ctx, stage)
+            if not _check_veto(hook, stage, result):
                 will_skip = True
                 if deferred and not getattr(hook, "_veto_defers_step", False):
                     deferred = False
@@ -256,8 +279,8 @@ class TrainingUpdateOrchestrator:
         # Hooks thread a loss for backward only (scaled for accumulation or fp16); hooks
         # after backward, reporters and train_batch() see the loss that came in.
         original = ctx.loss
-        for hook in self._hooks:
-            result = hook(ctx, _DO_BACKWARD, False)
+        for hook, takes_skip in self._calls:
+            result = hook(ctx, _DO_BACKWARD, False) if takes_skip else hook(ctx, _DO_BACKWARD)
             loss = result[1] if isinstance(result, tuple) and len(result) == 2 else None
             if not isinstance(loss, torch.Tensor):
                 raise TypeError(

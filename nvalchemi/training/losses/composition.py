@@ -15,6 +15,7 @@ every call, so only their ratios matter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections import Counter
@@ -30,6 +31,7 @@ from nvalchemi.training.losses.base import (
     DTypePolicy,
     cast_for_policy,
     check_dtype_policy,
+    per_sample_values,
 )
 from nvalchemi.training.losses.schedules import LossWeightSchedule
 from nvalchemi.training.spec import BaseSpec, create_model_spec
@@ -123,7 +125,8 @@ class ComposedLossOutput(TypedDict):
     per_component_unweighted: dict[str, torch.Tensor]
     per_component_weight: dict[str, float]  # effective (after normalization)
     per_component_raw_weight: dict[str, float]  # before normalization
-    # effective weight * per-structure values; NaN for a structure without a label
+    # effective weight * per-structure values; NaN for a structure without a label. Detached,
+    # and computed when first read (a training step nobody reports on does no per-sample work)
     per_component_sample: dict[str, torch.Tensor]
 
 
@@ -244,7 +247,10 @@ class ComposedLossFunction(nn.Module):
         return float(value)
 
     def _resolved_weights(self, step: int, epoch: int | None) -> tuple[list[float], list[float]]:
-        raw = [self._resolve(n, w, step, epoch) for n, w in zip(self._names, self._weights)]
+        raw = [
+            w if type(w) is float else self._resolve(n, w, step, epoch)
+            for n, w in zip(self._names, self._weights)
+        ]
         if not self.normalize_weights:
             return raw, raw
         total = sum(raw)
@@ -255,6 +261,24 @@ class ComposedLossFunction(nn.Module):
                 f"{dict(zip(self._names, raw))}. Use positive weights or normalize_weights=False."
             )
         return raw, [w / total for w in raw]
+
+    def _weight_dicts(
+        self, step: int, epoch: int | None
+    ) -> tuple[list[float], dict[str, float], dict[str, float]]:
+        """Effective weights, ``{name: effective}`` and ``{name: raw}`` at ``(step, epoch)``.
+
+        Constant (float) weights are resolved once and reused while they and
+        ``normalize_weights`` stay the same.
+        """
+        cache = self.__dict__.get("_constant_weights")
+        if cache is not None and cache[0] == self.normalize_weights and cache[1] == self._weights:
+            return cache[2], cache[3].copy(), cache[4].copy()
+        raw, effective = self._resolved_weights(step, epoch)
+        out = effective, dict(zip(self._names, effective)), dict(zip(self._names, raw))
+        if all(type(w) is float for w in self._weights):
+            self.__dict__["_constant_weights"] = (self.normalize_weights, list(self._weights), *out)
+            return out[0], out[1].copy(), out[2].copy()
+        return out
 
     def current_weight(self, step: int = 0, epoch: int | None = None) -> list[float]:
         """Effective weight of each component at ``(step, epoch)``."""
@@ -277,39 +301,52 @@ class ComposedLossFunction(nn.Module):
     ) -> ComposedLossOutput:
         """Evaluate every component on ``predictions[prediction_key]`` vs ``targets[target_key]``.
 
-        ``kwargs`` (``batch_idx``, ``num_graphs``, ``num_nodes_per_graph``, ...) go to leaves.
+        ``kwargs`` (``batch_idx``, ``num_graphs``, ``num_nodes_per_graph``,
+        ``missing_labels``, ``loss_weight``, ...) go to leaves. ``per_component_sample`` is
+        computed when first read.
         """
-        raw, effective = self._resolved_weights(step, epoch)
-        out = ComposedLossOutput(
-            total_loss=None,  # type: ignore[typeddict-item]
-            per_component_unweighted={},
-            per_component_weight=dict(zip(self._names, effective)),
-            per_component_raw_weight=dict(zip(self._names, raw)),
-            per_component_sample={},
-        )
+        effective, effective_by_name, raw_by_name = self._weight_dicts(step, epoch)
+        policy = self._dtype_policy
+        unweighted: dict[str, torch.Tensor] = {}
+        samples: list[tuple[str, Any, Any, float]] = []
         total = None
-        for name, leaf, weight in zip(self._names, self.components, effective):
-            pred, target = self._inputs(name, leaf, predictions, targets)
-            if leaf._dtype_policy is None:
-                pred, target = cast_for_policy(pred, target, self._dtype_policy)
-            leaf.per_sample_loss = leaf.per_sample_valid = None
+        for name, leaf, weight in zip(self._names, self._modules["components"], effective):
+            try:
+                pred = predictions[leaf.prediction_key]
+                target = targets[leaf.target_key]
+            except (AttributeError, KeyError, TypeError):
+                pred, target = self._inputs(name, leaf, predictions, targets)
+            if type(pred) is not torch.Tensor or type(target) is not torch.Tensor:
+                pred, target = self._inputs(name, leaf, predictions, targets)
+            if policy is not None and leaf._dtype_policy is None:
+                pred, target = cast_for_policy(pred, target, policy)
+            state = leaf.__dict__
+            state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
             value = leaf(pred, target, **kwargs)
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"{name} must return a torch.Tensor, got {type(value).__name__}")
-            out["per_component_unweighted"][name] = value
-            sample = leaf.per_sample_loss
-            if sample is not None:
-                if not isinstance(sample, torch.Tensor):
-                    raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
-                if sample.ndim != 1:
-                    raise ValueError(
-                        f"{name}.per_sample_loss must be a 1-D tensor of shape (B,), got "
-                        f"{tuple(sample.shape)}"
-                    )
-                out["per_component_sample"][name] = (weight * sample).detach()
-            total = weight * value if total is None else total + weight * value
-        out["total_loss"] = total
-        return out
+            unweighted[name] = value
+            source = state.get("_per_sample_source")
+            if source is not None:  # recorded by the leaf, computed when first read
+                samples.append((name, source, state.get("_per_sample_valid"), weight))
+            else:
+                sample = state.get("_per_sample")  # set directly (e.g. by a custom forward)
+                if sample is not None:
+                    if not isinstance(sample, torch.Tensor):
+                        raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
+                    _check_sample(name, sample)
+                    samples.append((name, sample, None, weight))
+            if total is None:
+                total = value if weight == 1.0 else value * weight
+            else:
+                total = torch.add(total, value, alpha=weight)
+        return {
+            "total_loss": total,
+            "per_component_unweighted": unweighted,
+            "per_component_weight": effective_by_name,
+            "per_component_raw_weight": raw_by_name,
+            "per_component_sample": _per_sample_dict(samples),
+        }
 
     @staticmethod
     def _inputs(name, leaf, predictions, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,7 +358,10 @@ class ComposedLossFunction(nn.Module):
                     f"{name} cannot be used in ComposedLossFunction without a {kind}_key attribute."
                 )
             if key not in mapping:
-                raise KeyError(f"{name}: {kind} mapping is missing key {key!r}")
+                raise KeyError(
+                    f"{name}: {kind} mapping is missing key {key!r} (its {kind}_key); available "
+                    f"{kind} keys: {sorted(mapping)}."
+                )
             value = mapping[key]
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -382,6 +422,84 @@ class ComposedLossFunction(nn.Module):
         return f"num_components={len(self.components)}, normalize_weights={self.normalize_weights}"
 
 
+def _check_sample(name: str, sample: torch.Tensor) -> None:
+    if sample.ndim != 1:
+        raise ValueError(
+            f"{name}.per_sample_loss must be a 1-D tensor of shape (B,), got {tuple(sample.shape)}"
+        )
+
+
+class _PerSampleValues(dict):
+    """``{component: effective weight * per-structure values}``, computed on first use.
+
+    A plain ``dict`` to its readers; the values are only computed when something reads them
+    (a reporter, validation), so a training step that nobody reports on does no per-sample
+    work. Pickles and copies as a plain ``dict``.
+    """
+
+    __slots__ = ("_pending",)
+
+    def _fill(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        for name, source, valid, weight in pending:
+            sample = per_sample_values(source, valid)
+            _check_sample(name, sample)
+            dict.__setitem__(self, name, sample if weight == 1.0 else weight * sample)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self._fill()
+        return dict, (dict(self.items()),)
+
+
+def _per_sample_dict(pending: list[tuple[str, Any, Any, float]]) -> _PerSampleValues:
+    samples = _PerSampleValues()
+    samples._pending = pending or None
+    return samples
+
+
+def _filling(method: Any) -> Any:
+    def wrapper(self: _PerSampleValues, *args: Any, **kwargs: Any) -> Any:
+        self._fill()
+        return method(self, *args, **kwargs)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+for _method in (
+    "__contains__",
+    "__delitem__",
+    "__eq__",
+    "__getitem__",
+    "__ior__",
+    "__iter__",
+    "__len__",
+    "__ne__",
+    "__or__",
+    "__repr__",
+    "__reversed__",
+    "__ror__",
+    "__setitem__",
+    "clear",
+    "copy",
+    "get",
+    "items",
+    "keys",
+    "pop",
+    "popitem",
+    "setdefault",
+    "update",
+    "values",
+):
+    setattr(_PerSampleValues, _method, _filling(getattr(dict, _method)))
+_PerSampleValues.__reduce_ex__ = lambda self, protocol: self.__reduce__()  # type: ignore[method-assign]
+del _method
+
+
 def loss_component_to_spec(leaf: BaseLossFunction) -> BaseSpec:
     """Spec of one leaf loss from its same-named constructor attributes."""
     if isinstance(leaf, ComposedLossFunction):
@@ -436,8 +554,9 @@ class LossTargetAssemblyProtocol(Protocol):
 
 
 def _field(batch: Any, key: str) -> Any:
-    if isinstance(batch, Mapping):
-        value = batch.get(key)
+    get = getattr(batch, "get", None)  # a Mapping or a Batch: no exception for a missing key
+    if callable(get):
+        value = get(key)
     else:
         try:
             value = getattr(batch, key, None)
@@ -461,15 +580,23 @@ def assemble_loss_targets(
     ``EnergyMSELoss(prediction_key="student_energy", target_key="teacher_energy")``.
     """
     targets = {}
+    get = getattr(batch, "get", None)  # a Mapping or a Batch: no exception for a missing key
+    if not callable(get):
+        get = functools.partial(_field, batch)
     for key in loss_target_keys(loss_fn) if target_keys is None else target_keys:
-        value = _field(batch, key)
+        value = get(key)
+        if not isinstance(value, torch.Tensor):
+            value = None
         if value is None and isinstance(predictions, Mapping):
             value = predictions.get(key)
         if value is None:
+            leaves = loss_fn.components if isinstance(loss_fn, ComposedLossFunction) else [loss_fn]
+            users = [type(c).__name__ for c in leaves if getattr(c, "target_key", None) == key]
             raise KeyError(
-                f"Loss target {key!r} not found: {batch_label} has no field {key!r} and the "
-                f"predictions mapping has no key {key!r}. Add the label to the data, return it "
-                "from training_fn, or pass a custom loss_target_assembler."
+                f"Loss target {key!r} (target_key of {', '.join(users) or 'the loss'}) not found: "
+                f"{batch_label} has no field {key!r} and the predictions mapping has no key "
+                f"{key!r}. Add the label to the data, return it from training_fn, or pass a "
+                "custom loss_target_assembler."
             )
         targets[key] = value
     return targets
@@ -490,7 +617,12 @@ def compute_supervised_loss(
     target_keys: Sequence[str] | None = None,
     batch_label: str = "Batch",
 ) -> ComposedLossOutput:
-    """Assemble targets and evaluate ``loss_fn`` with the batch's graph metadata."""
+    """Assemble targets and evaluate ``loss_fn`` with the batch's graph metadata.
+
+    Passes ``batch_idx``, ``num_graphs`` and ``num_nodes_per_graph``; when the batch has
+    them, its per-structure ``loss_weight`` and its ``missing_labels`` (the structures
+    without each label, known at collation) to every leaf.
+    """
     loss_fn = as_composed_loss(loss_fn)
     targets = target_assembler(
         loss_fn,
@@ -500,9 +632,32 @@ def compute_supervised_loss(
         target_keys=target_keys,
         batch_label=batch_label,
     )
-    meta = {}
-    for key in _GRAPH_METADATA:
-        value = batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
-        if value is not None:
-            meta[key] = value
+    try:  # a Batch (the training loop's case): three attribute reads
+        meta = {
+            "batch_idx": batch.batch_idx,
+            "num_graphs": batch.num_graphs,
+            "num_nodes_per_graph": batch.num_nodes_per_graph,
+        }
+        weight, missing = batch.get("loss_weight"), batch.missing_labels
+    except AttributeError:
+        meta = None
+    if meta is not None:
+        if meta["batch_idx"] is None or meta["num_nodes_per_graph"] is None:
+            meta = {k: v for k, v in meta.items() if v is not None}
+    elif isinstance(batch, Mapping):
+        meta = {k: batch[k] for k in _GRAPH_METADATA if batch.get(k) is not None}
+        weight, missing = batch.get("loss_weight"), batch.get("missing_labels")
+    else:
+        meta = {}
+        for key in _GRAPH_METADATA:
+            value = getattr(batch, key, None)
+            if value is not None:
+                meta[key] = value
+        get = getattr(batch, "get", None)
+        weight = get("loss_weight") if callable(get) else getattr(batch, "loss_weight", None)
+        missing = getattr(batch, "missing_labels", None)
+    if weight is not None:
+        meta["loss_weight"] = weight
+    if missing:
+        meta["missing_labels"] = missing
     return loss_fn(predictions, targets, step=step, epoch=epoch, **meta)

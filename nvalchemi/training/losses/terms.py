@@ -1,28 +1,47 @@
 """The built-in leaf losses for energies, forces and stresses.
 
-Shapes follow the batch layout: energies ``(B, 1)`` (or ``(B,)``), forces ``(V, 3)`` over the
-concatenated atoms of the batch, stresses ``(B, 3, 3)``. Per-graph reductions take
-``batch_idx``/``num_graphs``/``num_nodes_per_graph`` keyword metadata (``compute_supervised_loss``
-passes them from the batch; a ``batch=`` keyword is used as a fallback source).
+Shapes follow the batch layout: energies ``(B, 1)`` (or ``(B,)``), forces ``(N, 3)`` over the
+concatenated atoms of the batch or padded ``(B, N_max, 3)``, stresses ``(B, 3, 3)``. Per-graph
+reductions take ``batch_idx``/``num_graphs``/``num_nodes_per_graph`` keyword metadata
+(``compute_supervised_loss`` passes them from the batch; a ``batch=`` keyword is used as a
+fallback source). Padded forces need ``num_nodes_per_graph``: atom counts ``(B,)`` or a node
+mask ``(B, N_max)``; every force loss gives the same value in both layouts.
 
-Missing labels (NaN targets) are always masked; a structure with no label contributes nothing
-and is not counted in any mean (its ``per_sample_loss`` entry is NaN and its
-``per_sample_valid`` entry ``False``); an all-missing batch gives 0 with zero gradient.
+Which entries count (see :mod:`nvalchemi.training.losses.base`): structures without the label
+(``missing_labels=``, from collation) are left out of every mean, their ``per_sample_loss``
+is NaN; a NaN target propagates to a NaN loss unless ``ignore_nonfinite=True``, which masks
+non-finite targets (a structure with every entry masked counts as 0 in a mean over
+structures).
+
+Per-structure loss weights: a ``loss_weight=`` keyword (the batch's ``loss_weight`` field,
+``(B,)`` or ``(B, 1)``) multiplies each structure's term, and each atom's force term by its
+structure's weight, inside the same mean (not renormalised by the weights' sum): weight 2
+counts a structure twice, 0 drops it.
 
 >>> import torch
 >>> loss = EnergyMSELoss()
->>> float(loss(torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0], [float("nan")]])))
+>>> float(loss(torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0], [2.0]])))
+1.0
+>>> missing = torch.tensor([False, True])  # structure 1 has no energy label
+>>> float(loss(torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0], [float("nan")]]),
+...            missing_labels=missing))
 1.0
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from nvalchemi.training.losses.base import BaseLossFunction, DTypePolicy, ReductionContext
+from nvalchemi.training.losses.base import (
+    BaseLossFunction,
+    DTypePolicy,
+    ReductionContext,
+    metadata,
+)
 from nvalchemi.training.losses.reductions import per_graph_sum
 
 __all__ = [
@@ -37,18 +56,6 @@ __all__ = [
 ]
 
 
-def _metadata(loss: BaseLossFunction, kwargs: dict[str, Any], name: str, required: bool = True):
-    value = kwargs.get(name)
-    if value is None and kwargs.get("batch") is not None:
-        value = getattr(kwargs["batch"], name, None)
-    if value is None and required:
-        raise ValueError(
-            f"{type(loss).__name__} requires {name}=... metadata; pass it as a keyword argument "
-            f"(compute_supervised_loss passes batch.{name}) or pass batch=<Batch>."
-        )
-    return value
-
-
 def _check_delta(delta: float) -> float:
     delta = float(delta)
     if not delta > 0:
@@ -56,26 +63,31 @@ def _check_delta(delta: float) -> float:
     return delta
 
 
-def _huber(pred: torch.Tensor, target: torch.Tensor, delta: float) -> torch.Tensor:
-    """``0.5 r**2`` for ``|r| < delta`` else ``delta * (|r| - delta / 2)`` (PyTorch convention)."""
-    return F.huber_loss(pred, target, reduction="none", delta=delta)
-
-
-def _graph_balanced(
-    loss: BaseLossFunction,
-    item_sum: torch.Tensor,
-    item_count: torch.Tensor,
-    batch_idx: torch.Tensor | None = None,
-    num_graphs: int | None = None,
+def _mean_over_structures(
+    loss: BaseLossFunction, sums: torch.Tensor, counts: torch.Tensor, ctx: ReductionContext
 ) -> torch.Tensor:
-    """Mean over labelled graphs of each graph's mean residual over its labelled entries."""
-    if batch_idx is not None:
-        item_sum = per_graph_sum(item_sum, batch_idx, num_graphs)
-        item_count = per_graph_sum(item_count, batch_idx, num_graphs)
-    per_graph = item_sum / item_count.clamp_min(1)
-    labelled = item_count > 0
-    loss.record_per_sample(per_graph, labelled)
-    return per_graph.sum() / labelled.sum().clamp_min(1)
+    """Mean over the labelled structures of each structure's mean over its counted entries.
+
+    A structure without the label (``ctx["missing"]``) is left out; one whose entries are all
+    masked counts as 0. ``ctx["loss_weight"]`` scales each structure's term.
+    """
+    per_graph = sums / counts.clamp_min(1)
+    missing = ctx.get("missing")
+    loss.record_per_sample(per_graph, None if missing is None else ~missing)
+    weight = ctx.get("loss_weight")
+    if weight is not None:
+        per_graph = per_graph * weight.to(per_graph.dtype)
+    if missing is None:
+        return per_graph.sum() / max(per_graph.shape[0], 1)
+    return per_graph.sum() / (~missing).sum().clamp_min(1)
+
+
+def _atom_means(
+    residual: torch.Tensor, batch_idx: torch.Tensor, atoms: torch.Tensor, components: int
+) -> torch.Tensor:
+    """Per-structure means over atoms and components of per-atom residuals."""
+    sums = per_graph_sum(residual.sum(-1), batch_idx, atoms.shape[0])
+    return sums / (atoms.clamp_min(1) * components).to(sums.dtype)
 
 
 # ------------------------------------------------------------------------------- energy
@@ -83,6 +95,7 @@ def _graph_balanced(
 
 class _EnergyLoss(BaseLossFunction):
     requires_eval_grad = False
+    label_level = "system"
     _atom_weighted: ClassVar[bool] = True
 
     def _store(self, target_key: str, prediction_key: str, per_atom: bool, ignore_nonfinite: bool):
@@ -90,33 +103,49 @@ class _EnergyLoss(BaseLossFunction):
         self.per_atom, self.ignore_nonfinite = bool(per_atom), bool(ignore_nonfinite)
 
     def normalize(self, pred, target, **kwargs):
-        ctx = ReductionContext()
+        pred, target, ctx = super().normalize(pred, target, **kwargs)
         if not self.per_atom:
             return pred, target, ctx
-        counts = torch.as_tensor(_metadata(self, kwargs, "num_nodes_per_graph"), device=pred.device)
+        counts = torch.as_tensor(metadata(self, kwargs, "num_nodes_per_graph"), device=pred.device)
         if counts.ndim == 2:  # (B, V_max) padded node mask
             counts = counts.sum(-1)
         if counts.ndim != 1 or counts.shape[0] != pred.shape[0]:
             raise ValueError(
                 f"{type(self).__name__}: num_nodes_per_graph must have shape (B,) with "
-                f"B={pred.shape[0]} energies, got {tuple(counts.shape)}"
+                f"B={pred.shape[0]} energies (target_key={self.target_key!r} has shape "
+                f"{tuple(target.shape)}), got {tuple(counts.shape)}"
             )
         counts = counts.to(pred.dtype).clamp_min(1).reshape(-1, *([1] * (pred.ndim - 1)))
         if self._atom_weighted:
             ctx["weights"] = counts
         return pred / counts, target / counts, ctx
 
+    def compute_residual(self, pred, target, valid):
+        return self._pointwise(pred, target, "none")
+
+    def unmasked_loss(self, pred, target, ctx, kwargs):
+        if self.per_atom or "loss_weight" in ctx:
+            return None
+        if pred.ndim == 1 or (pred.ndim == 2 and pred.shape[1] == 1):
+            pred_values = pred.detach()  # never keep the step's autograd graph alive
+            self.record_per_sample(
+                functools.partial(self._pointwise, pred_values, target, "none"), None
+            )
+        return self._pointwise(pred, target, "mean")
+
     def reduce(self, residual, valid, ctx, **kwargs):
         if residual.ndim == 1 or (residual.ndim == 2 and residual.shape[1] == 1):
-            self.record_per_sample(residual, valid)
-        return super().reduce(residual, valid, ctx)
+            missing = ctx.get("missing")
+            self.record_per_sample(residual, None if missing is None else ~missing)
+        return super().reduce(residual, valid, ctx, **kwargs)
 
 
 class EnergyMSELoss(_EnergyLoss):
     """Mean squared energy error.
 
     ``per_atom=True`` compares energies per atom and weights each structure by its atom count:
-    ``sum_i N_i (dE_i / N_i)**2 / sum_i N_i``.
+    ``sum_i N_i (dE_i / N_i)**2 / sum_i N_i``. A ``loss_weight`` of the batch multiplies each
+    structure's term (see the module docstring).
     """
 
     def __init__(
@@ -131,12 +160,15 @@ class EnergyMSELoss(_EnergyLoss):
         super().__init__(dtype_policy=dtype_policy)
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
-    def compute_residual(self, pred, target, valid):
-        return (pred - target) ** 2
+    def _pointwise(self, pred, target, reduction):
+        return F.mse_loss(pred, target, reduction=reduction)
 
 
 class EnergyMAELoss(_EnergyLoss):
-    """Mean absolute energy error; per atom and atom-count weighted by default."""
+    """Mean absolute energy error; per atom and atom-count weighted by default.
+
+    A ``loss_weight`` of the batch multiplies each structure's term.
+    """
 
     def __init__(
         self,
@@ -150,12 +182,15 @@ class EnergyMAELoss(_EnergyLoss):
         super().__init__(dtype_policy=dtype_policy)
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
-    def compute_residual(self, pred, target, valid):
-        return (pred - target).abs()
+    def _pointwise(self, pred, target, reduction):
+        return F.l1_loss(pred, target, reduction=reduction)
 
 
 class EnergyHuberLoss(_EnergyLoss):
-    """Huber loss of (per-atom) energies; a plain mean over structures (MACE-style)."""
+    """Huber loss of (per-atom) energies; a plain mean over structures (MACE-style).
+
+    A ``loss_weight`` of the batch multiplies each structure's term.
+    """
 
     _atom_weighted = False
 
@@ -173,8 +208,8 @@ class EnergyHuberLoss(_EnergyLoss):
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
         self.delta = _check_delta(delta)
 
-    def compute_residual(self, pred, target, valid):
-        return _huber(pred, target, self.delta)
+    def _pointwise(self, pred, target, reduction):
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
 
 
 # ------------------------------------------------------------------------------- forces
@@ -182,29 +217,130 @@ class EnergyHuberLoss(_EnergyLoss):
 
 class _ForceLoss(BaseLossFunction):
     requires_eval_grad = True
+    label_level = "atom"
 
     def _store(self, target_key, prediction_key, normalize_by_atom_count, ignore_nonfinite):
         self.target_key, self.prediction_key = target_key, prediction_key
         self.normalize_by_atom_count = bool(normalize_by_atom_count)
         self.ignore_nonfinite = bool(ignore_nonfinite)
 
+    def normalize(self, pred, target, **kwargs):
+        pred, target, ctx = super().normalize(pred, target, **kwargs)
+        if target.ndim == 3:
+            ctx["padded"] = True
+            ctx["node_mask"] = self._node_mask(target, kwargs)
+        elif target.ndim != 2:
+            raise ValueError(
+                f"{type(self).__name__}: target_key={self.target_key!r} must have shape (N, 3) "
+                f"(atoms of the batch) or (B, N_max, 3) (padded); got shape {tuple(target.shape)}."
+            )
+        return pred, target, ctx
+
+    def _node_mask(self, target: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``(B, N_max, 1)`` mask of the real atoms of a padded layout."""
+        b, width = target.shape[0], target.shape[1]
+        nodes = metadata(self, kwargs, "num_nodes_per_graph")
+        nodes = torch.as_tensor(nodes, device=target.device)
+        if nodes.ndim == 1 and nodes.shape[0] == b and not nodes.is_floating_point():
+            mask = torch.arange(width, device=target.device) < nodes[:, None]
+        elif nodes.ndim == 2 and tuple(nodes.shape) == (b, width):
+            mask = nodes.to(torch.bool)
+        else:
+            raise ValueError(
+                f"{type(self).__name__}: padded target_key={self.target_key!r} of shape "
+                f"{tuple(target.shape)} needs num_nodes_per_graph as atom counts of shape "
+                f"({b},) or a node mask of shape ({b}, {width}); got shape {tuple(nodes.shape)}."
+            )
+        return mask[..., None]
+
+    def mask(self, pred, target, ctx, **kwargs):
+        valid = super().mask(pred, target, ctx, **kwargs)
+        node_mask = ctx.get("node_mask")
+        if node_mask is not None:
+            node_mask = node_mask.expand(target.shape)
+            valid = node_mask if valid is None else valid & node_mask
+        return valid
+
+    def _pointwise(
+        self, pred: torch.Tensor, target: torch.Tensor, reduction: str
+    ) -> torch.Tensor | None:
+        return None
+
+    def unmasked_loss(self, pred, target, ctx, kwargs):
+        if target.ndim != 2:
+            return None  # the padded layout always masks its padding
+        if self.normalize_by_atom_count:
+            residual = self.compute_residual(pred, target, None)
+            batch_idx = metadata(self, kwargs, "batch_idx")
+            num_graphs = metadata(self, kwargs, "num_graphs", required=False)
+            return self._balanced_mean(residual, batch_idx, num_graphs, ctx, kwargs)
+        if "loss_weight" in ctx:
+            return None
+        return self._pointwise(pred, target, "mean")
+
     def reduce(self, residual, valid, ctx, **kwargs):
+        if ctx.get("padded", False):
+            sums, counts = residual.sum((1, 2)), valid.sum((1, 2)).to(residual.dtype)
+            if self.normalize_by_atom_count:
+                return _mean_over_structures(self, sums, counts, ctx)
+            missing = ctx.get("missing")
+            self.record_per_sample(
+                functools.partial(torch.div, sums.detach(), counts.clamp_min(1)),
+                None if missing is None else ~missing,
+            )
+            return super().reduce(residual, valid, ctx, **kwargs)
         if not self.normalize_by_atom_count:
-            return super().reduce(residual, valid, ctx)
-        return _graph_balanced(
-            self,
-            residual.sum(-1),
-            valid.sum(-1).to(residual.dtype),
-            _metadata(self, kwargs, "batch_idx"),
-            _metadata(self, kwargs, "num_graphs", required=False),
+            return super().reduce(residual, valid, ctx, **kwargs)
+        batch_idx = metadata(self, kwargs, "batch_idx")
+        num_graphs = metadata(self, kwargs, "num_graphs", required=False)
+        if valid is not None:
+            sums = per_graph_sum(residual.sum(-1), batch_idx, num_graphs)
+            counts = per_graph_sum(valid.sum(-1).to(residual.dtype), batch_idx, num_graphs)
+            return _mean_over_structures(self, sums, counts, ctx)
+        return self._balanced_mean(residual, batch_idx, num_graphs, ctx, kwargs)
+
+    def _balanced_mean(self, residual, batch_idx, num_graphs, ctx, kwargs) -> torch.Tensor:
+        """Mean over structures of each one's mean over its components, nothing masked.
+
+        The per-atom residuals times per-atom scales ``1 / (components * B * atoms of the
+        structure)``, summed: the value of the per-structure means with no per-structure
+        tensors in the autograd graph (the scales need no gradient).
+        """
+        if batch_idx.shape != (residual.shape[0],):
+            raise ValueError(
+                f"{type(self).__name__}: batch_idx must have shape ({residual.shape[0]},), one "
+                f"entry per atom of target_key={self.target_key!r}; got shape "
+                f"{tuple(batch_idx.shape)}."
+            )
+        batch_idx = batch_idx.to(residual.device)
+        atoms = metadata(self, kwargs, "num_nodes_per_graph", required=False)
+        if atoms is None:
+            atoms = torch.bincount(batch_idx, minlength=num_graphs or 0)
+        elif atoms.ndim != 1 or (num_graphs is not None and atoms.shape[0] != num_graphs):
+            raise ValueError(
+                f"{type(self).__name__}: num_nodes_per_graph must hold one atom count per "
+                f"structure, shape ({num_graphs if num_graphs is not None else 'B'},); got "
+                f"shape {tuple(atoms.shape)}."
+            )
+        num_graphs, components = atoms.shape[0], residual.shape[-1]
+        self.record_per_sample(
+            functools.partial(_atom_means, residual.detach(), batch_idx, atoms, components), None
         )
+        # 1 / (components * B * atoms of the structure), for every atom
+        scale = torch.reciprocal(atoms.clamp_min(1) * (components * max(num_graphs, 1)))
+        weight = ctx.get("loss_weight")
+        if weight is not None:
+            scale = scale * weight
+        scale = scale.to(residual.dtype).index_select(0, batch_idx)
+        return (residual * scale.unsqueeze(1)).sum()
 
 
 class ForceMSELoss(_ForceLoss):
-    """Mean squared force error over components, for dense ``(V, 3)`` forces.
+    """Mean squared force error over components, for ``(N, 3)`` or padded ``(B, N_max, 3)``.
 
     ``normalize_by_atom_count=True`` (default) averages within each structure first, then over
-    structures, so large structures do not dominate (needs ``batch_idx``).
+    structures, so large structures do not dominate (needs ``batch_idx`` for ``(N, 3)``).
+    A ``loss_weight`` of the batch multiplies each atom's term by its structure's weight.
     """
 
     def __init__(
@@ -219,8 +355,11 @@ class ForceMSELoss(_ForceLoss):
         super().__init__(dtype_policy=dtype_policy)
         self._store(target_key, prediction_key, normalize_by_atom_count, ignore_nonfinite)
 
+    def _pointwise(self, pred, target, reduction):
+        return F.mse_loss(pred, target, reduction=reduction)
+
     def compute_residual(self, pred, target, valid):
-        return (pred - target) ** 2
+        return self._pointwise(pred, target, "none")
 
 
 class ForceHuberLoss(ForceMSELoss):
@@ -245,12 +384,12 @@ class ForceHuberLoss(ForceMSELoss):
         )
         self.delta = _check_delta(delta)
 
-    def compute_residual(self, pred, target, valid):
-        return _huber(pred, target, self.delta)
+    def _pointwise(self, pred, target, reduction):
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
 
 
 class ForceL2NormLoss(_ForceLoss):
-    """Mean Euclidean norm of the per-atom force error (an atom is labelled if all 3 are)."""
+    """Mean Euclidean norm of the per-atom force error (an atom counts if all 3 components do)."""
 
     def __init__(
         self,
@@ -265,7 +404,8 @@ class ForceL2NormLoss(_ForceLoss):
         self._store(target_key, prediction_key, normalize_by_atom_count, ignore_nonfinite)
 
     def mask(self, pred, target, ctx, **kwargs):
-        return super().mask(pred, target, ctx).all(-1, keepdim=True)
+        valid = super().mask(pred, target, ctx, **kwargs)
+        return None if valid is None else valid.all(-1, keepdim=True)
 
     def compute_residual(self, pred, target, valid):
         return torch.linalg.vector_norm(pred - target, dim=-1, keepdim=True)
@@ -275,9 +415,13 @@ class ForceL2NormLoss(_ForceLoss):
 
 
 class StressMSELoss(BaseLossFunction):
-    """Mean squared stress error: per-structure mean over components, then mean over structures."""
+    """Mean squared stress error: per-structure mean over components, then mean over structures.
+
+    A ``loss_weight`` of the batch multiplies each structure's term.
+    """
 
     requires_eval_grad = True
+    label_level = "system"
 
     def __init__(
         self,
@@ -291,13 +435,30 @@ class StressMSELoss(BaseLossFunction):
         self.target_key, self.prediction_key = target_key, prediction_key
         self.ignore_nonfinite = bool(ignore_nonfinite)
 
+    def _pointwise(self, pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+        return F.mse_loss(pred, target, reduction=reduction)
+
     def compute_residual(self, pred, target, valid):
-        return (pred - target) ** 2
+        return self._pointwise(pred, target, "none")
+
+    def unmasked_loss(self, pred, target, ctx, kwargs):
+        # Every structure has the same number of components: the mean of the per-structure
+        # means is the mean over all components.
+        if "loss_weight" in ctx:
+            return None
+        self.record_per_sample(functools.partial(self._row_means, pred.detach(), target), None)
+        return self._pointwise(pred, target, "mean")
+
+    def _row_means(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._pointwise(pred, target, "none").reshape(pred.shape[0], -1).mean(1)
 
     def reduce(self, residual, valid, ctx, **kwargs):
-        per_graph = residual.reshape(residual.shape[0], -1).sum(1)
-        count = valid.reshape(valid.shape[0], -1).sum(1).to(residual.dtype)
-        return _graph_balanced(self, per_graph, count)
+        rows = residual.reshape(residual.shape[0], -1)
+        if valid is None:
+            self.record_per_sample(functools.partial(torch.mean, rows.detach(), 1), None)
+            return super().reduce(residual, None, ctx, **kwargs)
+        counts = valid.reshape(valid.shape[0], -1).sum(1).to(residual.dtype)
+        return _mean_over_structures(self, rows.sum(1), counts, ctx)
 
 
 class StressHuberLoss(StressMSELoss):
@@ -320,5 +481,5 @@ class StressHuberLoss(StressMSELoss):
         )
         self.delta = _check_delta(delta)
 
-    def compute_residual(self, pred, target, valid):
-        return _huber(pred, target, self.delta)
+    def _pointwise(self, pred, target, reduction):
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
