@@ -114,3 +114,26 @@ def test_forgetting_without_holdout_data_says_how_to_give_it(tmp_path):
     hook = ForgettingHook()
     with pytest.raises(RuntimeError, match="no holdout data"):
         hook.evaluate(object())
+
+
+def test_the_replay_weight_scales_replays_share_of_the_gradient_proportionally():
+    from nvalchemi.data.datapipes import MultiDataset
+    from nvalchemi.training import default_training_fn
+    from nvalchemi.training.losses.composition import compute_supervised_loss
+
+    model = painn()
+    loss_fn = EnergyMSELoss(per_atom=True) + 10.0 * ForceMSELoss()
+    finetune, replay = _dataset(structures(3, seed=1)), _dataset(structures(3, seed=2))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient(weight: float) -> torch.Tensor:
+        mixed = MultiDataset(finetune, replay, loss_weights=[1.0, weight])
+        batch = mixed.get_batch([0, 3, 1, 4, 5])  # fine-tuning and replay structures mixed
+        loss = compute_supervised_loss(loss_fn, default_training_fn(model, batch), batch)
+        return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss["total_loss"], params)])
+
+    without = gradient(0.0)  # the fine-tuning structures' share alone
+    share = {w: gradient(w) - without for w in (1.0, 2.5, 0.5)}
+    assert share[1.0].norm() > 1e-6 * without.norm()
+    for weight in (2.5, 0.5):
+        assert torch.allclose(share[weight], weight * share[1.0], rtol=1e-9, atol=1e-14)
