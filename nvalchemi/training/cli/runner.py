@@ -74,6 +74,8 @@ class RunResult:
     num_train: int = 0
     num_validation: int = 0
     is_main: bool = True
+    forgetting: dict[str, dict[str, float]] | None = None
+    """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -433,6 +435,7 @@ def _run_job(
         neighbor_config_of,
         open_sources,
     )
+    from nvalchemi.training.cli.finetune_run import forgetting_hook, prepare_finetune_run
     from nvalchemi.training.cli.run_reporting import TimeBudgetHook, reporting_hook
     from nvalchemi.training.preemption import PreemptionHandler
 
@@ -456,6 +459,9 @@ def _run_job(
                 f"is rank 0's: structures/s are per rank, about {world_size}x that in total"
             )
     hooks += [hook for hook, _ in resolved.hooks]
+    forgetting = forgetting_hook(job)
+    if forgetting is not None:
+        hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
     if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise CLIError(
@@ -502,15 +508,30 @@ def _run_job(
             strategy.distributed_manager = manager
         neighbors = neighbor_config_of(strategy.models)
         train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory)
-        loader = make_loader(
-            train,
-            batch_size=options.batch_size or data.batch_size,
-            shuffle=data.shuffle if options.shuffle is None else options.shuffle,
-            seed=data.seed,
-            num_workers=data.num_workers if options.num_workers is None else options.num_workers,
-            drop_last=options.drop_last,
-            balance_ranks=True,
-        )
+        batch_size = options.batch_size or data.batch_size
+        shuffle = data.shuffle if options.shuffle is None else options.shuffle
+        num_workers = data.num_workers if options.num_workers is None else options.num_workers
+        finetune = prepare_finetune_run(
+            job, strategy, train, run_dir=run_dir, neighbors=neighbors, batch_size=batch_size,
+            shuffle=shuffle, seed=data.seed, resumed=resume_from is not None, manager=manager,
+            forgetting=forgetting, console=console,
+        )  # fmt: skip
+        if finetune is not None and finetune.batch_sampler is not None:
+            from nvalchemi.data.datapipes.dataloader import DataLoader
+
+            loader = DataLoader(
+                finetune.train, batch_sampler=finetune.batch_sampler, num_workers=num_workers
+            )
+        else:
+            loader = make_loader(
+                train if finetune is None else finetune.train,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=data.seed,
+                num_workers=num_workers,
+                drop_last=options.drop_last,
+                balance_ranks=True,
+            )
         validation = None
         if sources.validation:
             validation = make_dataset(
@@ -524,6 +545,7 @@ def _run_job(
         signals.training_started()
         strategy.run(loader)
         result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
+        result.forgetting = None if forgetting is None else forgetting.result
         if job.output.plots and is_main:
             _final_plots(result, job, validation, options.batch_size or data.batch_size, console)
     finally:

@@ -100,6 +100,21 @@ def _last_validation(run_dir: Any) -> dict[str, Any]:
     return validation[-1] if validation else {}
 
 
+def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
+    """Held-out replay errors before -> after a fine-tune (meV), when the job had replay."""
+    if not forgetting:
+        return []
+    rows = []
+    for key, label in (
+        ("energy_per_atom_mae", "forgetting: held-out replay energy MAE (meV/atom)"),
+        ("forces_mae", "forgetting: held-out replay force MAE (meV/Å)"),
+    ):
+        before, after = forgetting["before"].get(key), forgetting["after"].get(key)
+        if before is not None and after is not None:
+            rows.append((label, f"{1000 * before:.2f} -> {1000 * after:.2f}"))
+    return rows
+
+
 def _summary(result: Any, console: Any) -> None:
     if not result.is_main:
         return
@@ -121,6 +136,7 @@ def _summary(result: Any, console: Any) -> None:
         value = last.get(f"validation/{key}")
         if isinstance(value, (int, float)):
             rows.append((label, float(value) * scale))
+    rows += _forgetting_rows(result.forgetting)
     print_table(console, "Run summary", ["", "value"], rows)
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
