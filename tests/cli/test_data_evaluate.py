@@ -9,7 +9,7 @@ import pytest
 from ase.io import read
 
 from nvalchemi.data.io.zarr import AtomicDataZarrReader
-from nvalchemi.training.cli.evaluation import Evaluation
+from nvalchemi.training.evaluation import Evaluation
 
 from ._support import TEST, VAL, assert_user_error, invoke, is_png
 

@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 
+from nvalchemi._errors import FieldError
 from nvalchemi.training.checkpoint import CheckpointManifest, read_strategy_metadata
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli._load import load_job
-from nvalchemi.training.cli.schedule_checks import check_horizons
+from nvalchemi.training.jobs.checks import check_horizons
+from nvalchemi.training.jobs.resolve import load_job
 
 from ._support import TRAIN, VAL, assert_user_error, invoke, tiny_job, write_job
 
@@ -67,7 +67,7 @@ def test_schedule_horizons():
         check_horizons(configs, 20)
     one_cycle = {"main": [{"scheduler_cls": "torch.optim.lr_scheduler.OneCycleLR",
                            "scheduler_kwargs": {"max_lr": 1e-3, "total_steps": 10}}]}  # fmt: skip
-    with pytest.raises(CLIError, match=r"scheduler_kwargs\.total_steps.*Fix: set"):
+    with pytest.raises(FieldError, match=r"scheduler_kwargs\.total_steps.*Fix: set"):
         check_horizons(one_cycle, 11)
 
 

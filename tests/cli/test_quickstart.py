@@ -67,8 +67,8 @@ def test_time_budget_stops_cleanly_and_resume_continues_exactly(tmp_path):
 
 
 def test_calibration_fits_epochs_to_the_budget_without_touching_the_model():
-    from nvalchemi.training.cli import quickstart_run as qs
-    from nvalchemi.training.cli.recipe import QUICK
+    from nvalchemi.training.jobs import quickstart as qs
+    from nvalchemi.training.jobs.recipe import QUICK
 
     splits = qs.load_splits(QUICK)
     train, val, _ = qs.loaders(splits, QUICK)

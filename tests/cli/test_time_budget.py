@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from _ranks import run_ranks
 
-from nvalchemi.training.cli.time_budget import TimeBudgetHook
 from nvalchemi.training.stages import TrainingStage
+from nvalchemi.training.time_budget import TimeBudgetHook
 
 RANKS = Path(__file__).with_name("_time_budget_ranks.py")
 
