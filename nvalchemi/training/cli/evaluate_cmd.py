@@ -35,8 +35,8 @@ def _overall_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 def _breakdown(console: Any, title: str, first: str, rows: dict[str, dict[str, Any]]) -> None:
     from nvalchemi.training.evaluation import error_rows
 
-    if len(rows) < 2 and first != "element":
-        return  # one group is the overall table again
+    if not rows or (len(rows) < 2 and first == "file"):
+        return  # one file is the overall table again
     body = [(name, f"{v.get('structures', 0):,}", f"{v.get('atoms', 0):,}", *error_rows(v))
             for name, v in rows.items()]  # fmt: skip
     print_table(console, title, [first, "structures", "atoms", *_ERROR_COLUMNS], body)

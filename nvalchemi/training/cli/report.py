@@ -192,16 +192,19 @@ def _hook_table(resolved: ResolvedJob) -> Table:
     return table
 
 
-def _warning_table(job: TrainingJobSpec) -> tuple[Table, list[Any]]:
-    table = _table("Warnings", "level", "check", "field", "message", "fix")
+def _print_warnings(console: Console, job: TrainingJobSpec) -> list[Any]:
+    """One line per warning: level, check, the field it is about, what, and the fix."""
     found = job_warnings(job)
-    for warning in found:
-        style = _LEVEL_STYLE.get(warning.level, "")
-        table.add_row(Text(warning.level, style=style), warning.check, warning.field or "-",
-                      warning.message, warning.fix or "-")  # fmt: skip
+    console.print("Warnings", style="italic")
+    for w in found:
+        line = Text(f"  {w.level:<7} ", style=_LEVEL_STYLE.get(w.level, ""))
+        where = f"{w.field}: " if w.field else ""
+        fix = f" Fix: {w.fix.rstrip('.')}." if w.fix else ""
+        line.append(f"{w.check}: {where}{w.message}.{fix}")
+        console.print(line, soft_wrap=True)
     if not found:
-        table.add_row(Text("ok", style=_LEVEL_STYLE["ok"]), "all checks", "-", "no warnings", "-")
-    return table, found
+        console.print(Text("  ok      all checks: no warnings", style=_LEVEL_STYLE["ok"]))
+    return found
 
 
 def _strategy_table(job: TrainingJobSpec) -> Table:
@@ -349,8 +352,7 @@ def render_report(job: TrainingJobSpec, resolved: ResolvedJob, console: Console)
     console.print(Rule(f"Training report: {job.name}"))
     console.print(_intent(job, resolved))
     console.print(_hook_table(resolved))
-    warnings_table, found = _warning_table(job)
-    console.print(warnings_table)
+    found = _print_warnings(console, job)
     console.print(_strategy_table(job))
     finetune = _finetune_table(job)
     if finetune is not None:
