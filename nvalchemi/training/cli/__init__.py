@@ -20,6 +20,7 @@ the quickstart), :mod:`nvalchemi.training.evaluation`, :mod:`nvalchemi.training.
 """
 
 from nvalchemi.training.cli import (  # noqa: F401  (registers the commands)
+    bench_cmd,
     data_cmds,
     evaluate_cmd,
     init_cmds,
