@@ -288,19 +288,22 @@ def predict(
             parts["ep"].append((out["energy"].detach().double().reshape(-1) / counts).cpu().numpy())
             parts["er"].append(_label(batch, "energy", graphs, 1).reshape(-1) / parts["n"][-1])
             parts["z"].append(batch.atomic_numbers.cpu().numpy())
-            if out.get("forces") is not None:
-                parts["fp"].append(out["forces"].detach().double().cpu().numpy())
-                parts["fr"].append(_label(batch, "forces", atoms, 3))
-            if out.get("stress") is not None:
-                parts["sp"].append(out["stress"].detach().double().cpu().numpy().reshape(-1, 9))
-                parts["sr"].append(_label(batch, "stress", graphs, 9))
+            # Every batch adds rows for every structure and atom (NaN where a model output
+            # is absent, e.g. no stress for a batch of molecules), so rows stay aligned.
+            parts["fp"].append(_output(out, "forces", atoms, 3))
+            parts["fr"].append(_label(batch, "forces", atoms, 3))
+            parts["sp"].append(_output(out, "stress", graphs, 9))
+            parts["sr"].append(_label(batch, "stress", graphs, 9))
     finally:
         model.train(was_training)
         if config is not None:
             config.active_outputs = previous
 
     def cat(key: str) -> np.ndarray | None:
-        return np.concatenate(parts[key]) if parts[key] else None
+        if not parts[key]:
+            return None
+        values = np.concatenate(parts[key])
+        return None if key[0] in "fs" and np.isnan(values).all() else values
 
     sizes = cat("n")
     return Evaluation(
@@ -314,6 +317,14 @@ def predict(
         num_atoms=0 if sizes is None else int(sizes.sum()),
         atoms_per_structure=sizes,
     )
+
+
+def _output(out: Any, name: str, rows: int, width: int) -> np.ndarray:
+    """A model output as float64 ``(rows, width)``; NaN when the model did not produce it."""
+    value = out.get(name)
+    if value is None:
+        return np.full((rows, width), np.nan)
+    return value.detach().double().cpu().numpy().reshape(rows, width)
 
 
 def _label(batch: Any, name: str, rows: int, width: int) -> np.ndarray:
@@ -380,15 +391,17 @@ def evaluate_readers(
     device: Any = "cpu",
     head: str | None = None,
     group_by: str | None = None,
+    n_threads: int | None = None,
 ) -> tuple[Evaluation, str]:
     """:class:`Evaluation` of ``model`` on the structures of ``readers``, with groups.
 
     Returns ``(evaluation, grouping)`` where ``grouping`` says what the groups are
     (see :func:`structure_groups`); ``evaluation.sources`` names each structure's file.
+    ``n_threads``: neighbour-list builder threads.
     """
     from nvalchemi.data.sources import make_dataset, make_loader, neighbor_config_of
 
-    dataset = make_dataset(readers, neighbor_config=neighbor_config_of(model))
+    dataset = make_dataset(readers, neighbor_config=neighbor_config_of(model), n_threads=n_threads)
     evaluation = predict(model, make_loader(dataset, batch_size=batch_size), device=device,
                          head=head)  # fmt: skip
     evaluation.groups, grouping = structure_groups(readers, group_by)
@@ -424,6 +437,7 @@ def evaluate_final_model(
     batch_size: int,
     use_ema: str = "auto",
     group_by: str | None = None,
+    n_threads: int | None = None,
 ) -> tuple[Evaluation | None, str, str]:
     """The final model of a run (see :func:`final_model`) on ``readers`` (e.g. validation).
 
@@ -434,7 +448,7 @@ def evaluate_final_model(
     model, weights = final_model(strategy, use_ema)
     if model is None:
         return None, weights, ""
-    evaluation, grouping = evaluate_readers(
-        model, readers, batch_size=batch_size, device=strategy.devices[0], group_by=group_by
-    )
+    evaluation, grouping = evaluate_readers(model, readers, batch_size=batch_size,
+                                            device=strategy.devices[0], group_by=group_by,
+                                            n_threads=n_threads)  # fmt: skip
     return evaluation, weights, grouping

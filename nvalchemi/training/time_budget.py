@@ -42,6 +42,8 @@ __all__ = ["DEFAULT_CHECK_INTERVAL", "BudgetPlan", "TimeBudgetHook", "WarmupCosi
 DEFAULT_CHECK_INTERVAL = 10
 """Optimizer steps between the ranks' budget agreements under DDP."""
 
+_MIN_CHECK_STEPS = 10  # no guard check closer than this to the end
+
 VALIDATION_COST = 0.6
 """A validation batch (forward with forces) costs about this share of a training step."""
 
@@ -142,7 +144,9 @@ class BudgetPlan:
         planned_steps: the step the run ends at (``None`` until fitted, or the run's own
             length when it is fixed).
         fitted_at: the step the plan was made (``None`` before).
-        refitted: whether the one re-fit happened.
+        refitted: whether the re-fit at a quarter of the plan changed it.
+        shortened: whether a guard check (from three quarters on) shortened the run.
+        next_check: the step of the next check (``None``: no more checks).
         fixed_length: the run kept a length of its own (no fitting).
     """
 
@@ -152,6 +156,9 @@ class BudgetPlan:
     planned_steps: int | None = None
     fitted_at: int | None = None
     refitted: bool = False
+    shortened: bool = False
+    next_check: int | None = None
+    checks_done: int = 0
     fixed_length: bool = False
 
     @property
@@ -168,7 +175,10 @@ class TimeBudgetHook:
     step finishes, ``AFTER_TRAINING`` hooks run, e.g. a ``CheckpointHook`` saves, and
     the final validation happens). At a quarter of the plan it measures again, with
     the validations and checkpoints done so far, and re-fits once if the end would
-    miss the budget by more than ``tolerance``. The budget is a hard cap either way.
+    miss the budget by more than ``tolerance``. After that it only guards: at three
+    quarters, and then each time half of the remaining steps are done, it shortens the
+    run (squeezing the rest of the schedule, without a jump) if the machine has become
+    slower, so the anneal still ends inside the budget. The budget is a hard cap either way.
 
     Args:
         seconds: the budget (``> 0``).
@@ -269,8 +279,8 @@ class TimeBudgetHook:
             self._marks["probe"] = (now, step)
         if self.plan.fitted_at is None and done == self.warmup_steps + self.probe_steps:
             self._make_plan(ctx, now, step)
-        elif self._refit_due(step):
-            self._refit(ctx, now, step)
+        elif step == self.plan.next_check and "check" in self._marks:
+            self._check(ctx, now, step)
         planned = self.plan.planned_steps
         if not self.plan.fixed_length and planned is not None and step >= planned:
             self.expired = True
@@ -292,8 +302,8 @@ class TimeBudgetHook:
         self._last_step = self._run_start_step
         self._world_size = get_world_size(strategy.distributed_manager)
         self._marks = {}
-        if self.plan.fitted_at is not None:
-            self._marks["fit"] = (self._started + self.plan.spent_s, self._run_start_step)
+        if self.plan.fitted_at is not None:  # resumed: measure from here on
+            self._marks["check"] = (self._started + self.plan.spent_s, self._run_start_step)
 
     def _validation_s_per_step(self, strategy: Any, step_s: float) -> tuple[float, float]:
         """Estimated ``(validation seconds per training step, one final validation)``."""
@@ -322,7 +332,7 @@ class TimeBudgetHook:
         planned = step + self._steps_that_fit(strategy, now, step_s, per_val, final)
         planned = self._agree(planned)
         self.plan.step_s, self.plan.fitted_at = step_s, step
-        self._marks["fit"] = (now, step)
+        self._marks["check"] = (now, step)
         own = _own_length(strategy)
         if self.plan.fixed_length:
             self.plan.planned_steps = own
@@ -340,36 +350,44 @@ class TimeBudgetHook:
         if own is not None and own < planned:
             planned = own  # the strategy ends earlier by itself
         self.plan.planned_steps = planned
+        self.plan.next_check = step + max((planned - step) // 4, 1)
         self._fit_schedules(ctx, planned)
 
-    def _refit_due(self, step: int) -> bool:
-        plan = self.plan
-        if plan.fixed_length or plan.refitted or plan.fitted_at is None or "fit" not in self._marks:
-            return False
-        quarter = plan.fitted_at + max((plan.planned_steps - plan.fitted_at) // 4, 1)
-        return step == quarter
-
-    def _refit(self, ctx: Any, now: float, step: int) -> None:
-        strategy = ctx.workflow
-        self.plan.refitted = True
-        since, at = self._marks["fit"]
+    def _check(self, ctx: Any, now: float, step: int) -> None:
+        """Measure since the last check; re-fit (the first check) or shorten (guards) if off."""
+        strategy, plan = ctx.workflow, self.plan
+        first = plan.checks_done == 0
+        since, at = self._marks["check"]
         step_s = (now - since) / max(step - at, 1)  # validations and checkpoints included
-        _, final = self._validation_s_per_step(strategy, self.plan.step_s or step_s)
-        predicted = (now - self._started) + (self.plan.planned_steps - step) * step_s + final
-        if abs(predicted - self.seconds * (1.0 - self.reserve)) <= self.tolerance * self.seconds:
-            return
-        planned = self._agree(step + self._steps_that_fit(strategy, now, step_s, 0.0, final))
-        own = _own_length(strategy)
-        planned = planned if own is None else min(planned, own)
-        self.plan.step_s, self.plan.planned_steps = step_s, planned
-        self._fit_schedules(ctx, planned)
+        _, final = self._validation_s_per_step(strategy, plan.step_s or step_s)
+        predicted = (now - self._started) + (plan.planned_steps - step) * step_s + final
+        miss = predicted - self.seconds * (1.0 - self.reserve)
+        # The first check re-fits either way; the guards only shorten a run that would overrun.
+        off = (abs(miss) if first else miss) > self.tolerance * self.seconds
+        candidate = step + self._steps_that_fit(strategy, now, step_s, 0.0, final) if off else None
+        candidate = self._agree(candidate)  # rank 0 decides for every rank
+        self._marks["check"] = (now, step)
+        if candidate is not None:
+            own = _own_length(strategy)
+            plan.step_s = step_s
+            plan.planned_steps = candidate if own is None else min(candidate, own)
+            self._fit_schedules(ctx, plan.planned_steps)
+        plan.checks_done += 1
+        if first:
+            plan.refitted = candidate is not None
+            left = 2 * (plan.planned_steps - step) // 3  # the first guard at three quarters
+        else:
+            plan.shortened = plan.shortened or candidate is not None
+            left = (plan.planned_steps - step) // 2  # then halfway to the end, again and again
+        plan.next_check = step + left if left >= _MIN_CHECK_STEPS else None
 
-    def _agree(self, planned: int) -> int:
+    def _agree(self, planned: int | None) -> int | None:
         if self._world_size <= 1:
             return planned
         from nvalchemi.distributed.runtime import broadcast_object
 
-        return int(broadcast_object(planned, src=0, manager=self._strategy.distributed_manager))
+        value = broadcast_object(planned, src=0, manager=self._strategy.distributed_manager)
+        return None if value is None else int(value)
 
     def _fit_schedules(self, ctx: Any, planned: int) -> None:
         fitted, fixed = 0, []

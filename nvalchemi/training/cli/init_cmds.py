@@ -397,7 +397,12 @@ def finetune() -> None:
     """Scaffold and check fine-tuning jobs."""
 
 
-@finetune.group("init", invoke_without_command=True)
+@finetune.group("init", invoke_without_command=True, epilog="""\b
+Examples:
+  nvalchemi-training finetune init --from runs/pre/checkpoints --dataset new.extxyz \\
+      --val-fraction 0.1 --trainable-pattern 'main.readout.*' --output-dir runs/ft --out ft.yaml
+  nvalchemi-training finetune init mace small.model --dataset new.extxyz --output-dir runs/ft
+""")
 @click.option("--from", "source", metavar="SOURCE",
               help="Checkpoint directory, MACE .model file or weights file to fine-tune.")  # fmt: skip
 @_common_options(default_lr=1e-5, required=False)
@@ -423,7 +428,11 @@ def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> Non
     _emit(job, options["out"])
 
 
-@finetune.command("check")
+@finetune.command("check", epilog="""\b
+Examples:
+  nvalchemi-training finetune check ft.yaml
+  nvalchemi-training finetune check ft.yaml --map-location cuda --trust
+""")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--map-location", help="Device to build and run the models on (default: cpu).")
 @click.option("--trust", is_flag=True, help="Trust the job file (pickled MACE models).")
@@ -454,7 +463,11 @@ def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None
     click.echo(json.dumps(run.parity.to_dict()))
 
 
-@finetune_init.command("checkpoint")
+@finetune_init.command("checkpoint", epilog="""\b
+Examples:
+  nvalchemi-training finetune init checkpoint runs/pre/checkpoints --dataset new.extxyz \\
+      --use-original-loss --lr 1e-4 --num-steps 500 --output-dir runs/ft --out ft.yaml
+""")
 @click.argument("checkpoint_dir")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -494,7 +507,11 @@ def finetune_checkpoint(
     _emit(job, options["out"])
 
 
-@finetune_init.command("mace")
+@finetune_init.command("mace", epilog="""\b
+Examples:
+  nvalchemi-training finetune init mace models/small.model --dataset new.extxyz \\
+      --output-dir runs/ft --out ft.yaml
+""")
 @click.argument("model_or_checkpoint")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -511,7 +528,11 @@ def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
     _emit(job, options["out"])
 
 
-@finetune_init.command("custom")
+@finetune_init.command("custom", epilog="""\b
+Examples:
+  nvalchemi-training finetune init custom weights.pt --dataset new.extxyz \\
+      --output-dir runs/ft --out ft.yaml     # then fill strategy.model_specs.main
+""")
 @click.argument("checkpoint_path")
 @_common_options(default_lr=1e-5)
 @_finetune_options

@@ -625,7 +625,7 @@ def _final_evaluation(
     batch_size = getattr(val_loader, "batch_size", None) or 16
     evaluation, weights, grouping = evaluate_final_model(
         result.strategy, readers, batch_size=batch_size, use_ema=use_ema,
-        group_by=options.group_by or job.output.group_by,
+        group_by=options.group_by or job.output.group_by, n_threads=options.threads,
     )  # fmt: skip
     if evaluation is None:
         return
