@@ -28,7 +28,7 @@ def test_stress_labels_in_the_data_add_the_stress_loss_and_output_with_a_line(tm
     job, stderr = _init(tmp_path)
     assert "stress labels found in 500 of the first 500 training structures" in stderr
     assert _losses(job) == ["EnergyMSELoss", "ForceMSELoss", "StressMSELoss"]
-    assert job["strategy"]["loss_fn_spec"]["weights"] == [10.0, 1.0, 1000.0]
+    assert job["strategy"]["loss_fn_spec"]["weights"] == [10.0, 1.0, 100.0]
     assert job["strategy"]["model_specs"]["main"]["active_outputs"] == ["energy", "forces", "stress"]
     assert "with stress" in stderr
 
@@ -68,7 +68,7 @@ def test_mace_fine_tunes_name_source_active_outputs(tmp_path):
     job = json.loads(result.stdout)
     loss = job["strategy"]["loss_fn_spec"]
     loss["components"].append({"cls_path": "nvalchemi.training.losses.terms.StressMSELoss"})
-    loss["weights"].append(1000.0)
+    loss["weights"].append(100.0)
     result = invoke("spec", "report", write_job(tmp_path / "ft.json", job))
     assert_user_error(result, "source.active_outputs", "'stress'", fix="source.active_outputs")
     job["source"]["active_outputs"] = ["energy", "forces", "stress"]
