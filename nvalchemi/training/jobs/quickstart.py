@@ -256,15 +256,20 @@ def build_strategy(
 
 def resume_strategy(plan: QuickstartPlan, val: Any, console: Any = None) -> Any:
     """The strategy of the latest checkpoint, with the same hooks and validation."""
+    import warnings
+
     from nvalchemi.training.strategy import TrainingStrategy
 
-    return TrainingStrategy.load_checkpoint(
-        plan.checkpoint_dir,
-        "latest",
-        map_location=plan.device,
-        hooks=_hooks(plan, console),
-        overrides={"validation_config": _validation(val)},
-    )
+    with warnings.catch_warnings():
+        # A cap (--minutes with --epochs) comes and goes: its plan is not needed without one.
+        warnings.filterwarnings("ignore", message=r".*hooks \['TimeBudgetHook'\] that are not")
+        return TrainingStrategy.load_checkpoint(
+            plan.checkpoint_dir,
+            "latest",
+            map_location=plan.device,
+            hooks=_hooks(plan, console),
+            overrides={"validation_config": _validation(val)},
+        )
 
 
 def final_checkpoint(plan: QuickstartPlan) -> tuple[Path, int, int | None]:

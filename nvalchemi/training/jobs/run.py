@@ -324,6 +324,8 @@ def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) 
         # neighbour-list cutoff for its loader); missing hooks were checked above.
         warnings.filterwarnings("ignore", message="The saved run validated")
         warnings.filterwarnings("ignore", message="The saved run used hooks")
+        # A budget comes and goes with --minutes: its plan is not needed without one.
+        warnings.filterwarnings("ignore", message=r".*hooks \['TimeBudgetHook'\] that are not")
         return TrainingStrategy.load_checkpoint(
             resume_from,
             index,

@@ -256,7 +256,8 @@ def scaffold_job(
         "workflow": workflow,
         "source": {"model": model, **(source or {}), "hooks": hooks},
         "dataset": dataset,
-        "output": {"run_dir": output_dir, "checkpoint_dir": checkpoint_dir},
+        "output": {"run_dir": output_dir, "checkpoint_dir": checkpoint_dir,
+                   "log_every_n_steps": QUICKSTART.log_every_n_steps},
         "strategy": scaffold_payload(
             lr=lr,
             num_steps=num_steps,
