@@ -24,7 +24,7 @@ A hook whose class sets ``_veto_defers_step = True`` (gradient accumulation) onl
 postpones the step; when it is the only one vetoing, :attr:`~TrainingUpdateOrchestrator.step_deferred`
 is set and the strategy does not count the batch as a skipped step. Just before stepping,
 the orchestrator lets the strategy run its due non-finite loss check
-(``workflow._check_nonfinite_before_step()``), so a non-finite loss raises before its
+(``workflow.check_nonfinite_if_due()``), so a non-finite loss raises before its
 gradients reach the weights.
 Canonical priorities: 10 gradient accumulation, 20 mixed precision, 30 clipping,
 40 spike skipping, 50 default/EMA.
@@ -243,14 +243,14 @@ class TrainingUpdateOrchestrator:
         elif stage is _BEFORE_BATCH:
             if self._run_gated(ctx, stage):
                 zero_gradients(ctx.optimizers)
-                clear = getattr(ctx.workflow, "_zero_optimizer_filtered_gradients", None)
+                clear = getattr(ctx.workflow, "clear_unowned_gradients", None)
                 if clear is not None:
-                    clear(ctx.optimizers)
+                    clear()
         elif stage is _DO_OPTIMIZER_STEP:
             proceed = self._run_gated(ctx, stage)
             self._step_deferred = not proceed and self._veto_deferred
             if proceed:
-                check = getattr(ctx.workflow, "_check_nonfinite_before_step", None)
+                check = getattr(ctx.workflow, "check_nonfinite_if_due", None)
                 if check is not None:
                     check()  # a due non-finite check raises before the step, not after
             ran = proceed and self._step_optimizers_with_context(ctx)
