@@ -12,6 +12,15 @@ Conventions (see :mod:`nvalchemi.data.fields` for the full table):
   ``positions[j] - positions[i] + neighbor_list_shifts[e] @ cell``.
 * index fields (``atomic_numbers``, ``neighbor_list``) are stored as int64; every
   other tensor keeps the dtype it was given (float64 labels stay float64).
+* floating-point fields (positions, cell, labels) must be given as floating point:
+  integer or boolean values raise ``TypeError`` naming the field and the dtype
+  (convert them first if they are right); atomic numbers must be 1..118.
+* per-system fields are stored as ``[1, ...]``; the only other shapes accepted, and
+  converted, are the value without the leading 1 (``dipole [3]``, ``cell [3, 3]``),
+  a scalar or ``[1]`` for one-number fields (``energy``, ``charge``), and for
+  ``stress``/``virial`` Voigt ``[6]`` (xx, yy, zz, yz, xz, xy) or row-major ``[9]``
+  (also ``[1, 6]``/``[1, 9]``). Any other shape raises ``ValueError`` with the
+  expected one (see :func:`accepted_shapes`).
 
 Example:
     >>> import torch
@@ -38,8 +47,10 @@ import torch
 from nvalchemi.data.fields import FIELDS, LEVELS, RESERVED_NAMES, FieldSpec, Level, atomic_masses_of
 
 __all__ = [
+    "MAX_ATOMIC_NUMBER",
     "AtomicData",
     "AtomicNumberTable",
+    "accepted_shapes",
     "atomic_numbers_to_indices",
     "to_one_hot",
     "voigt_to_matrix",
@@ -137,8 +148,85 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor:
         ) from exc
 
 
+MAX_ATOMIC_NUMBER = 118
+"""The largest atomic number ``AtomicData`` accepts (oganesson); the smallest is 1."""
+
+_SYMMETRIC_TENSORS = ("stress", "virial")
+
+
+def _system_shape(spec: FieldSpec, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in the canonical ``[1, *spec.shape]`` shape of a per-system field.
+
+    The only non-canonical shapes accepted (see :func:`accepted_shapes`): the value of
+    one system without the leading 1 (``[3]`` for a dipole, ``[3, 3]`` for a cell), a
+    scalar or ``[1]`` for one-number fields (``energy``, ``charge``), and, for ``stress``
+    and ``virial``, Voigt ``[6]`` (xx, yy, zz, yz, xz, xy) or row-major ``[9]`` (also with
+    a leading 1). Anything else raises ``ValueError`` naming the expected shape.
+    """
+    shape = tuple(value.shape)
+    if shape[:1] == (1,) and spec.check_trailing_shape(shape[1:]):
+        return value
+    if spec.check_trailing_shape(shape):
+        return value.unsqueeze(0)
+    if spec.shape == (1,) and shape == ():
+        return value.reshape(1, 1)
+    if spec.name in _SYMMETRIC_TENSORS and shape in ((6,), (9,), (1, 6), (1, 9)):
+        return voigt_to_matrix(value.reshape(-1)).unsqueeze(0)
+    raise ValueError(
+        f"AtomicData field {spec.name!r} has shape {list(shape)}; expected "
+        f"{spec.shape_text().replace('n_systems', '1')} (accepted: "
+        f"{', '.join(accepted_shapes(spec))})."
+    )
+
+
+def accepted_shapes(spec: FieldSpec) -> list[str]:
+    """The shapes ``AtomicData`` accepts for a per-system field, canonical one first.
+
+    >>> from nvalchemi.data.fields import FIELDS
+    >>> accepted_shapes(FIELDS["energy"])
+    ['[1, 1]', '[1]', 'a scalar']
+    >>> accepted_shapes(FIELDS["stress"])
+    ['[1, 3, 3]', '[3, 3]', 'Voigt [6] or [1, 6]', 'row-major [9] or [1, 9]']
+    """
+    trailing = ["*" if d is None else str(d) for d in spec.shape]
+    out = ["[" + ", ".join(["1", *trailing]) + "]", "[" + ", ".join(trailing) + "]"]
+    if spec.shape == (1,):
+        out.append("a scalar")
+    if spec.name in _SYMMETRIC_TENSORS:
+        out += ["Voigt [6] or [1, 6]", "row-major [9] or [1, 9]"]
+    return out
+
+
+def _check_atomic_numbers(value: torch.Tensor) -> None:
+    if value.numel() == 0:
+        return
+    bad = (value < 1) | (value > MAX_ATOMIC_NUMBER)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"AtomicData field 'atomic_numbers' holds {int(value[index])} at atom {index}; "
+            f"atomic numbers must be 1..{MAX_ATOMIC_NUMBER} (ASE's dummy atom 'X' has 0: "
+            "remove such atoms, or map custom species to real elements)."
+        )
+
+
+def _check_finite(name: str, value: torch.Tensor) -> None:
+    if value.dtype.is_floating_point and not bool(torch.isfinite(value).all()):
+        fix = "drop the structure" if name in ("positions", "cell") else (
+            "drop the label, or the structure, when it is unknown"
+        )
+        raise ValueError(
+            f"AtomicData field {name!r} contains NaN or inf values; it must be finite ({fix})."
+        )
+
+
 def _coerce_known(spec: FieldSpec, value: torch.Tensor, count: int) -> torch.Tensor:
-    """Check dtype and shape of a known field, fixing only unambiguous cases."""
+    """Check dtype and shape of a known field, converting only the documented cases.
+
+    Integer or boolean values of a floating-point field (positions, cell, labels) are
+    refused rather than cast: an integer energy or position is almost always a parsing
+    mistake (a truncated column, the wrong key) that training would silently learn.
+    """
     if spec.kind == "index":
         if value.dtype.is_floating_point or value.dtype == torch.bool:
             raise TypeError(
@@ -148,24 +236,20 @@ def _coerce_known(spec: FieldSpec, value: torch.Tensor, count: int) -> torch.Ten
     elif spec.kind == "bool":
         value = value.to(torch.bool)
     elif spec.kind == "float" and not value.dtype.is_floating_point:
-        if value.dtype == torch.bool or value.dtype.is_complex:
-            raise TypeError(
-                f"AtomicData field {spec.name!r} must be floating point; got dtype {value.dtype}."
-            )
-        value = value.to(torch.get_default_dtype())
+        unit = f" ({spec.unit})" if spec.unit else ""
+        raise TypeError(
+            f"AtomicData field {spec.name!r}{unit} must be floating point; got dtype "
+            f"{value.dtype}. Integer values here usually mean a parsing mistake; if they are "
+            f"right, convert them first, e.g. {spec.name}=values.to(torch.float32) (or "
+            "float64, or pass Python floats)."
+        )
     elif spec.kind == "int" and not spec.check_dtype(value.dtype):
         raise TypeError(
             f"AtomicData field {spec.name!r} must hold integers; got dtype {value.dtype}."
         )
 
     if spec.level == "system":
-        if spec.shape == (3, 3) and value.shape in ((6,), (9,), (1, 6), (1, 9)):
-            value = voigt_to_matrix(value.reshape(-1))
-        want = (1, *spec.shape)
-        if None not in spec.shape and value.shape != want and value.numel() == np.prod(want):
-            value = value.reshape(want)
-        elif value.dim() == len(spec.shape):
-            value = value.unsqueeze(0)
+        return _system_shape(spec, value)
     if (
         value.dim() == 0
         or value.shape[0] != count
@@ -173,8 +257,10 @@ def _coerce_known(spec: FieldSpec, value: torch.Tensor, count: int) -> torch.Ten
     ):
         raise ValueError(
             f"AtomicData field {spec.name!r} has shape {list(value.shape)}; expected "
-            f"{spec.shape_text().replace('n_systems', '1')} with {spec.level}s={count}."
+            f"{spec.shape_text()} with {spec.level}s={count}."
         )
+    if spec.name == "atomic_numbers":
+        _check_atomic_numbers(value)
     return value
 
 
@@ -240,12 +326,8 @@ class AtomicData:
             FIELDS["atomic_numbers"], _as_tensor("atomic_numbers", atomic_numbers), n_atoms
         )
         self._store("atomic_numbers", atomic_numbers, "atom", positions.device)
-        self._store(
-            "positions",
-            _coerce_known(FIELDS["positions"], positions, n_atoms),
-            "atom",
-            positions.device,
-        )
+        positions = _coerce_known(FIELDS["positions"], positions, n_atoms)
+        self._store("positions", positions, "atom", positions.device)
         if "neighbor_list" in items:
             self._set_validated(
                 "neighbor_list", items.pop("neighbor_list"), levels.get("neighbor_list")
@@ -321,13 +403,8 @@ class AtomicData:
                     f"Inconsistent number of {level}s in {name!r}: expected "
                     f"{self._count(level)}, got {value.shape[0]}."
                 )
-        if (spec is None or spec.label or name in ("positions", "cell")) and (
-            value.dtype.is_floating_point and not bool(torch.isfinite(value).all())
-        ):
-            raise ValueError(
-                f"AtomicData field {name!r} contains NaN or inf values; labels must be finite "
-                "(drop the label, or the structure, when it is unknown)."
-            )
+        if spec is None or spec.label or name in ("positions", "cell"):
+            _check_finite(name, value)
         self._store(name, value, level, device)
 
     # --------------------------------------------------------------- mapping API

@@ -18,6 +18,7 @@ _EXPORTS = {
     "all_reduce": ".runtime",
     "all_agree": ".runtime",
     "broadcast_object": ".runtime",
+    "explain_collective_failure": ".runtime",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

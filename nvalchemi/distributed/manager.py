@@ -14,9 +14,11 @@ Typical use (the same script runs as one process, under ``torchrun`` or under ``
     ...
     DistributedManager.cleanup()
 
-A rank that dies must not make the others wait forever: collectives fail
-after ``timeout_s`` seconds (argument, or the ``NVALCHEMI_DIST_TIMEOUT_S``
-environment variable; PyTorch's default otherwise).
+A rank that dies or stalls must not make the others wait forever: collectives
+fail after ``timeout_s`` seconds (argument, else the ``NVALCHEMI_DIST_TIMEOUT_S``
+environment variable, else :data:`~nvalchemi.distributed.stalls.DEFAULT_TIMEOUT_S`,
+10 minutes), and every rank posts a heartbeat to the rendezvous store so that the
+error names the rank that went silent (see :mod:`nvalchemi.distributed.stalls`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nvalchemi.distributed.launch import DEFAULT_ADDR, DEFAULT_PORT, detect_launch_env
+from nvalchemi.distributed.stalls import DEFAULT_TIMEOUT_S, Heartbeat, heartbeat_interval
 
 __all__ = ["DistributedManager"]
 
@@ -52,6 +55,8 @@ class _State:
     broadcast_buffers: bool = False
     find_unused_parameters: bool = False
     groups: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+    heartbeat: Heartbeat | None = None
 
 
 class DistributedManager:
@@ -179,6 +184,8 @@ class DistributedManager:
         alone.
         """
         state = cls._state
+        if state.heartbeat is not None:
+            state.heartbeat.stop()
         if state.owns_process_group and _process_group_ready():
             if barrier:
                 _best_effort_barrier()
@@ -325,32 +332,37 @@ class DistributedManager:
         backend = _resolve_backend(backend, device)
         timeout = _resolve_timeout(timeout_s)
         state = _State(
-            rank=rank, world_size=world_size, local_rank=local_rank, device=device, source=source
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            device=device,
+            source=source,
+            timeout_s=timeout.total_seconds(),
         )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world_size > 1:
             os.environ["MASTER_ADDR"] = addr
             os.environ["MASTER_PORT"] = str(port)
+            store = _rendezvous_store(rank, world_size, timeout, cls._generation)
             kwargs: dict[str, Any] = {
                 "backend": backend,
-                "init_method": "env://",
+                "store": store,
                 "rank": rank,
                 "world_size": world_size,
+                "timeout": timeout,
             }
-            if timeout is not None:
-                kwargs["timeout"] = timeout
             if device.type == "cuda" and "nccl" in backend:
                 # Binding the communicator to the GPU is only meaningful (and only
                 # safe: torch 2.13 rejects a CPU device_id) for CUDA devices.
                 kwargs["device_id"] = device
-            if cls._generation:
-                _fresh_rendezvous(kwargs, cls._generation)
             dist.init_process_group(**kwargs)
             DistributedManager._generation += 1
             state.backend = dist.get_backend()
             state.distributed = True
             state.owns_process_group = True
+            interval = heartbeat_interval(state.timeout_s)
+            state.heartbeat = Heartbeat(store.clone(), rank, world_size, interval).start()
         state.initialized = True
         DistributedManager._state = state
         cls._register_atexit()
@@ -396,22 +408,22 @@ def _process_group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _fresh_rendezvous(kwargs: dict[str, Any], generation: int) -> None:
-    """Re-initialising after cleanup: rendezvous under keys of this generation.
+def _rendezvous_store(
+    rank: int, world_size: int, timeout: datetime.timedelta, generation: int
+) -> Any:
+    """The ``env://`` store (torchrun's agent store, or one hosted by rank 0), keyed by generation.
 
-    ``env://`` reuses the (multi-tenant) store of the previous group, whose keys
-    (e.g. the peers' old addresses) would otherwise be read again and make the new
-    group hang or fail to connect. Every rank creates its groups in the same order,
-    so the generation numbers agree.
+    Made here rather than inside ``init_process_group`` so the manager holds it: the
+    heartbeats go through a clone of it. Re-initialising after ``cleanup`` reuses the
+    (multi-tenant) store of the previous group, whose keys (the peers' old addresses)
+    must not be read again: every group lives under the keys of its generation, and
+    every rank creates its groups in the same order, so the generations agree.
     """
     from torch.distributed import PrefixStore, rendezvous
-    from torch.distributed.constants import default_pg_timeout
 
-    timeout = kwargs.get("timeout") or default_pg_timeout
-    store, _, _ = next(
-        rendezvous(kwargs.pop("init_method"), kwargs["rank"], kwargs["world_size"], timeout=timeout)
-    )
-    kwargs["store"] = PrefixStore(f"nvalchemi_generation_{generation}", store)
+    store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return PrefixStore(f"nvalchemi_generation_{generation}", store)
 
 
 def _default_device(local_rank: int) -> torch.device:
@@ -433,12 +445,13 @@ def _resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def _resolve_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+def _resolve_timeout(timeout_s: float | None) -> datetime.timedelta:
+    """``timeout_s``, else ``NVALCHEMI_DIST_TIMEOUT_S``, else ``DEFAULT_TIMEOUT_S`` (10 minutes)."""
     source = "timeout_s"
     if timeout_s is None:
         raw = os.environ.get(TIMEOUT_ENV)
         if not raw:
-            return None
+            return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
         source = TIMEOUT_ENV
         try:
             timeout_s = float(raw)

@@ -13,6 +13,7 @@ Collectives (:func:`all_reduce`, :func:`barrier`, :func:`broadcast_object`,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from nvalchemi.distributed.launch import LaunchEnv, detect_launch_env
 from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager, _best_effort_barrier
+from nvalchemi.distributed.stalls import collective_failure_note, is_collective_failure
 
 __all__ = [
     "all_agree",
@@ -31,6 +33,7 @@ __all__ = [
     "collective_device",
     "destroy_distributed",
     "distributed_device",
+    "explain_collective_failure",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -42,6 +45,7 @@ __all__ = [
 
 T = TypeVar("T")
 _MISSING = object()
+_EXPLAINED = "_nvalchemi_collective_explained"
 
 
 # --------------------------------------------------------------------------- queries
@@ -347,16 +351,43 @@ def _object_device() -> torch.device | None:
     return None
 
 
-def _explain_collective_failure(exc: BaseException, operation: str) -> None:
-    # Keep the exception type (callers may catch RuntimeError); add what it usually means.
-    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+def explain_collective_failure(exc: BaseException, operation: str | None = None) -> bool:
+    """Add a note naming the failed collective, the silent rank(s) and the timeout.
+
+    Once per exception; returns whether ``exc`` is a failed collective (a timeout or a
+    lost peer). The type is kept (callers may catch ``RuntimeError``). The silent ranks
+    come from the heartbeats of the shared :class:`DistributedManager` (see
+    :mod:`nvalchemi.distributed.stalls`); ``operation`` names the collective, else the
+    training loop's note on the exception says where it was.
+    """
+    if getattr(exc, _EXPLAINED, False):
+        return True
+    if not is_collective_failure(exc):
+        return False
+    state = DistributedManager._state
+    rank, world_size = state.rank, state.world_size
+    if _process_group_ready():
+        with contextlib.suppress(Exception):
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+    note = collective_failure_note(
+        exc,
+        operation=operation,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=state.timeout_s,
+        heartbeat=state.heartbeat,
+        timeout_env=TIMEOUT_ENV,
+    )
+    add_note = getattr(exc, "add_note", None)
     if add_note is not None:
-        add_note(
-            f"nvalchemi: {operation} failed on rank {dist.get_rank()} of "
-            f"{dist.get_world_size()}. Another rank most likely exited, crashed or stalled; "
-            "check its log. The wait is bounded by the process-group timeout "
-            f"(DistributedManager.initialize(timeout_s=...) or {TIMEOUT_ENV})."
-        )
+        add_note(note)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, _EXPLAINED, True)
+    return True
+
+
+def _explain_collective_failure(exc: BaseException, operation: str) -> None:
+    explain_collective_failure(exc, f"nvalchemi.distributed.{operation}()")
 
 
 def _launch_env() -> LaunchEnv:

@@ -44,6 +44,19 @@ def _check_ase_keywords(kwargs: dict[str, Any], where: str) -> None:
         )
 
 
+def _check_head(model: Any, head: str | None) -> None:
+    if head is None:
+        return
+    names = getattr(model, "head_names", None)
+    if names is None:
+        raise ValueError(
+            f"head={head!r}: {type(model).__name__} has no readout heads to choose from; "
+            "drop head= (or use a multi-head model such as PaiNN(heads=[...]))."
+        )
+    if head not in names:
+        raise ValueError(f"head={head!r} is not a head of this model; its heads are {list(names)}.")
+
+
 class NvalchemiCalculator(Calculator):
     """ASE calculator around an nvalchemi model.
 
@@ -53,6 +66,8 @@ class NvalchemiCalculator(Calculator):
             differ from the model's, the calculator works on a copy.
         device: where to run (default: the model's device).
         dtype: run in this dtype (default: the model's dtype).
+        head: the readout head of a multi-head model (a name from
+            ``model.head_names``); default: the model's first head.
         **kwargs: ASE ``Calculator`` options (``restart``, ``ignore_bad_restart_file``,
             ``label``, ``atoms``, ``directory``); anything else raises ``TypeError``
             (the model has no calculator parameters that ASE could store).
@@ -72,9 +87,12 @@ class NvalchemiCalculator(Calculator):
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        head: str | None = None,
         **kwargs: Any,
     ) -> None:
         _check_ase_keywords(kwargs, "NvalchemiCalculator")
+        _check_head(model, head)
+        self.head = head
         super().__init__(**kwargs)
         first = next(iter(model.parameters()), None)
         current_device = first.device if first is not None else torch.device("cpu")
@@ -101,6 +119,7 @@ class NvalchemiCalculator(Calculator):
         trust: bool = False,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        head: str | None = None,
         **kwargs: Any,
     ) -> NvalchemiCalculator:
         """Build from a training checkpoint directory (the weights of model ``model_key``).
@@ -116,6 +135,7 @@ class NvalchemiCalculator(Calculator):
                 checkpoints you trust).
             device: where to load and run the model (``map_location``).
             dtype: run in this dtype (default: the saved model's).
+            head: the readout head of a multi-head model (default: its first).
             **kwargs: ASE ``Calculator`` options (``label``, ``directory``, ...).
 
         Raises:
@@ -136,7 +156,7 @@ class NvalchemiCalculator(Calculator):
             checkpoint_index=checkpoint_index,
             trust=trust,
         )
-        return cls(model, device=device, dtype=dtype, **kwargs)
+        return cls(model, device=device, dtype=dtype, head=head, **kwargs)
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -201,7 +221,8 @@ class NvalchemiCalculator(Calculator):
         self.model.eval()
         try:
             with torch.no_grad():
-                out = self.model(self._to_data(self.atoms))
+                data = self._to_data(self.atoms)
+                out = self.model(data) if self.head is None else self.model(data, head=self.head)
         finally:
             config.active_outputs = previous
             self.model.train(was_training)

@@ -14,6 +14,10 @@ Outputs: ``energy [B, 1]``, ``forces [V, 3]``, ``stress [B, 3, 3]`` (positive =
 tensile), ``hessian``, ``atomic_energies [V]``; active by default: energy and forces.
 In train mode MACE builds a differentiable force graph (``training=True``).
 
+Multi-head MACE models (``from_mace_kwargs(heads=[...])`` or a multi-head model file)
+pick a head per structure: ``wrapper(data, head="name")`` for all, else the batch's
+``head`` field (an index into :attr:`MACEWrapper.head_names`), else the first head.
+
 Example:
     >>> wrapper = MACEWrapper.from_mace_kwargs(atomic_numbers=[29, 79], r_max=4.0,
     ...     hidden_irreps="8x0e + 8x1o", num_interactions=1)  # doctest: +SKIP
@@ -22,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -93,6 +98,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         self.model = model
         self.reconstruction_spec = reconstruction_spec
         self._spec_record: tuple[str, dict[str, Any]] | None = None
+        self.default_head: str | None = None
         zs = [int(z) for z in model.atomic_numbers.tolist()]
         table = torch.zeros(_MAX_Z + 1, len(zs), dtype=self._model_dtype)
         table[torch.tensor(zs), torch.arange(len(zs))] = 1.0
@@ -130,6 +136,79 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     @property
     def elements(self) -> list[int]:
         return [int(z) for z in self.model.atomic_numbers.tolist()]
+
+    # ------------------------------------------------------------------ heads
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Names of the readout heads, in index order (the ``head`` field indexes them)."""
+        return tuple(getattr(self.model, "heads", None) or ("Default",))
+
+    def head_index(self, head: str | int | None) -> int:
+        """The index of ``head`` (a name or an index; ``None``: the default head)."""
+        names = self.head_names
+        if head is None:
+            return 0 if self.default_head is None else names.index(self.default_head)
+        if isinstance(head, int) and not isinstance(head, bool):
+            if 0 <= head < len(names):
+                return head
+        elif head in names:
+            return names.index(head)
+        raise ValueError(f"This MACE model has no head {head!r}; its heads are {list(names)}.")
+
+    def _e0_row(self, head: str | int | None) -> torch.Tensor:
+        """The ``E0`` buffer row of ``head`` (a view; MACE stores ``[E]`` or ``[H, E]``)."""
+        buffer = self.model.atomic_energies_fn.atomic_energies
+        index = self.head_index(head)
+        return buffer if buffer.dim() == 1 else buffer[index]
+
+    def get_reference_energies(self, head: str | int | None = None) -> dict[int, float]:
+        """``{Z: E0}`` in eV of every element of the model for ``head``."""
+        values = self._e0_row(head).detach().cpu().double().tolist()
+        return {z: float(e) for z, e in zip(self.elements, values)}
+
+    def set_reference_energies(
+        self, values: Mapping[int | str, float], head: str | int | None = None
+    ) -> None:
+        """Set ``E0`` (eV) of the given elements for ``head``; the others keep theirs."""
+        zs = self.elements
+        updates = {atomic_number(z): float(v) for z, v in values.items()}
+        unknown = sorted(z for z in updates if z not in zs)
+        if unknown:
+            raise ValueError(f"This MACE model has elements {zs}; cannot set E0 of {unknown}.")
+        row = self._e0_row(head)
+        with torch.no_grad():
+            for z, value in updates.items():
+                row[zs.index(z)] = value
+
+    def _scale_shift_block(self) -> Any:
+        block = getattr(self.model, "scale_shift", None)
+        if block is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has no scale_shift block (use a ScaleShiftMACE)."
+            )
+        return block
+
+    def get_scale_shift(self, head: str | int | None = None) -> tuple[float, float]:
+        """``(scale, shift)`` of ``head``'s interaction energy (eV)."""
+        block, index = self._scale_shift_block(), self.head_index(head)
+        scale, shift = torch.atleast_1d(block.scale), torch.atleast_1d(block.shift)
+        return float(scale[min(index, scale.numel() - 1)]), float(
+            shift[min(index, shift.numel() - 1)]
+        )
+
+    def set_scale_shift(self, scale: float, shift: float, head: str | int | None = None) -> None:
+        """Set ``scale`` and ``shift`` of ``head`` (in place: the weights layout is kept)."""
+        block, index = self._scale_shift_block(), self.head_index(head)
+        for name, value in (("scale", scale), ("shift", shift)):
+            buffer = getattr(block, name)
+            if buffer.numel() == 1 and len(self.head_names) > 1:
+                raise ValueError(
+                    f"This MACE model shares one {name} between its heads {list(self.head_names)}; "
+                    "build it with one value per head (from_mace_kwargs(atomic_inter_scale=[...], "
+                    "atomic_inter_shift=[...])) to set them separately."
+                )
+            with torch.no_grad():
+                buffer.view(-1)[0 if buffer.numel() == 1 else index] = float(value)
 
     @property
     def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -181,7 +260,15 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         ptr = getattr(data, "ptr", None)
         if ptr is None:
             ptr = torch.tensor([0, positions.shape[0]], device=positions.device)
+        head = kwargs.get("head")
+        if head is not None:
+            heads = torch.full(
+                (num_graphs,), self.head_index(head), dtype=torch.long, device=positions.device
+            )
+        else:
+            heads = self._graph_heads(data, num_graphs, positions.device)
         return {
+            "head": heads,
             "positions": positions,
             "node_attrs": self._node_emb.index_select(0, atomic_numbers.clamp(0, _MAX_Z)),
             "batch": batch_idx,
@@ -192,8 +279,26 @@ class MACEWrapper(nn.Module, BaseModelMixin):
             "cell": cell,
         }
 
+    def _graph_heads(self, data: Any, num_graphs: int, device: torch.device) -> torch.Tensor:
+        per_graph = data.get("head") if isinstance(data, Mapping) else getattr(data, "head", None)
+        if per_graph is None or len(self.head_names) == 1:
+            default = self.head_index(None)
+            return torch.full((num_graphs,), default, dtype=torch.long, device=device)
+        per_graph = per_graph.reshape(-1).long().to(device)
+        if not (per_graph.is_cuda and self.training):
+            bad = (per_graph < 0) | (per_graph >= len(self.head_names))
+            if bool(bad.any()):
+                raise ValueError(
+                    f"The batch's 'head' field holds {sorted(set(per_graph[bad].tolist()))}, "
+                    f"but this MACE model has heads {list(self.head_names)}."
+                )
+        return per_graph
+
     # ---------------------------------------------------------------- forward
-    def forward(self, data: Any, **kwargs: Any):
+    def forward(self, data: Any, head: str | int | None = None, **kwargs: Any):
+        """MACE's outputs for ``data``; ``head`` picks the readout head of every structure."""
+        if head is not None:
+            kwargs["head"] = head
         active = self.output_data()
         inputs = self.adapt_input(data, **kwargs)
         need_grad = bool(active & {"forces", "stress", "hessian"})
@@ -256,40 +361,59 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         correlation: int = 3,
         gate: str | None = "silu",
         avg_num_neighbors: float = 10.0,
-        atomic_inter_scale: float = 1.0,
-        atomic_inter_shift: float = 0.0,
+        atomic_inter_scale: float | Sequence[float] = 1.0,
+        atomic_inter_shift: float | Sequence[float] = 0.0,
         radial_MLP: Sequence[int] = (64, 64, 64),
         radial_type: str = "bessel",
         dtype: str = "float64",
         seed: int | None = None,
+        heads: Sequence[str] | None = None,
+        default_head: str | None = None,
     ) -> MACEWrapper:
         """Build a ``ScaleShiftMACE`` from JSON-friendly arguments and record them.
 
         Argument names follow mace-torch's model constructor (block and gate names as
         strings, irreps as strings). ``atomic_energies`` maps atomic numbers or
         chemical symbols to ``E0`` (eV), or is a sequence aligned with ``atomic_numbers``
-        (default zeros); ``seed`` fixes the initial
-        weights. :meth:`checkpoint_spec` rebuilds the same architecture from these
-        arguments (weights are restored from the checkpoint).
+        (default zeros); with several ``heads`` it may also be one such sequence per
+        head, and ``atomic_inter_scale``/``atomic_inter_shift`` one value per head.
+        ``seed`` fixes the initial weights; ``default_head`` is the head of structures
+        that name none (default: the first). :meth:`checkpoint_spec` rebuilds the same
+        architecture from these arguments (weights are restored from the checkpoint).
         """
         recorded = {k: v for k, v in locals().items() if k not in ("cls", "__class__")}
         recorded["atomic_numbers"] = [int(z) for z in atomic_numbers]
         recorded["radial_MLP"] = [int(n) for n in radial_MLP]
+        recorded["heads"] = None if heads is None else [str(h) for h in heads]
         zs = recorded["atomic_numbers"]
-        e0 = [0.0] * len(zs)
-        if isinstance(atomic_energies, Mapping):
-            by_z = {atomic_number(z): float(e) for z, e in atomic_energies.items()}
-            unknown = sorted(z for z in by_z if z not in zs)
-            if unknown:
-                raise ValueError(f"atomic_energies names elements {unknown} not in {zs}.")
-            e0 = [by_z.get(z, 0.0) for z in zs]
-        elif atomic_energies is not None:
-            if len(atomic_energies) != len(zs):
+        num_heads = 1 if heads is None else len(recorded["heads"])
+        per_head = (
+            heads is not None
+            and isinstance(atomic_energies, Sequence)
+            and len(atomic_energies) > 0
+            and all(isinstance(row, (Sequence, Mapping)) for row in atomic_energies)
+        )
+        if per_head:
+            if len(atomic_energies) != num_heads:
                 raise ValueError(
-                    f"atomic_energies has {len(atomic_energies)} values for {len(zs)} elements."
+                    f"atomic_energies has {len(atomic_energies)} rows for {num_heads} heads."
                 )
-            e0 = [float(e) for e in atomic_energies]
+            e0: Any = [_e0_list(row, zs) for row in atomic_energies]
+        else:
+            e0 = _e0_list(atomic_energies, zs)
+            if heads is not None:
+                e0 = [list(e0) for _ in range(num_heads)]
         recorded["atomic_energies"] = e0  # aligned with atomic_numbers: JSON-friendly
+        scales = {}
+        for name, value in (("atomic_inter_scale", atomic_inter_scale),
+                            ("atomic_inter_shift", atomic_inter_shift)):  # fmt: skip
+            if isinstance(value, Sequence):
+                if len(value) != num_heads:
+                    raise ValueError(f"{name} has {len(value)} values for {num_heads} heads.")
+                scales[name] = [float(v) for v in value]
+            else:  # mace indexes scale and shift by head: one value per head
+                scales[name] = float(value) if heads is None else [float(value)] * num_heads
+            recorded[name] = scales[name]
         _require_mace()
         import numpy as np
         from e3nn import o3
@@ -331,8 +455,8 @@ class MACEWrapper(nn.Module, BaseModelMixin):
                 gate=modules.gate_dict[gate_key],
                 radial_MLP=recorded["radial_MLP"],
                 radial_type=radial_type,
-                atomic_inter_scale=float(atomic_inter_scale),
-                atomic_inter_shift=float(atomic_inter_shift),
+                heads=recorded["heads"],
+                **scales,
             )
         finally:
             torch.set_default_dtype(previous)
@@ -340,7 +464,55 @@ class MACEWrapper(nn.Module, BaseModelMixin):
                 torch.random.set_rng_state(generator_state)
         wrapper = cls(model.to(torch_dtype))
         wrapper._spec_record = ("from_mace_kwargs", recorded)
+        if default_head is not None:
+            wrapper.head_index(default_head)  # a ValueError naming the heads if unknown
+            wrapper.default_head = default_head
         return wrapper
+
+    def add_head(
+        self, name: str, copy_from: str | int | None = None, *, make_default: bool = False
+    ) -> None:
+        """Add a readout head ``name``, a copy of head ``copy_from`` (default: the default head).
+
+        mace-torch heads share the readout layers (one output column, and one block of the
+        last readout's hidden units, per head), so the model is rebuilt with one more head
+        and every weight copied; the new head's columns are those of ``copy_from``, and
+        the last readout's output weights are rescaled for its wider input (e3nn divides
+        by the square root of the fan-in), so every head predicts what it did and the
+        new head what ``copy_from`` does. Needs a wrapper from :meth:`from_mace_kwargs`.
+        """
+        if self._spec_record is None or self._spec_record[0] != "from_mace_kwargs":
+            raise ValueError(
+                "add_head rebuilds the MACE model from its constructor arguments: build the "
+                "wrapper with MACEWrapper.from_mace_kwargs(..., heads=[...]) (a model file or "
+                "object does not record them)."
+            )
+        names = self.head_names
+        if not isinstance(name, str) or not name or name in names:
+            raise ValueError(f"new head name {name!r} must be a new, non-empty name ({names}).")
+        source = self.head_index(copy_from)
+        kwargs = dict(self._spec_record[1])
+        count = len(names)
+        e0 = self.model.atomic_energies_fn.atomic_energies.detach().double().cpu()
+        rows = e0.reshape(count, -1) if e0.dim() == 2 else e0.reshape(1, -1)
+        kwargs["atomic_energies"] = [*rows.tolist(), rows[source].tolist()]
+        block = self._scale_shift_block()
+        for key, buffer in (
+            ("atomic_inter_scale", block.scale),
+            ("atomic_inter_shift", block.shift),
+        ):
+            values = torch.atleast_1d(buffer).detach().double().cpu().expand(count).tolist()
+            kwargs[key] = [*values, values[source]]
+        kwargs["heads"] = [*names, name]
+        kwargs["default_head"] = None
+        grown = type(self).from_mace_kwargs(**kwargs)
+        grown.model.load_state_dict(_grown_state(self.model, grown.model, count, source))
+        device = next(self.model.parameters()).device
+        self.model = grown.model.to(device)
+        self._spec_record = grown._spec_record
+        if make_default:
+            self.default_head = name
+        self._spec_record[1]["default_head"] = self.default_head
 
     @classmethod
     @requires_trust  # unpickles the file: specs may name it only with trust=True
@@ -423,6 +595,58 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
         """Save the inner MACE module (pickled, loadable by mace-torch) or its state dict."""
         torch.save(self.model.state_dict() if as_state_dict else self.model, Path(path))
+
+
+def _grown_state(old: nn.Module, new: nn.Module, heads: int, source: int) -> dict[str, Any]:
+    """``old``'s weights laid out for ``new`` (one more head, a copy of head ``source``).
+
+    Same-shaped tensors are copied; reference energies and scale/shift come with ``new``
+    (it was built from their values); every readout's per-head weights grow a copy of
+    head ``source``'s block.
+    """
+    state = new.state_dict()
+    rebuilt_with_values = ("atomic_energies_fn", "scale_shift")
+    for key, value in old.state_dict().items():
+        if state[key].shape == value.shape and not key.startswith(rebuilt_with_values):
+            state[key] = value
+    for i, before in enumerate(old.readouts):
+        prefix = f"readouts.{i}."
+        if hasattr(before, "linear_1"):  # gated MLP: per-head hidden blocks, masked
+            hidden = before.linear_1.irreps_out.num_irreps // heads
+            state[prefix + "linear_1.weight"] = _with_block(
+                before.linear_1.weight, heads, hidden, source
+            )
+            w = before.linear_2.weight.detach().reshape(heads, hidden, heads)
+            grown = torch.zeros(heads + 1, hidden, heads + 1, dtype=w.dtype, device=w.device)
+            for h in range(heads):
+                grown[h, :, h] = w[h, :, h]
+            grown[heads, :, heads] = w[source, :, source]
+            # e3nn scales by 1/sqrt(fan-in); the fan-in grew from heads to heads + 1 blocks.
+            state[prefix + "linear_2.weight"] = grown.reshape(-1) * math.sqrt((heads + 1) / heads)
+        else:
+            state[prefix + "linear.weight"] = _with_block(before.linear.weight, heads, 1, source)
+    return state
+
+
+def _with_block(weight: torch.Tensor, heads: int, width: int, source: int) -> torch.Tensor:
+    """A flat e3nn ``[mul_in, heads * width]`` weight with head ``source``'s columns appended."""
+    w = weight.detach().reshape(-1, heads, width)
+    return torch.cat([w, w[:, source : source + 1]], dim=1).reshape(-1)
+
+
+def _e0_list(values: Any, zs: list[int]) -> list[float]:
+    """``E0`` aligned with ``zs`` from a ``{Z or symbol: E0}`` mapping, a sequence or ``None``."""
+    if values is None:
+        return [0.0] * len(zs)
+    if isinstance(values, Mapping):
+        by_z = {atomic_number(z): float(e) for z, e in values.items()}
+        unknown = sorted(z for z in by_z if z not in zs)
+        if unknown:
+            raise ValueError(f"atomic_energies names elements {unknown} not in {zs}.")
+        return [by_z.get(z, 0.0) for z in zs]
+    if len(values) != len(zs):
+        raise ValueError(f"atomic_energies has {len(values)} values for {len(zs)} elements.")
+    return [float(e) for e in values]
 
 
 def _override_e0(model: nn.Module, atomic_energies: Mapping[int | str, float]) -> None:

@@ -13,6 +13,13 @@ checkpoints can rebuild the model from its attributes. Fit the data-dependent on
 (elements, reference energies ``E0``, ``scale``, ``shift``) with :meth:`PaiNN.from_data`
 or :func:`fit_atomic_energies` / :func:`fit_scale_shift`.
 
+Several readout heads (one per dataset or level of theory) can share the trunk:
+``PaiNN(heads=("pbe", "r2scan"))`` or, on a trained model, :meth:`PaiNN.add_head`.
+Each head has its own readout MLP, reference energies, scale and shift; a structure
+uses the head named by ``model(data, head="r2scan")``, else its ``head`` field (a
+per-structure index into :attr:`PaiNN.head_names`), else ``default_head`` (the first
+head unless set; :meth:`PaiNN.add_head` can make the new head the default).
+
 Example:
     >>> import torch
     >>> from nvalchemi.data import AtomicData
@@ -29,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -150,6 +158,23 @@ class _Interaction(nn.Module):
         return s, v
 
 
+def _readout_mlp(hidden: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(hidden, hidden // 2 or 1), nn.SiLU(), nn.Linear(hidden // 2 or 1, 1)
+    )
+
+
+class _Head(nn.Module):
+    """A readout head after the first: its MLP, reference energies ``e0``, scale and shift."""
+
+    def __init__(self, readout: nn.Module, e0: torch.Tensor, scale: float, shift: float) -> None:
+        super().__init__()
+        self.readout = readout
+        self.register_buffer("e0", e0)
+        self.scale = float(scale)
+        self.shift = float(shift)
+
+
 class PaiNN(nn.Module, BaseModelMixin):
     """Polarizable atom interaction neural network: energy, forces and stress.
 
@@ -179,6 +204,12 @@ class PaiNN(nn.Module, BaseModelMixin):
         dtype: parameter dtype (default ``torch.get_default_dtype()``); inputs are
             cast to it and outputs use it.
         active_outputs: outputs to compute, a subset of energy, forces, stress.
+        heads: names of the readout heads (default: one head, ``"default"``). The
+            first head uses ``atomic_energies``, ``scale`` and ``shift`` and the
+            parameters ``readout.*``; the others live under ``head_readouts.<name>.*``.
+        head_params: ``{name: {"atomic_energies": ..., "scale": s, "shift": t}}`` for
+            the heads after the first (missing entries: no ``E0``, scale 1, shift 0).
+        default_head: the head of structures that name none (default: the first).
     """
 
     def __init__(
@@ -196,6 +227,9 @@ class PaiNN(nn.Module, BaseModelMixin):
         cutoff_fn: str = "cosine",
         dtype: torch.dtype | str | None = None,
         active_outputs: Sequence[str] = ("energy", "forces"),
+        heads: Sequence[str] | None = None,
+        head_params: Mapping[str, Mapping[str, Any]] | None = None,
+        default_head: str | None = None,
     ) -> None:
         super().__init__()
         if cutoff <= 0:
@@ -234,9 +268,36 @@ class PaiNN(nn.Module, BaseModelMixin):
         self.interactions = nn.ModuleList(
             _Interaction(f, self.num_rbf) for _ in range(self.num_interactions)
         )
-        self.readout = nn.Sequential(
-            nn.Linear(f, f // 2 or 1), nn.SiLU(), nn.Linear(f // 2 or 1, 1)
-        )
+        self.readout = _readout_mlp(f)
+        names = _head_names(heads)
+        self.heads = None if heads is None else names
+        self.head_readouts = nn.ModuleDict()
+        extra = dict(head_params or {})
+        unknown = sorted(set(extra) - set(names[1:]))
+        if unknown:
+            raise ValueError(
+                f"head_params names heads {unknown} that are not among the extra heads "
+                f"{names[1:]} (the first head, {names[0]!r}, uses atomic_energies/scale/shift)."
+            )
+        for name in names[1:]:
+            params = dict(extra.get(name) or {})
+            bad = sorted(set(params) - {"atomic_energies", "scale", "shift"})
+            if bad:
+                raise ValueError(
+                    f"head_params[{name!r}] has unknown keys {bad}; use atomic_energies, "
+                    "scale and shift."
+                )
+            self.head_readouts[name] = _Head(
+                _readout_mlp(f),
+                _reference_energies(params.get("atomic_energies"), zs),
+                params.get("scale", 1.0),
+                params.get("shift", 0.0),
+            )
+        if default_head is not None and default_head not in names:
+            raise ValueError(
+                f"default_head={default_head!r} is not one of the heads {list(names)}."
+            )
+        self.default_head = default_head
         self.to(_resolve_dtype(dtype))
 
         self.model_config = ModelConfig(
@@ -272,11 +333,102 @@ class PaiNN(nn.Module, BaseModelMixin):
 
         Keyed by chemical symbol so the value survives JSON (checkpoint specs).
         """
-        values = self.e0[:-1].detach().cpu().double().tolist()
-        if not any(values):
+        return _energies_by_symbol(self.e0, self._element_zs)
+
+    @property
+    def head_names(self) -> tuple[str, ...]:
+        """Names of the readout heads, in index order (the ``head`` field indexes them)."""
+        return (self.heads or ("default",))[:1] + tuple(self.head_readouts)
+
+    @property
+    def head_params(self) -> dict[str, dict[str, Any]] | None:
+        """Reference energies, scale and shift of the heads after the first (``None``: none)."""
+        if not self.head_readouts:
             return None
-        zs = self._element_zs.tolist()
-        return {_chemical_symbol(z): float(e) for z, e in zip(zs, values) if e != 0.0}
+        return {
+            name: {
+                "atomic_energies": _energies_by_symbol(head.e0, self._element_zs),
+                "scale": head.scale,
+                "shift": head.shift,
+            }
+            for name, head in self.head_readouts.items()
+        }
+
+    def head_index(self, head: str | int | None) -> int:
+        """The index of ``head`` (a name or an index; ``None``: the default head)."""
+        names = self.head_names
+        if head is None:
+            return 0 if self.default_head is None else names.index(self.default_head)
+        if isinstance(head, int) and not isinstance(head, bool):
+            if 0 <= head < len(names):
+                return head
+        elif head in names:
+            return names.index(head)
+        raise ValueError(f"PaiNN has no head {head!r}; its heads are {list(names)}.")
+
+    def add_head(
+        self, name: str, copy_from: str | int | None = None, *, make_default: bool = False
+    ) -> None:
+        """Add a readout head ``name``: a copy of head ``copy_from`` (default: the default head).
+
+        The copy predicts exactly what its original does until it is trained, so a
+        fine-tune that adds a head starts from the source model's predictions. The
+        new head's parameters are ``head_readouts.<name>.*``. ``make_default=True``
+        makes it the head of structures that name none.
+        """
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValueError(f"head names must be non-empty strings without '.'; got {name!r}.")
+        if name in self.head_names:
+            raise ValueError(f"PaiNN already has a head {name!r} (heads: {list(self.head_names)}).")
+        index = self.head_index(copy_from)
+        readout, e0 = self._head_parts(index)
+        scale, shift = self.get_scale_shift(index)
+        self.head_readouts[name] = _Head(copy.deepcopy(readout), e0.detach().clone(), scale, shift)
+        self.heads = (*self.head_names[:1], *self.head_readouts)
+        if make_default:
+            self.default_head = name
+
+    def _head_parts(self, index: int) -> tuple[nn.Module, torch.Tensor]:
+        if index == 0:
+            return self.readout, self.e0
+        head = list(self.head_readouts.values())[index - 1]
+        return head.readout, head.e0
+
+    def get_reference_energies(self, head: str | int | None = None) -> dict[int, float]:
+        """``{Z: E0}`` in eV of every supported element for ``head`` (0 where unset)."""
+        _, e0 = self._head_parts(self.head_index(head))
+        values = e0[:-1].detach().cpu().double().tolist()
+        return {int(z): float(e) for z, e in zip(self._element_zs.tolist(), values)}
+
+    def set_reference_energies(
+        self, values: Mapping[int | str, float], head: str | int | None = None
+    ) -> None:
+        """Set ``E0`` (eV) of the given elements for ``head``; the others keep theirs."""
+        _, e0 = self._head_parts(self.head_index(head))
+        rows = {z: i for i, z in enumerate(self._element_zs.tolist())}
+        updates = {atomic_number(z): float(v) for z, v in values.items()}
+        unknown = sorted(z for z in updates if z not in rows)
+        if unknown:
+            raise ValueError(
+                f"PaiNN was built for elements {sorted(rows)}; cannot set E0 of {unknown}."
+            )
+        with torch.no_grad():
+            for z, value in updates.items():
+                e0[rows[z]] = value
+
+    def get_scale_shift(self, head: str | int | None = None) -> tuple[float, float]:
+        """``(scale, shift)`` of ``head`` (eV)."""
+        index = self.head_index(head)
+        if index == 0:
+            return self.scale, self.shift
+        head_module = list(self.head_readouts.values())[index - 1]
+        return head_module.scale, head_module.shift
+
+    def set_scale_shift(self, scale: float, shift: float, head: str | int | None = None) -> None:
+        """Set ``scale`` and ``shift`` (eV) of ``head``."""
+        index = self.head_index(head)
+        target = self if index == 0 else list(self.head_readouts.values())[index - 1]
+        target.scale, target.shift = float(scale), float(shift)
 
     @property
     def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -330,10 +482,39 @@ class PaiNN(nn.Module, BaseModelMixin):
             s, v = block(s, v, radial, directions, centers, neighbors, norm)
         return s
 
-    def atomic_energy(self, species: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Per-atom energy ``[V]`` in eV."""
-        out = self.readout(features).squeeze(-1)
-        return out * self.scale + self.shift + self.e0.index_select(0, species)
+    def atomic_energy(
+        self, species: torch.Tensor, features: torch.Tensor, head: Any = 0
+    ) -> torch.Tensor:
+        """Per-atom energy ``[V]`` in eV from head ``head`` (an index, or per-atom indices)."""
+        if isinstance(head, int):
+            readout, e0 = self._head_parts(head)
+            scale, shift = self.get_scale_shift(head)
+            out = readout(features).squeeze(-1)
+            return out * scale + shift + e0.index_select(0, species)
+        energies = torch.stack(
+            [self.atomic_energy(species, features, h) for h in range(len(self.head_names))], -1
+        )
+        return energies.gather(-1, head.unsqueeze(-1)).squeeze(-1)
+
+    def _atom_heads(self, data: Any, head: Any, batch_idx: torch.Tensor) -> Any:
+        """The head of every atom: one index for all, or ``[V]`` indices from ``data.head``."""
+        if head is not None:
+            return self.head_index(head)
+        per_graph = _get_field(data, "head")
+        if per_graph is None:
+            return self.head_index(None)
+        per_graph = per_graph.reshape(-1).long()
+        if len(self.head_names) == 1:
+            return 0  # every index but 0 is checked below; one head has nothing to choose
+        if not (per_graph.is_cuda and self.training):
+            bad = (per_graph < 0) | (per_graph >= len(self.head_names))
+            if bool(bad.any()):
+                raise ValueError(
+                    f"The batch's 'head' field holds {sorted(set(per_graph[bad].tolist()))}, "
+                    f"but PaiNN has heads {list(self.head_names)} (indices 0..."
+                    f"{len(self.head_names) - 1})."
+                )
+        return per_graph.to(batch_idx.device).index_select(0, batch_idx)
 
     def _prepare(self, data: Any) -> dict[str, Any]:
         inputs = self.adapt_input(data)
@@ -364,17 +545,22 @@ class PaiNN(nn.Module, BaseModelMixin):
             "num_graphs": num_graphs,
         }
 
-    def forward(self, data: Any, **kwargs: Any):
-        """Energy, forces and stress of an ``AtomicData`` or ``Batch`` (active outputs only)."""
+    def forward(self, data: Any, head: str | int | None = None, **kwargs: Any):
+        """Energy, forces and stress of an ``AtomicData`` or ``Batch`` (active outputs only).
+
+        ``head`` names the readout head for every structure; without it each structure
+        uses its ``head`` field (an index into :attr:`head_names`), else the first head.
+        """
         x = self._prepare(data)
         active = self.output_data()
         species, batch_idx, num_graphs = x["species"], x["batch_idx"], x["num_graphs"]
+        heads = self._atom_heads(data, head, batch_idx)
 
         def energy_fn(positions: torch.Tensor, cell: torch.Tensor | None) -> torch.Tensor:
             s = self.node_features(
                 species, positions, x["neighbor_list"], x["shifts"], cell, batch_idx
             )
-            per_atom = self.atomic_energy(species, s)
+            per_atom = self.atomic_energy(species, s, heads)
             return per_atom.new_zeros(num_graphs).index_add_(0, batch_idx, per_atom)
 
         result = energy_and_derivatives(
@@ -467,6 +653,9 @@ class PaiNN(nn.Module, BaseModelMixin):
             "avg_num_neighbors": self.avg_num_neighbors,
             "cutoff_fn": self.cutoff_fn,
             "dtype": self.dtype,
+            "heads": None if self.heads is None else list(self.heads),
+            "head_params": self.head_params,
+            "default_head": self.default_head,
         }
 
     def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
@@ -488,6 +677,33 @@ class PaiNN(nn.Module, BaseModelMixin):
         model = cls(**payload["painn_kwargs"])
         model.load_state_dict(payload["state_dict"])
         return model
+
+
+def _head_names(heads: Sequence[str] | None) -> tuple[str, ...]:
+    if heads is None:
+        return ("default",)
+    if isinstance(heads, str):
+        heads = (heads,)
+    names = tuple(heads)
+    if not names or not all(isinstance(n, str) and n and "." not in n for n in names):
+        raise ValueError(f"heads must be non-empty names without '.'; got {heads!r}.")
+    if len(set(names)) != len(names):
+        raise ValueError(f"heads must be distinct; got {list(names)}.")
+    return names
+
+
+def _energies_by_symbol(e0: torch.Tensor, zs: torch.Tensor) -> dict[str, float] | None:
+    """``{symbol: E0}`` of the non-zero rows (``None`` when all are zero), JSON-friendly."""
+    values = e0[:-1].detach().cpu().double().tolist()
+    if not any(values):
+        return None
+    return {_chemical_symbol(z): float(e) for z, e in zip(zs.tolist(), values) if e != 0.0}
+
+
+def _get_field(data: Any, key: str) -> Any:
+    if isinstance(data, Mapping):
+        return data.get(key)
+    return getattr(data, key, None)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

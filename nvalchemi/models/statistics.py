@@ -28,10 +28,13 @@ import torch
 
 __all__ = [
     "atomic_number",
+    "composition_and_energy",
     "data_elements",
+    "element_counts",
     "fit_atomic_energies",
     "fit_scale_shift",
     "mean_num_neighbors",
+    "solve_atomic_energies",
 ]
 
 _MAX_Z = 119
@@ -104,20 +107,40 @@ def _chunks(data: Any) -> Iterator[_Chunk]:
         yield _chunk(item)
 
 
-def _composition_and_energy(
-    data: Any, zs: Sequence[int] | None = None
+def element_counts(
+    atomic_numbers: torch.Tensor, batch_idx: torch.Tensor, num_graphs: int
+) -> torch.Tensor:
+    """How many atoms of each element every structure has: float64 ``[B, 120]`` (by Z).
+
+    Example:
+        >>> counts = element_counts(torch.tensor([29, 29, 79]), torch.tensor([0, 0, 1]), 2)
+        >>> counts[0, 29].item(), counts[1, 79].item(), counts[1, 29].item()
+        (2.0, 1.0, 0.0)
+    """
+    z = atomic_numbers.detach().cpu().long()
+    out = torch.zeros(num_graphs, _MAX_Z + 1, dtype=torch.float64)
+    out.index_put_(
+        (batch_idx.detach().cpu().long(), z),
+        torch.ones(z.shape[0], dtype=torch.float64),
+        accumulate=True,
+    )
+    return out
+
+
+def composition_and_energy(
+    data: Any, elements: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Element counts ``[S, Z]`` and energies ``[S]`` of every labelled structure."""
+    """Element counts ``[S, len(elements)]`` and energies ``[S]`` of every labelled structure.
+
+    ``elements`` (default: those present) names the columns, in sorted order; an
+    element in the data but not in ``elements`` raises ``ValueError``.
+    """
     counts, energies = [], []
+    zs = elements
     for chunk in _chunks(data):
         if chunk.energy is None:
             continue
-        per_graph = torch.zeros(chunk.num_graphs, _MAX_Z + 1, dtype=torch.float64)
-        per_graph.index_put_(
-            (chunk.batch_idx, chunk.atomic_numbers),
-            torch.ones(chunk.atomic_numbers.shape[0], dtype=torch.float64),
-            accumulate=True,
-        )
+        per_graph = element_counts(chunk.atomic_numbers, chunk.batch_idx, chunk.num_graphs)
         keep = torch.isfinite(chunk.energy)
         counts.append(per_graph[keep])
         energies.append(chunk.energy[keep])
@@ -142,17 +165,71 @@ def data_elements(data: Any) -> list[int]:
     return torch.nonzero(seen).flatten().tolist()
 
 
-def fit_atomic_energies(data: Any, elements: Sequence[int] | None = None) -> dict[int, float]:
+def fit_atomic_energies(
+    data: Any,
+    elements: Sequence[int] | None = None,
+    *,
+    fixed: Mapping[int | str, float] | None = None,
+) -> dict[int, float]:
     """Reference energies ``{Z: E0}`` (eV) by least squares of energies on element counts.
 
     ``E_total ~ sum_Z count_Z * E0[Z]`` over every structure with an energy label. When
     the compositions do not determine every ``E0`` (e.g. an element that only appears
     in a fixed ratio) the minimum-norm solution is returned. Elements in ``elements``
-    but absent from the data get 0.
+    but absent from the data get 0. ``fixed`` (atomic number or symbol -> eV) holds
+    those elements at the given values and fits the others.
     """
-    counts, energies, zs = _composition_and_energy(data, elements)
-    solution = torch.linalg.lstsq(counts, energies.unsqueeze(-1), driver="gelsd").solution
-    return {int(z): float(e) for z, e in zip(zs, solution.flatten().tolist())}
+    counts, energies, zs = composition_and_energy(data, elements)
+    return solve_atomic_energies(counts, energies, zs, fixed=fixed)
+
+
+def solve_atomic_energies(
+    counts: torch.Tensor,
+    energies: torch.Tensor,
+    elements: Sequence[int],
+    *,
+    fixed: Mapping[int | str, float] | None = None,
+) -> dict[int, float]:
+    """Least-squares ``{Z: E0}`` for ``energies [S] ~ counts [S, len(elements)] @ E0``.
+
+    Elements in ``fixed`` keep their given values (their share is subtracted first);
+    the others are fitted (minimum-norm where the compositions leave them open; 0 for
+    an element no structure contains). Float64 throughout.
+
+    Example:
+        >>> counts = torch.tensor([[1.0, 0.0], [1.0, 2.0]], dtype=torch.float64)
+        >>> energies = torch.tensor([-1.0, -5.0], dtype=torch.float64)
+        >>> fit = solve_atomic_energies(counts, energies, [29, 79])
+        >>> {z: round(e, 9) for z, e in fit.items()}
+        {29: -1.0, 79: -2.0}
+        >>> fit = solve_atomic_energies(counts, energies, [29, 79], fixed={"Cu": -3.0})
+        >>> {z: round(e, 9) for z, e in fit.items()}
+        {29: -3.0, 79: -1.0}
+    """
+    zs = [int(z) for z in elements]
+    counts = counts.to(torch.float64)
+    target = energies.to(torch.float64).reshape(-1)
+    held = {atomic_number(z): float(e) for z, e in (fixed or {}).items()}
+    held = {z: e for z, e in held.items() if z in zs}
+    free = [i for i, z in enumerate(zs) if z not in held]
+    if held:
+        columns = [zs.index(z) for z in held]
+        values = torch.tensor(list(held.values()), dtype=torch.float64)
+        target = target - counts[:, columns] @ values
+    out = dict(held)
+    if free:
+        present = [i for i in free if bool(counts[:, i].any())]
+        solution = (
+            torch.linalg.lstsq(counts[:, present], target.unsqueeze(-1), driver="gelsd")
+            .solution.flatten()
+            .tolist()
+            if present
+            else []
+        )
+        fitted = dict(zip(present, solution))
+        for i in free:
+            out[zs[i]] = float(fitted.get(i, 0.0))
+    return {z: out[z] for z in zs}
 
 
 def fit_scale_shift(

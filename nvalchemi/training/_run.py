@@ -33,8 +33,10 @@ from typing import Any
 
 import torch
 
+from nvalchemi.distributed.runtime import explain_collective_failure
 from nvalchemi.hooks import protocol
 from nvalchemi.training import loader_position
+from nvalchemi.training._first_batch import check_first_batch, loader_error
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.losses.composition import compute_supervised_loss
 from nvalchemi.training.optimizers import (
@@ -209,7 +211,10 @@ class _Run:
                 ctx.clear_step_outputs()
             if self.after_training:
                 _fire(S.AFTER_TRAINING, self.after_training, ctx, 0)
-            if s.validation_config is not None and d["_validated_at"] != (d["step_count"], d["batch_count"]):
+            if s.validation_config is not None and d["_validated_at"] != (
+                d["step_count"],
+                d["batch_count"],
+            ):
                 self.validate()
 
     def _epochs(self, loader: Any, per_epoch: int | None, target: int) -> bool:
@@ -229,6 +234,9 @@ class _Run:
                     break
                 except Exception as exc:
                     self.annotate(exc, "loading the next batch from the dataloader")
+                    clearer = loader_error(exc, loader)
+                    if clearer is not None:
+                        raise clearer from exc
                     raise
                 self.refresh()
                 batch = self.to_device(batch)
@@ -240,7 +248,9 @@ class _Run:
                     if self.before_training:
                         self._fire_around(S.BEFORE_TRAINING, self.before_training, batch, 0)
                 if d["epoch_step_count"] == 0 and self.before_epoch:
-                    self._fire_around(S.BEFORE_EPOCH, self.before_epoch, batch, d["epoch_count"] + 1)
+                    self._fire_around(
+                        S.BEFORE_EPOCH, self.before_epoch, batch, d["epoch_count"] + 1
+                    )
                 ran = self.step(batch)
                 processed += 1
                 if self.val_every_steps and ran and d["step_count"] % self.val_every_steps == 0:
@@ -248,7 +258,9 @@ class _Run:
                 if per_epoch is not None and d["epoch_step_count"] >= per_epoch:
                     finished = True
                     break
-                if d["step_count"] >= target or (d["_stop_reason"] is not None and self._at_step_boundary()):
+                if d["step_count"] >= target or (
+                    d["_stop_reason"] is not None and self._at_step_boundary()
+                ):
                     break
             if processed == 0 and d["step_count"] < target and d["_stop_reason"] is None:
                 raise ValueError(
@@ -290,7 +302,9 @@ class _Run:
         scope = loader_position.replay(loader, resume) if replaying else contextlib.nullcontext()
         try:
             with scope:
-                d["_epoch_record"] = resume if replaying else loader_position.capture(loader, d["epoch_count"])
+                d["_epoch_record"] = (
+                    resume if replaying else loader_position.capture(loader, d["epoch_count"])
+                )
                 iterator = iter(loader)
                 for _ in range(skip):  # materialized but not trained
                     next(iterator)
@@ -300,6 +314,9 @@ class _Run:
             return iterator, True
         except Exception as exc:
             self.annotate(exc, "loading the next batch from the dataloader")
+            clearer = loader_error(exc, loader)
+            if clearer is not None:
+                raise clearer from exc
             raise
         return iterator, False
 
@@ -579,7 +596,9 @@ class _Run:
                 "step count. Pass a loader with __len__ (a list or DataLoader), or use num_steps."
             )
         if per_epoch == 0:
-            raise ValueError("dataloader must contain at least one batch when num_epochs is configured.")
+            raise ValueError(
+                "dataloader must contain at least one batch when num_epochs is configured."
+            )
         budget = math.ceil(s.num_epochs * per_epoch * s.epoch_step_modifier)
         n = self.orchestrator.batches_per_step if self.orchestrator is not None else 1
         if n <= 1:
@@ -669,6 +688,11 @@ class _Run:
 
     def check_first_batch(self, loader: Any, batch: Any) -> None:
         """Once per run, before the first forward: is this a batch the models can take?"""
+        from nvalchemi.training.strategy import default_training_fn
+
+        s = self.strategy
+        default = s.training_fn is default_training_fn
+        check_first_batch(batch, s.models, default_training_fn=default, dataloader=loader)
 
     def annotate(self, exc: BaseException, stage: Any) -> None:
         """Add a note naming where training was (once per exception)."""
@@ -687,6 +711,7 @@ def annotate(exc: BaseException, counters: Mapping[str, Any], stage: Any) -> Non
         f"{d['epoch_count']}, batch {d['epoch_step_count']} of the epoch, batch_count "
         f"{d['batch_count']})",
     )
+    explain_collective_failure(exc)  # a timed-out collective: which one, which rank
     with contextlib.suppress(AttributeError, TypeError):
         exc._nvalchemi_annotated = True
 
@@ -732,7 +757,10 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if current is not None:
         return batch.to(device, non_blocking=True) if current != device else batch
     if isinstance(batch, Mapping):
-        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return {
+            k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
     return batch
 
 
@@ -746,7 +774,12 @@ def _sized(loader: Any) -> int | None:
 def _set_sampler_epoch(loader: Any, epoch: int) -> None:
     """``set_epoch(epoch)`` on the loader, else the first of its samplers that has it."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    candidates = [loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)]
+    candidates = [
+        loader,
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    ]
     seen: set[int] = set()
     for candidate in candidates:
         if candidate is None or id(candidate) in seen:

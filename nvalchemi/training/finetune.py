@@ -1,11 +1,18 @@
 """``FineTuningStrategy``: a new training run that starts from pretrained weights.
 
-A :class:`~nvalchemi.training.TrainingStrategy` with four more fields: ``module_patches``
-(fresh heads, see :class:`~nvalchemi.training.hooks.ModulePatchHook`) and
-``freeze_patterns`` / ``trainable_patterns`` / ``freeze_mode`` (which parameters train,
-see :class:`~nvalchemi.training.hooks.TrainableParameterHook`). The hooks for them are
+A :class:`~nvalchemi.training.TrainingStrategy` with five more fields: ``new_heads``
+(readout heads added to multi-head models as copies of an existing head, see
+:class:`~nvalchemi.training.hooks.AddHeadHook`), ``module_patches`` (fresh modules, see
+:class:`~nvalchemi.training.hooks.ModulePatchHook`) and ``freeze_patterns`` /
+``trainable_patterns`` / ``freeze_mode`` (which parameters train, see
+:class:`~nvalchemi.training.hooks.TrainableParameterHook`). The hooks for them are
 generated and put first, so the user's hooks see the patched models and the filtered
-parameter set.
+parameter set; :class:`~nvalchemi.training.hooks.ForgettingHook` entries of ``hooks``
+follow them, ahead of the reporters that write what they measure.
+
+Reference energies, replay and the zero-step check live next door:
+:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
+:mod:`nvalchemi.training.finetune_parity` (guide: ``docs/finetuning.md``).
 
 Entry points, each starting at step 0 (``load_checkpoint`` resumes instead):
 
@@ -51,7 +58,12 @@ from nvalchemi.training._finetune_support import (
     reject_new_run_conflicts,
 )
 from nvalchemi.training.checkpoint.load import run_validators
-from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
+from nvalchemi.training.hooks.finetune import (
+    AddHeadHook,
+    ForgettingHook,
+    ModulePatchHook,
+    TrainableParameterHook,
+)
 from nvalchemi.training.spec import BaseSpec
 from nvalchemi.training.strategy import TrainingStrategy
 
@@ -62,6 +74,10 @@ class FineTuningStrategy(TrainingStrategy):
     """A training strategy for fine-tuning: module patches and parameter freezing.
 
     Args (besides those of :class:`~nvalchemi.training.TrainingStrategy`):
+        new_heads: ``{"<head>": copy_from}`` (model ``"main"``) or
+            ``{"<model key>.<head>": copy_from}``: readout heads to add, each a copy of
+            head ``copy_from`` (``None``: the first), before optimizers exist. Their
+            parameters are e.g. ``"main.head_readouts.<head>.*"`` (PaiNN).
         module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; applied at
             construction, before optimizers exist (``ModulePatchHook``). Only
             :class:`BaseSpec` values can be written to specs and checkpoints.
@@ -92,6 +108,7 @@ class FineTuningStrategy(TrainingStrategy):
         ['TrainableParameterHook']
     """
 
+    new_heads: dict[str, str | None] = Field(default_factory=dict)
     module_patches: dict[str, Any] = Field(default_factory=dict)
     freeze_patterns: tuple[str, ...] = ()
     trainable_patterns: tuple[str, ...] = ()
@@ -104,6 +121,11 @@ class FineTuningStrategy(TrainingStrategy):
             return data
         data = dict(data)
         generated: list[Any] = []
+        heads = data.get("new_heads") or {}
+        if heads:
+            head_hook = AddHeadHook(heads=heads)
+            data["new_heads"] = dict(head_hook.heads)
+            generated.append(head_hook)
         patches = data.get("module_patches") or {}
         if patches:
             patch_hook = ModulePatchHook(patches=patches)
@@ -121,9 +143,19 @@ class FineTuningStrategy(TrainingStrategy):
                 )
             )
         hooks = data.get("hooks")
+        if isinstance(hooks, (list, tuple)):
+            # Forgetting numbers join the validation summary: before the reporters see it.
+            forgetting = [h for h in hooks if isinstance(h, ForgettingHook)]
+            generated += forgetting
+            hooks = [h for h in hooks if not isinstance(h, ForgettingHook)]
         if generated and (hooks is None or isinstance(hooks, (list, tuple))):
             data["hooks"] = [*generated, *(hooks or [])]
         return data
+
+    @field_validator("new_heads", mode="before")
+    @classmethod
+    def _heads_or_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
 
     @field_validator("module_patches", mode="before")
     @classmethod
@@ -152,6 +184,7 @@ class FineTuningStrategy(TrainingStrategy):
                 )
             patches[target] = patch.model_dump()
         return {
+            "new_heads": dict(self.new_heads),
             "module_patches": patches,
             "freeze_patterns": list(self.freeze_patterns),
             "trainable_patterns": list(self.trainable_patterns),
@@ -176,6 +209,7 @@ class FineTuningStrategy(TrainingStrategy):
         if not isinstance(spec, Mapping):
             raise ValueError(f"from_spec_dict: spec must be a mapping; got {type(spec).__name__}.")
         extra: dict[str, Any] = {
+            "new_heads": dict(spec.get("new_heads") or {}),
             "module_patches": load_patches(spec.get("module_patches"), trust),
             "freeze_patterns": pattern_tuple(spec.get("freeze_patterns"), "freeze_patterns"),
             "trainable_patterns": pattern_tuple(

@@ -45,6 +45,7 @@ from torch import nn
 from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
+from nvalchemi.training._first_batch import check_dataloader, check_first_batch
 from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, detached
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.hooks.update import (
@@ -560,6 +561,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             ValueError: a metric-driven scheduler (``ReduceLROnPlateau``) without a
                 ``validation_config`` (it would never step).
         """
+        check_dataloader(dataloader)
         d = self.__dict__
         self.close()
         d["_stop_reason"] = None
@@ -591,6 +593,8 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         with self._parameter_flags():  # fine-tuning filters, undone on return
             run = d["_run"]
             if run is None:
+                default = self.training_fn is default_training_fn
+                check_first_batch(batch, self.models, default_training_fn=default)
                 d["_run"] = run = _Run(self, None)
                 run.strict_nonfinite = True
             else:
@@ -623,7 +627,9 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         hooks = self.hooks_for(TrainingStage.AFTER_VALIDATION)
         if hooks:
             run = d["_run"]
-            ctx = run._synced_ctx() if run is not None and run.ctx is not None else self.new_context()
+            ctx = (
+                run._synced_ctx() if run is not None and run.ctx is not None else self.new_context()
+            )
             ctx.validation = summary
             # The last training batch's loss, never a live graph (no sync: detach only).
             if isinstance(ctx.loss, torch.Tensor):
@@ -1039,7 +1045,6 @@ def _check_metric_schedulers(self: Any) -> None:
                     "every_n_epochs=1) (or every_n_steps=...), or use a time-based "
                     "scheduler (e.g. StepLR, CosineAnnealingLR)."
                 )
-
 
 
 def _name_set(names: Iterable[str] | None, what: str) -> frozenset[str] | None:

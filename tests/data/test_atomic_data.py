@@ -75,6 +75,73 @@ def test_wrong_shapes_are_rejected(field, value, match):
         make(**{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("positions", torch.zeros(3, 3, dtype=torch.int64)),
+        ("positions", [[0, 0, 0], [1, 0, 0], [0, 1, 0]]),  # a list of Python ints
+        ("energy", torch.tensor(-3)),
+        ("energy", 2),
+        ("forces", torch.zeros(3, 3, dtype=torch.int32)),
+        ("stress", torch.zeros(3, 3, dtype=torch.bool)),
+        ("cell", torch.eye(3, dtype=torch.int64)),
+    ],
+)
+def test_integer_positions_and_labels_are_refused_with_field_and_dtype(field, value):
+    fields = {"atomic_numbers": torch.tensor([1, 2, 3]), "positions": torch.randn(3, 3)}
+    fields[field] = value
+    if field == "cell":
+        fields["pbc"] = [True] * 3
+    with pytest.raises(TypeError, match=rf"'{field}'.* must be floating point; got dtype torch\.\w+"):
+        AtomicData(**fields)
+
+
+@pytest.mark.parametrize(("numbers", "bad", "index"), [([1, 0, 8], 0, 1), ([6, 8, 119], 119, 2)])
+def test_atomic_numbers_outside_1_to_118_name_the_atom(numbers, bad, index):
+    with pytest.raises(ValueError, match=rf"holds {bad} at atom {index}; .* 1\.\.118"):
+        AtomicData(atomic_numbers=torch.tensor(numbers), positions=torch.zeros(3, 3))
+    data = AtomicData(atomic_numbers=torch.tensor([1, 118]), positions=torch.zeros(2, 3))
+    assert data.atomic_numbers.tolist() == [1, 118]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "canonical"),
+    [
+        ("energy", torch.tensor(1.5), (1, 1)),
+        ("energy", torch.tensor([1.5]), (1, 1)),
+        ("energy", torch.tensor([[1.5]]), (1, 1)),
+        ("charge", 1.0, (1, 1)),
+        ("dipole", torch.zeros(3), (1, 3)),
+        ("stress", torch.zeros(3, 3), (1, 3, 3)),
+        ("stress", torch.zeros(1, 6), (1, 3, 3)),
+        ("stress", torch.arange(9.0), (1, 3, 3)),
+        ("virial", torch.zeros(6), (1, 3, 3)),
+        ("cell", torch.eye(3), (1, 3, 3)),
+    ],
+)
+def test_documented_non_canonical_shapes_are_converted(field, value, canonical):
+    extra = {"pbc": [True] * 3} if field == "cell" else {}
+    data = make(**{field: value}, **extra)
+    assert tuple(data[field].shape) == canonical
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("energy", torch.zeros(1, 1, 1), r"\[1, 1\]"),
+        ("energy", torch.zeros(2, 1), r"\[1, 1\]"),
+        ("dipole", torch.zeros(3, 1), r"\[1, 3\]"),
+        ("stress", torch.zeros(3, 1, 3), r"\[1, 3, 3\]"),
+        ("stress", torch.zeros(9, 1), r"\[1, 3, 3\]"),
+        ("cell", torch.zeros(9), r"\[1, 3, 3\]"),  # Voigt/row-major only for stress, virial
+        ("cell", torch.zeros(6), r"\[1, 3, 3\]"),
+    ],
+)
+def test_every_other_label_shape_is_refused_with_the_expected_shape(field, value, expected):
+    with pytest.raises(ValueError, match=rf"'{field}' has shape .*; expected {expected} \(accepted"):
+        make(**{field: value})
+
+
 def test_nan_labels_rejected():
     with pytest.raises(ValueError, match="'energy' contains NaN"):
         make(energy=torch.tensor(float("nan")))

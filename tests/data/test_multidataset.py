@@ -19,8 +19,8 @@ def structure(z: int, tag: float, *, stress: bool = False) -> AtomicData:
         fields["stress"] = torch.eye(3) * tag
     return AtomicData(
         atomic_numbers=torch.full((n,), z),
-        positions=torch.full((n, 3), tag),
-        energy=torch.tensor(tag),
+        positions=torch.full((n, 3), float(tag)),
+        energy=torch.tensor(float(tag)),
         **fields,
     )
 
@@ -173,3 +173,36 @@ def test_plain_torch_dataloader_over_multidataset(parts):
         multi, batch_size=4, collate_fn=lambda s: Batch.from_data_list(list(s))
     )
     assert [tags(b) for b in loader] == [[100.0, 101.0, 102.0, 200.0], [201.0, 202.0, 203.0]]
+
+
+def test_loss_weights_and_heads_are_attached_per_dataset_in_request_order():
+    a = InMemoryDataset(data_list=[structure(1, float(i)) for i in range(3)])
+    b = InMemoryDataset(data_list=[structure(8, 10.0 + i) for i in range(2)])
+    multi = MultiDataset(a, b, loss_weights=[1.0, 0.5], head_indices=[2, 0])
+    batch = multi.get_batch([3, 0, 4, 1])
+    assert batch["loss_weight"].shape == (4, 1)  # one float per structure, as energies
+    assert batch["loss_weight"].reshape(-1).tolist() == [0.5, 1.0, 0.5, 1.0]
+    assert batch["loss_weight"].dtype == batch["positions"].dtype
+    assert batch["head"].tolist() == [0, 2, 0, 2] and batch["head"].dtype == torch.int64
+    single = multi.get_batch([4, 3])  # one child only: the fast path attaches them too
+    assert single["loss_weight"].reshape(-1).tolist() == [0.5, 0.5]
+    item = multi[1]
+    assert item["loss_weight"].tolist() == [[1.0]] and item["head"].tolist() == [2]
+    assert "loss_weight" not in a[1]  # the child's own structure is not changed
+    loaded = next(iter(DataLoader(multi, batch_size=5)))
+    assert sorted(loaded["loss_weight"].reshape(-1).tolist()) == [0.5, 0.5, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss_weights": [1.0]}, ValueError, "1 entries for 2 datasets"),
+        ({"loss_weights": [1.0, -1.0]}, ValueError, "non-negative"),
+        ({"loss_weights": [1.0, "x"]}, TypeError, "must be a number"),
+        ({"head_indices": [0, 1.5]}, TypeError, "must be an integer"),
+    ],
+)
+def test_bad_per_dataset_values_are_named(kwargs, error, match):
+    a = InMemoryDataset(data_list=[structure(1, 0.0)])
+    with pytest.raises(error, match=match):
+        MultiDataset(a, a, **kwargs)

@@ -461,8 +461,8 @@ def test_compressed_sharded_and_chunked_stores_read_the_same(tmp_path):
     AtomicDataZarrWriter(tmp_path / "raw.zarr", ZarrWriteConfig()).write(data)
     packed = AtomicDataZarrReader(tmp_path / "c.zarr")
     raw = AtomicDataZarrReader(tmp_path / "raw.zarr")
-    assert all(rows.raw is None for rows in packed._arrays.values())  # through zarr
-    assert all(rows.raw is not None for rows in raw._arrays.values())  # direct reads
+    assert {rows.mode for rows in packed._arrays.values()} == {"zarr", "decode"}
+    assert {rows.mode for rows in raw._arrays.values()} <= {"raw", "decode"}  # direct reads
     root = zarr.open_group(str(tmp_path / "c.zarr"), mode="r")
     assert root["core/positions"].chunks[0] == 4
     assert root["core/neighbor_list"].shards[0] == 64
@@ -477,7 +477,7 @@ def test_chunk_boundaries_in_direct_reads(tmp_path):
     config = ZarrWriteConfig(core=ZarrArrayConfig(chunk_size=5), meta=ZarrArrayConfig(chunk_size=3))
     AtomicDataZarrWriter(tmp_path / "s.zarr", config).write(data)
     reader = AtomicDataZarrReader(tmp_path / "s.zarr")
-    assert all(rows.raw is not None for rows in reader._arrays.values())
+    assert all(rows.mode != "zarr" for rows in reader._arrays.values())
     for (fields, _), k in zip(reader.read_many(list(range(8))), range(8)):
         assert_same(fields, data[k])
 
@@ -494,5 +494,159 @@ def test_config_validation():
     )
     assert config.for_array("core", "energy").chunk_size == 2
     assert config.for_array("core", "forces").chunk_size == 10
-    kwargs = ZarrArrayConfig(write_empty_chunks=False).array_kwargs((100, 3), 4)
-    assert kwargs["config"] == {"write_empty_chunks": False}
+    with pytest.raises(ValueError, match="write_empty_chunks"):  # every chunk is written
+        ZarrArrayConfig(write_empty_chunks=False)
+
+
+# ------------------------------------------------------------- damage and compactness
+def _chunk_files(path, array):
+    return sorted(p for p in (path / array / "c").rglob("*") if p.is_file())
+
+
+def test_a_missing_chunk_names_the_store_the_array_and_the_samples(tmp_path):
+    path = tmp_path / "s.zarr"
+    data = [crystal(k, lists=False) for k in range(40)]
+    AtomicDataZarrWriter(path, {"core": {"chunk_size": 16}}).write(data)
+    (path / "core" / "energy" / "c" / "1" / "0").unlink()  # rows 16..31: an interrupted copy
+    reader = AtomicDataZarrReader(path)  # opening reads only the index arrays
+    assert_same(reader.read(3)[0], data[3])
+    with pytest.raises(ValueError, match=r"damaged: chunk file core/energy/c/1/0 is missing .*"
+                       r"array core/energy, rows 16-31: samples 16-31\)") as info:  # fmt: skip
+        reader.read(20)
+    assert str(path) in str(info.value) and "data check" in str(info.value)
+    atom_rows = reader._atoms_ptr
+    (path / "core" / "forces" / "c" / "0" / "0").unlink()
+    reader = AtomicDataZarrReader(path)
+    last = int(np.searchsorted(atom_rows, 16, side="left"))
+    with pytest.raises(ValueError, match=rf"core/forces, rows 0-15: samples 0-{last - 1}\)"):
+        reader.read_many([0, 1])
+
+
+def test_chunks_of_zeros_are_written_so_absence_always_means_damage(path):
+    molecules = [water(k, lists=False) for k in range(3)]  # zero forces and dipoles
+    AtomicDataZarrWriter(path).write(molecules)
+    for name in ("forces", "dipole"):
+        assert _chunk_files(path, f"core/{name}"), name
+    assert _chunk_files(path, "meta/edges_ptr")  # all zeros: no neighbour lists
+    AtomicDataZarrWriter(path).append([water(9, lists=False)])
+    AtomicDataZarrWriter(path).delete([0])  # zeroes the rows of sample 0
+    report = AtomicDataZarrReader(path).verify()
+    assert report["problems"] == [] and report["chunks"] > 0
+    assert report["absent_may_be_zeros"] is False
+
+
+def test_absurd_sample_counts_in_the_metadata_are_a_clear_error(path):
+    AtomicDataZarrWriter(path).write(samples(3))
+    root = zarr.open_group(str(path), mode="r+")
+    root.attrs["num_samples"] = 10**12
+    with pytest.raises(ValueError, match=r"claims 1,000,000,000,000 samples but meta/atoms_ptr "
+                       r"has 4 rows"):  # fmt: skip
+        AtomicDataZarrReader(path)
+    root.attrs["num_samples"] = -1
+    with pytest.raises(ValueError, match=r"num_samples attribute .* is -1"):
+        AtomicDataZarrReader(path)
+    root.attrs["num_samples"] = 3
+    root["core/energy"].resize((2, 1))
+    with pytest.raises(ValueError, match=r"array core/energy has 2 rows but the store's 3 samples "
+                       r"need 3"):  # fmt: skip
+        AtomicDataZarrReader(path)
+
+
+def test_an_array_listed_in_the_metadata_but_absent_is_damage(path):
+    import shutil
+
+    AtomicDataZarrWriter(path).write(samples(3))
+    shutil.rmtree(path / "core" / "stress")
+    with pytest.raises(ValueError, match=r"lists core arrays \['stress'\] that are not in the"):
+        AtomicDataZarrReader(path)
+
+
+def test_verify_reports_missing_truncated_and_undecodable_chunks(tmp_path):
+    path = tmp_path / "s.zarr"
+    data = [crystal(k, lists=False) for k in range(20)]
+    blosc = {"chunk_size": 8, "compressors": [zarr.codecs.BloscCodec()]}
+    config = {"core": {"chunk_size": 8}, "field_overrides": {"pbc": blosc}}
+    AtomicDataZarrWriter(path, config).write(data)
+    reader = AtomicDataZarrReader(path)
+    assert reader._arrays["positions"].mode == "raw"
+    assert reader._arrays["pbc"].mode == "decode"
+    (path / "core" / "positions" / "c" / "1" / "0").write_bytes(b"\0" * 10)
+    (path / "core" / "pbc" / "c" / "0" / "0").write_bytes(b"not blosc")
+    (path / "core" / "stress" / "c" / "2" / "0" / "0").unlink()
+    problems = AtomicDataZarrReader(path).verify()["problems"]
+    assert len(problems) == 3, problems
+    assert any("core/positions/c/1/0 has 10 bytes" in p for p in problems)
+    assert any("core/pbc/c/0/0 cannot be decoded" in p and "samples 0-7" in p for p in problems)
+    assert any("core/stress/c/2/0/0 is missing" in p and "samples 16-19" in p for p in problems)
+    with pytest.raises(ValueError, match="core/pbc/c/0/0 cannot be decoded"):
+        AtomicDataZarrReader(path).read(0)
+
+
+def test_stores_of_format_1_and_the_reference_layout_still_read(path):
+    """Stores written before (raw, 1 MiB chunks, zero chunks left out) and by zarr's defaults."""
+    data = [water(k, lists=False) for k in range(3)] + [crystal(5, lists=False)]
+    batch = Batch.from_data_list(data)
+    counts = np.array([d.num_nodes for d in data])
+    root = zarr.open_group(str(path), mode="w")  # what the reference writes: zarr defaults
+    meta, core = root.require_group("meta"), root.require_group("core")
+    root.require_group("custom")
+    ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    for name, values in (("atoms_ptr", ptr), ("edges_ptr", np.zeros(5, np.int64)),
+                         ("samples_mask", np.ones(4, bool)), ("atoms_mask", np.ones(ptr[-1], bool)),
+                         ("edges_mask", np.ones(0, bool))):  # fmt: skip
+        meta.create_array(name, data=values)
+    levels = {}
+    for key, _ in batch:
+        core.create_array(key, data=batch[key].numpy())  # int64 atomic numbers, zstd
+        levels[key] = batch.level_of(key)
+    root.attrs.update({"num_samples": 4, "fields": {"core": levels, "custom": {}}})
+    assert not _chunk_files(path, "meta/edges_ptr")  # zeros were never written
+    reader = AtomicDataZarrReader(path)
+    assert reader._arrays["positions"].mode == "decode"  # zstd chunks read directly
+    for (fields, _), want in zip(reader.read_many([3, 0, 1, 2]), [data[3], *data[:3]]):
+        assert_same(fields, want)
+    report = reader.verify()
+    assert report["absent_may_be_zeros"] is True
+
+
+def test_small_stores_are_small_and_chunks_follow_the_content(tmp_path):
+    data = samples(4, lists=False)
+    AtomicDataZarrWriter(tmp_path / "s.zarr").write(data)
+    size = sum(p.stat().st_size for p in (tmp_path / "s.zarr").rglob("*") if p.is_file())
+    assert size < 100_000  # 1 MiB per array (about 13 MB) before
+    root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
+    assert root["core/atomic_numbers"].dtype == np.uint8  # read back as int64
+    config = ZarrArrayConfig()
+    assert config.chunk_rows((10**6, 3), 4) == (1 << 20) // 12  # the byte target
+    assert config.chunk_rows((100, 3), 4) == (16 << 10) // 12  # floor for small first writes
+    assert config.chunk_rows((3000, 3), 4) == 4096  # the data, rounded up to a power of two
+    assert config.chunk_rows((10**6,), 1, compressed=True) == (64 << 10)
+    noisy = np.random.default_rng(0).normal(size=(10**5, 3)).astype(np.float32)
+    assert config.array_kwargs(noisy)["compressors"] is None  # raw: a sample reads its bytes
+    assert config.array_kwargs(noisy[:10])["compressors"]  # a chunk that is mostly padding
+    assert config.array_kwargs(np.ones(10**5, bool))["compressors"]  # masks, indices
+    assert ZarrArrayConfig(compressors=None).array_kwargs(np.ones(9, bool))["compressors"] is None
+
+
+def test_appends_to_a_format_1_store_keep_its_dtypes(path):
+    AtomicDataZarrWriter(path, {"core": {"compressors": None}}).write(samples(2))
+    root = zarr.open_group(str(path), mode="r+")
+    numbers = root["core/atomic_numbers"][:].astype(np.int64)
+    del root["core/atomic_numbers"]
+    root["core"].create_array("atomic_numbers", data=numbers)
+    root.attrs["format"] = "nvalchemi-atomicdata-zarr/1"
+    AtomicDataZarrWriter(path).append(samples(3)[2:])
+    reader = AtomicDataZarrReader(path)
+    assert zarr.open_group(str(path), mode="r")["core/atomic_numbers"].dtype == np.int64
+    assert_same(reader.read(2)[0], samples(3)[2])
+
+
+def test_defragment_refuses_a_damaged_store_instead_of_baking_in_zeros(path):
+    data = samples(4, lists=False)
+    writer = AtomicDataZarrWriter(path)
+    writer.write(data)
+    writer.delete([1])
+    (path / "core" / "positions" / "c" / "0" / "0").unlink()
+    with pytest.raises(ValueError, match=r"Cannot defragment .*core/positions/c/0/0 is missing"):
+        writer.defragment()
+    assert (path / "meta" / "samples_mask").is_dir()  # the store was left as it was

@@ -5,6 +5,11 @@ children concatenated in argument order. Batch requests are routed to the
 children (one ``load_batches`` call per child per request) and mixed batches
 are reassembled in the requested order.
 
+Per-dataset constants can be attached to every structure: ``loss_weights`` (the
+``loss_weight`` field, which the losses multiply into each structure's share, so a
+weight scales that dataset's share of the gradient) and ``head_indices`` (the ``head``
+field, which multi-head models use to pick a readout head per structure).
+
 Example:
     >>> import torch
     >>> from nvalchemi.data import AtomicData
@@ -17,11 +22,16 @@ Example:
     (5, (1, 1))
     >>> multi.get_batch([4, 0]).atomic_numbers.tolist()
     [8, 1]
+    >>> weighted = MultiDataset(mols(1, 2), mols(8, 3), loss_weights=[1.0, 0.25])
+    >>> weighted.get_batch([4, 0])["loss_weight"].reshape(-1).tolist()
+    [0.25, 1.0]
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,9 +48,13 @@ from nvalchemi.data.datapipes.dataset import (
     resolve_device,
 )
 
-__all__ = ["DATASET_INDEX_METADATA_KEY", "MultiDataset"]
+__all__ = ["DATASET_INDEX_METADATA_KEY", "HEAD_FIELD", "LOSS_WEIGHT_FIELD", "MultiDataset"]
 
 DATASET_INDEX_METADATA_KEY = "dataset_index"
+LOSS_WEIGHT_FIELD = "loss_weight"
+"""Per-structure loss weight (system level); the losses multiply it into each share."""
+HEAD_FIELD = "head"
+"""Per-structure readout-head index (system level) of multi-head models."""
 
 
 def _accepts_device(dataset: Any) -> bool:
@@ -55,6 +69,27 @@ def load_child_batches(dataset: Any, lists: list[list[int]], device: Any = None)
     return dataset.load_batches(lists)
 
 
+def _per_dataset(values: Any, count: int, name: str, kind: type) -> tuple | None:
+    """One validated value per child (``None`` stays ``None``)."""
+    if values is None:
+        return None
+    values = tuple(values)
+    if len(values) != count:
+        raise ValueError(f"MultiDataset: {name} has {len(values)} entries for {count} datasets.")
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"MultiDataset: {name}[{i}] must be a number; got {value!r}.")
+        if kind is int and value != int(value):
+            raise TypeError(f"MultiDataset: {name}[{i}] must be an integer; got {value!r}.")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"MultiDataset: {name}[{i}] must be finite and non-negative; got {value!r}."
+            )
+        out.append(kind(value))
+    return tuple(out)
+
+
 class MultiDataset(torch.utils.data.Dataset):
     """Concatenate datasets into one index space, keeping per-child batch loading.
 
@@ -66,13 +101,23 @@ class MultiDataset(torch.utils.data.Dataset):
             children may differ in labels (missing ones become NaN in mixed
             batches).
         num_workers: accepted for compatibility and ignored.
+        loss_weights: one non-negative weight per dataset, attached to every structure
+            as ``loss_weight`` (``[1, 1]`` per structure, ``[B, 1]`` per batch, in the
+            structure's float dtype). ``None``: no field.
+        head_indices: one readout-head index per dataset, attached as ``head``
+            (int64). ``None``: no field.
 
-    ``multi[g]`` is the child's ``AtomicData``; :meth:`get_with_metadata` adds
-    ``metadata["dataset_index"]``.
+    ``multi[g]`` is the child's ``AtomicData`` (a shallow copy carrying the attached
+    fields, if any); :meth:`get_with_metadata` adds ``metadata["dataset_index"]``.
     """
 
     def __init__(
-        self, *datasets: Any, output_strict: bool = True, num_workers: int | None = None
+        self,
+        *datasets: Any,
+        output_strict: bool = True,
+        num_workers: int | None = None,
+        loss_weights: Sequence[float] | None = None,
+        head_indices: Sequence[int] | None = None,
     ) -> None:
         if len(datasets) == 1 and isinstance(datasets[0], (list, tuple)):
             datasets = tuple(datasets[0])
@@ -86,6 +131,8 @@ class MultiDataset(torch.utils.data.Dataset):
                     "close); wrap a reader in nvalchemi.data.datapipes.Dataset."
                 )
         self.datasets = tuple(datasets)
+        self.loss_weights = _per_dataset(loss_weights, len(datasets), "loss_weights", float)
+        self.head_indices = _per_dataset(head_indices, len(datasets), "head_indices", int)
         self.output_strict = bool(output_strict)
         self.num_workers = num_workers
         self._refresh_offsets()
@@ -171,7 +218,7 @@ class MultiDataset(torch.utils.data.Dataset):
     # ---------------------------------------------------------------- samples
     def __getitem__(self, index: int) -> AtomicData:
         child, local = self.to_local_index(index)
-        return self.datasets[child][local]
+        return self._with_constants(self.datasets[child][local], child)
 
     def get_with_metadata(self, index: int) -> tuple[AtomicData, dict[str, Any]]:
         """The child's ``(AtomicData, metadata)`` with ``metadata["dataset_index"]`` set."""
@@ -184,11 +231,42 @@ class MultiDataset(torch.utils.data.Dataset):
         else:
             data, metadata = dataset[local], {}
         metadata[DATASET_INDEX_METADATA_KEY] = child
-        return data, metadata
+        return self._with_constants(data, child), metadata
 
     def __iter__(self) -> Iterator[AtomicData]:
-        for dataset in self.datasets:
-            yield from (dataset[i] for i in range(len(dataset)))
+        for child, dataset in enumerate(self.datasets):
+            yield from (self._with_constants(dataset[i], child) for i in range(len(dataset)))
+
+    # -------------------------------------------------------------- constants
+    def _constants(self) -> list[tuple[str, tuple, torch.dtype | None, tuple[int, ...]]]:
+        """``(field, per-dataset values, dtype, trailing shape)``; ``None`` dtype: the
+        structure's float dtype."""
+        out = []
+        if self.loss_weights is not None:
+            out.append((LOSS_WEIGHT_FIELD, self.loss_weights, None, (1,)))
+        if self.head_indices is not None:
+            out.append((HEAD_FIELD, self.head_indices, torch.int64, ()))
+        return out
+
+    def _with_constants(self, data: AtomicData, child: int) -> AtomicData:
+        constants = self._constants()
+        if not constants:
+            return data
+        data = copy.copy(data)  # never change the child's own (possibly cached) structure
+        for name, values, dtype, trailing in constants:
+            value = torch.tensor([values[child]], dtype=dtype or data["positions"].dtype)
+            data.add_system_property(name, value.reshape(1, *trailing))
+        return data
+
+    def _attach_constants(self, batch: Batch, children: Sequence[int]) -> Batch:
+        for name, values, dtype, trailing in self._constants():
+            value = torch.tensor(
+                [values[c] for c in children],
+                dtype=dtype or batch["positions"].dtype,
+                device=batch.device,
+            )
+            batch.add_key(name, value.reshape(-1, *trailing), level="system", overwrite=True)
+        return batch
 
     def get_metadata(self, index: int) -> tuple[int, int]:
         child, local = self.to_local_index(index)
@@ -213,7 +291,8 @@ class MultiDataset(torch.utils.data.Dataset):
         if len(children) == 1:
             child = children.pop()
             local_lists = [[local for _, local in b] for b in located]
-            return self._checked(child, local_lists, device)
+            batches = self._checked(child, local_lists, device)
+            return [self._attach_constants(b, [child] * b.num_graphs) for b in batches]
         # per child: the local indices of its share of each batch, in request order
         shares: dict[int, list[list[int]]] = {c: [[] for _ in lists] for c in children}
         for k, batch in enumerate(located):
@@ -228,7 +307,7 @@ class MultiDataset(torch.utils.data.Dataset):
         for k, batch in enumerate(located):
             present = [c for c in sorted(children) if parts[c][k] is not None]
             if len(present) == 1:
-                out.append(parts[present[0]][k])
+                out.append(self._attach_constants(parts[present[0]][k], [c for c, _ in batch]))
                 continue
             merged = Batch.cat([parts[c][k] for c in present])
             # position of each requested structure inside ``merged``
@@ -242,7 +321,8 @@ class MultiDataset(torch.utils.data.Dataset):
             for c, _ in batch:
                 order.append(cursor[c])
                 cursor[c] += 1
-            out.append(merged.index_select(torch.tensor(order, dtype=torch.int64)))
+            merged = merged.index_select(torch.tensor(order, dtype=torch.int64))
+            out.append(self._attach_constants(merged, [c for c, _ in batch]))
         return out
 
     def _checked(self, child: int, lists: list[list[int]], device: Any) -> list[Batch]:

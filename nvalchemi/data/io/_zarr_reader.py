@@ -1,10 +1,22 @@
 """Random-access reader of the ``AtomicData`` zarr store (see :mod:`nvalchemi.data.io.zarr`).
 
-Uncompressed, unsharded arrays in a local directory are read with ``preadv``
-straight from the chunk files (the zarr v3 on-disk format: a chunk of the
-``bytes`` codec is the raw C-order rows), which avoids zarr's per-call overhead of
-a few hundred microseconds; other arrays go through zarr with a small cache of
-decoded chunks.
+Arrays of a local directory store in the zarr v3 format are read from their chunk
+files directly, which avoids zarr's per-call overhead of a few hundred microseconds:
+
+* raw chunks (the ``bytes`` codec alone: C-order rows) with ``preadv`` of exactly
+  the requested rows;
+* chunks compressed with Blosc or Zstd by decoding the whole chunk once (numcodecs)
+  into a small least-recently-used cache of decoded chunks shared by the reader's
+  arrays (``cache_bytes``), so neighbouring samples cost no second decode; an
+  encoded array of at most 4 MiB (species of a small store, cells, pbc flags) is
+  decoded once, at its first read, and kept whole;
+
+every other array (sharded, other codecs, other stores) goes through zarr with the
+same cache. A chunk file that is absent, truncated or undecodable raises
+:class:`~nvalchemi.data.io.zarr.StoreDamagedError` naming the store, the array and
+the samples affected, for stores of the current format (which writes every chunk);
+older stores (format 1, the reference toolkit's) leave out chunks of zeros, so there
+an absent chunk reads as zeros, as zarr reads it.
 """
 
 from __future__ import annotations
@@ -22,59 +34,138 @@ import torch
 
 from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.fields import FIELDS
-from nvalchemi.data.io._zarr_common import describe, open_store, zarr_module
+from nvalchemi.data.io._zarr_common import (
+    FORMAT,
+    StoreDamagedError,
+    describe,
+    open_store,
+    zarr_module,
+)
 
 __all__ = ["AtomicDataZarrReader"]
 
+CACHE_BYTES = 32 << 20
+"""Default budget of decoded chunks kept by one reader (per process)."""
+_WHOLE_ARRAY_BYTES = 4 << 20  # encoded arrays this small are decoded once and kept whole
+
+
+class _ChunkProblem(Exception):
+    """A chunk that cannot be read (the reader adds the store and the samples)."""
+
+    def __init__(self, chunk: int, rows: tuple[int, int], reason: str) -> None:
+        super().__init__(reason)
+        self.chunk, self.rows, self.reason = chunk, rows, reason
+
+
+class _DecodedChunks:
+    """Least-recently-used decoded chunks of all arrays of one reader, within a byte budget."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self.items: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        block = self.items.get(key)
+        if block is not None:
+            self.items.move_to_end(key)
+        return block
+
+    def put(self, key: tuple[int, int], block: np.ndarray) -> None:
+        if block.nbytes > self.max_bytes:
+            return
+        self.items[key] = block
+        self.bytes += block.nbytes
+        while self.bytes > self.max_bytes:
+            self.bytes -= self.items.popitem(last=False)[1].nbytes
+
+    def discard(self, key: tuple[int, int]) -> None:
+        block = self.items.pop(key, None)
+        if block is not None:
+            self.bytes -= block.nbytes
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.bytes = 0
+
 
 class _Rows:
-    """Reads row ranges of one array: raw ``preadv`` from chunk files, or zarr."""
+    """Reads row ranges of one array: raw ``preadv``, whole-chunk decoding, or zarr."""
 
     _MAX_OPEN = 32  # open chunk files kept per array
-    _MAX_CHUNKS = 4  # decoded chunks kept per array (zarr path)
 
-    def __init__(self, array: Any) -> None:
+    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks) -> None:
         self.array = array
+        self.strict = strict
+        self.cache = cache
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
-        self.raw = self._raw_layout(array)
-        self.chunk_rows = max(1, int(array.chunks[0])) if len(self.shape) else 1
-        self._chunks: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._fds: OrderedDict[int, int] = OrderedDict()
         self.trailing = self.shape[1:]
+        self.fill = array.fill_value
+        grid = getattr(array, "shards", None) or array.chunks
+        self.chunk_rows = max(1, int(grid[0])) if len(self.shape) else 1
+        self.row_bytes = self.dtype.itemsize * int(np.prod(self.trailing, dtype=np.int64))
+        self.root: str | None = None
+        self.decoder: Any = None
+        self.mode = self._layout(array)
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._present: set[int] = set()
+        self._whole: np.ndarray | None = None
+        self._whole_worth = self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
         weakref.finalize(self, _close_fds, self._fds)
 
-    def _raw_layout(self, array: Any) -> tuple | None:
+    def _layout(self, array: Any) -> str:
+        """``"raw"``, ``"decode"`` (local chunk files read here) or ``"zarr"``."""
         try:
-            from zarr.codecs import BytesCodec
+            from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
             from zarr.storage import LocalStore
 
             store = array.store_path.store
             meta = array.metadata
-            if not isinstance(store, LocalStore) or getattr(meta, "zarr_format", 2) != 3:
-                return None
-            codecs = tuple(meta.codecs)
-            if len(codecs) != 1 or not isinstance(codecs[0], BytesCodec):
-                return None
-            chunks = tuple(array.chunks)
-            if chunks[1:] != self.shape[1:] or 0 in self.shape[1:]:
-                return None
+            codecs = tuple(getattr(meta, "codecs", ()))
+            if (
+                not isinstance(store, LocalStore)
+                or getattr(meta, "zarr_format", 2) != 3
+                or not codecs
+                or not isinstance(codecs[0], BytesCodec)
+                or tuple(array.chunks)[1:] != self.trailing
+                or 0 in self.trailing
+                or getattr(array, "shards", None) is not None
+            ):
+                return "zarr"
+            rest = codecs[1:]
+            if rest and (len(rest) > 1 or not isinstance(rest[0], (BloscCodec, ZstdCodec))):
+                return "zarr"
             endian = getattr(codecs[0].endian, "value", codecs[0].endian)
-            dtype = self.dtype
-            if dtype.itemsize > 1 and endian in ("little", "big"):
-                dtype = dtype.newbyteorder("<" if endian == "little" else ">")
-            root = str(Path(store.root) / array.store_path.path)
-            encode = meta.chunk_key_encoding.encode_chunk_key
-            zeros = (0,) * (len(self.shape) - 1)
-            row_bytes = dtype.itemsize * int(np.prod(self.shape[1:], dtype=np.int64))
-            fill = array.fill_value
-            return root, encode, zeros, chunks[0], row_bytes, dtype, fill
+            if self.dtype.itemsize > 1 and endian in ("little", "big"):
+                self.dtype = self.dtype.newbyteorder("<" if endian == "little" else ">")
+            self.root = str(Path(store.root) / array.store_path.path)
+            if not rest:
+                return "raw"
+            import numcodecs
+
+            self.decoder = (
+                numcodecs.Blosc() if isinstance(rest[0], BloscCodec) else numcodecs.Zstd()
+            )
+            return "decode"
         except Exception:
-            return None
+            return "zarr"
+
+    # ------------------------------------------------------------------ chunks
+    def num_chunks(self) -> int:
+        return -(-self.shape[0] // self.chunk_rows) if self.shape else 1
+
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_rows
+        return start, min(start + self.chunk_rows, self.shape[0])
+
+    def chunk_key(self, chunk: int) -> str:
+        """The chunk's key relative to the store root (its file path for a local store)."""
+        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
+        return f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
 
     def close(self) -> None:
         _close_fds(self._fds)
-        self._chunks.clear()
 
     def _fd(self, chunk: int) -> int | None:
         # Descriptors survive fork and pread ignores the shared offset, so worker
@@ -84,9 +175,9 @@ class _Rows:
         if fd is not None:
             fds.move_to_end(chunk)
             return fd
-        root, encode, zeros, *_ = self.raw
+        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
         try:
-            fd = os.open(os.path.join(root, encode((chunk, *zeros))), os.O_RDONLY)
+            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         fds[chunk] = fd
@@ -94,69 +185,164 @@ class _Rows:
             os.close(fds.popitem(last=False)[1])
         return fd
 
-    def _read_zarr(self, start: int, stop: int) -> np.ndarray:
-        """Rows through zarr, whole chunks at a time with a small cache of decoded chunks.
+    def _missing(self, chunk: int) -> None:
+        """Raise for an absent chunk of a store that writes every chunk (else: zeros)."""
+        if self.strict:
+            raise _ChunkProblem(
+                chunk, self.chunk_span(chunk), f"chunk file {self.chunk_key(chunk)} is missing"
+            )
 
-        A compressed chunk is decoded whole anyway, so neighbouring samples read
-        later (sequential or block-shuffled order) cost nothing extra.
-        """
-        rows = self.chunk_rows
-        first, last = start // rows, max(start, stop - 1) // rows
-        if stop <= start or last - first > 2:
-            return np.asarray(self.array[start:stop])
-        parts = []
-        for chunk in range(first, last + 1):
-            block = self._chunks.get(chunk)
-            if block is None:
-                block = np.asarray(
-                    self.array[chunk * rows : min((chunk + 1) * rows, self.shape[0])]
+    def _decoded(self, chunk: int) -> np.ndarray | None:
+        """Chunk ``chunk`` decoded to ``[chunk_rows, *trailing]`` (``None``: absent, lenient)."""
+        key = (id(self), chunk)
+        block = self.cache.get(key)
+        if block is not None:
+            return block
+        if self.mode == "zarr":
+            if not self._exists(chunk):
+                self._missing(chunk)
+                return None
+            start, stop = self.chunk_span(chunk)
+            block = np.asarray(self.array[start:stop])
+        else:
+            fd = self._fd(chunk)
+            if fd is None:
+                self._missing(chunk)
+                return None
+            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            try:
+                raw = self.decoder.decode(data)
+            except Exception as exc:
+                raise _ChunkProblem(
+                    chunk,
+                    self.chunk_span(chunk),
+                    f"chunk file {self.chunk_key(chunk)} cannot be decoded ({exc})",
+                ) from None
+            expected = self.chunk_rows * self.row_bytes
+            if len(raw) != expected:
+                raise _ChunkProblem(
+                    chunk,
+                    self.chunk_span(chunk),
+                    f"chunk file {self.chunk_key(chunk)} decodes to {len(raw):,} bytes "
+                    f"instead of {expected:,}",
                 )
-                self._chunks[chunk] = block
-                if len(self._chunks) > self._MAX_CHUNKS:
-                    self._chunks.popitem(last=False)
-            else:
-                self._chunks.move_to_end(chunk)
-            lo = max(start, chunk * rows) - chunk * rows
-            hi = min(stop, (chunk + 1) * rows) - chunk * rows
-            parts.append(block[lo:hi])
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+            block = np.frombuffer(raw, dtype=self.dtype).reshape(self.chunk_rows, *self.trailing)
+        self.cache.put(key, block)
+        return block
 
+    def _exists(self, chunk: int) -> bool:
+        """Whether the chunk's key is in the store (checked once per chunk; zarr path)."""
+        if not self.strict or chunk in self._present:
+            return True
+        from zarr.core.sync import sync
+
+        present = bool(sync(self.array.store_path.store.exists(self.chunk_key(chunk))))
+        if present:
+            self._present.add(chunk)
+        return present
+
+    # ------------------------------------------------------------------ reads
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` as a new, writable numpy array."""
-        raw = self.raw
-        if raw is None:
-            return self._read_zarr(start, stop)
-        rows_per_chunk, row_bytes, dtype, fill = raw[3:]
-        out = np.empty((stop - start, *self.trailing), dtype=dtype)
+        """Rows ``[start, stop)`` as a new, writable numpy array (``_ChunkProblem`` if damaged)."""
+        if self._whole is not None:
+            return self._whole[start:stop].copy()
+        out = np.empty((max(0, stop - start), *self.trailing), dtype=self.dtype)
         if stop <= start:
             return out
-        chunk = start // rows_per_chunk
-        if stop <= (chunk + 1) * rows_per_chunk:  # the common case: one chunk
-            fd = self._fd(chunk)
-            if fd is None:
-                out[...] = fill
-            elif os.preadv(fd, [out], (start - chunk * rows_per_chunk) * row_bytes) != out.nbytes:
-                self._short(chunk)
+        if self._whole_worth and self._keep_whole():
+            return self._whole[start:stop].copy()
+        rows = self.chunk_rows
+        chunk = start // rows
+        if stop <= (chunk + 1) * rows:  # the common case: one chunk
+            fd = self._fds.get(chunk) if self.mode == "raw" else None
+            offset = (start - chunk * rows) * self.row_bytes
+            if fd is None or os.preadv(fd, [out], offset) != out.nbytes:
+                self._read_chunk(chunk, out, start - chunk * rows)  # open, decode, or raise
             return out
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        if self.mode == "zarr" and not self.strict:
+            return np.asarray(self.array[start:stop])  # one call through zarr
         row = start
         while row < stop:
-            chunk = row // rows_per_chunk
-            end = min(stop, (chunk + 1) * rows_per_chunk)
-            a, b = (row - start) * row_bytes, (end - start) * row_bytes
-            fd = self._fd(chunk)
-            if fd is None:
-                out[row - start : end - start] = fill
-            elif os.preadv(fd, [view[a:b]], (row - chunk * rows_per_chunk) * row_bytes) != b - a:
-                self._short(chunk)
+            chunk = row // rows
+            end = min(stop, (chunk + 1) * rows)
+            self._read_chunk(chunk, out[row - start : end - start], row - chunk * rows)
             row = end
         return out
 
-    def _short(self, chunk: int) -> None:
-        raise OSError(
-            f"Chunk {chunk} of {self.raw[0]} is shorter than expected; the store is being "
-            "rewritten or is corrupt (call refresh() after writes)."
-        )
+    def _keep_whole(self) -> bool:
+        """Decode a small encoded array once and keep it (not when a chunk is damaged).
+
+        A damaged chunk leaves the array to chunked reads, which fail only for the
+        samples in that chunk.
+        """
+        self._whole_worth = False
+        whole = np.empty(self.shape, dtype=self.dtype)
+        try:
+            for chunk in range(self.num_chunks()):
+                start, stop = self.chunk_span(chunk)
+                self._read_chunk(chunk, whole[start:stop], 0)
+        except _ChunkProblem:
+            return False
+        self._whole = whole
+        return True
+
+    def _read_chunk(self, chunk: int, part: np.ndarray, offset: int) -> None:
+        """Fill ``part`` with the rows of ``chunk`` from row ``offset`` of the chunk on."""
+        if self.mode != "raw":
+            block = self._decoded(chunk)
+            if block is None:
+                part[...] = self.fill
+            else:
+                part[...] = block[offset : offset + part.shape[0]]
+            return
+        fd = self._fds.get(chunk)
+        if fd is None:
+            fd = self._fd(chunk)
+            if fd is None:
+                self._missing(chunk)
+                part[...] = self.fill
+                return
+        if os.preadv(fd, [part], offset * self.row_bytes) != part.nbytes:
+            size = os.fstat(fd).st_size
+            raise _ChunkProblem(
+                chunk,
+                self.chunk_span(chunk),
+                f"chunk file {self.chunk_key(chunk)} is truncated ({size:,} of "
+                f"{self.chunk_rows * self.row_bytes:,} bytes; or being rewritten: call "
+                "refresh() after writes)",
+            )
+
+    def problems(self) -> list[_ChunkProblem]:
+        """Every chunk that is absent, truncated or undecodable (reads each chunk once).
+
+        Absent chunks are reported also for stores that leave out chunks of zeros (the
+        caller says that those cannot be told from damage).
+        """
+        found = []
+        strict, self.strict = self.strict, True
+        try:
+            for chunk in range(self.num_chunks()):
+                start, stop = self.chunk_span(chunk)
+                try:
+                    if self.mode == "raw":
+                        fd = self._fd(chunk)
+                        if fd is None:
+                            self._missing(chunk)
+                        size = os.fstat(fd).st_size
+                        if size != self.chunk_rows * self.row_bytes:
+                            raise _ChunkProblem(
+                                chunk, (start, stop),
+                                f"chunk file {self.chunk_key(chunk)} has {size:,} bytes "
+                                f"instead of {self.chunk_rows * self.row_bytes:,}",
+                            )  # fmt: skip
+                    else:
+                        self.cache.discard((id(self), chunk))
+                        self._decoded(chunk)
+                except _ChunkProblem as problem:
+                    found.append(problem)
+        finally:
+            self.strict = strict
+        return found
 
 
 def _close_fds(fds: dict) -> None:
@@ -177,15 +363,22 @@ class AtomicDataZarrReader(Reader):
     indices; metadata holds ``index``, ``source_file``, ``physical_index`` (a
     string, as in the reference) and the neighbour-list stamp when the store has one.
 
-    Call :meth:`refresh` after another process appended or deleted samples.
+    Call :meth:`refresh` after another process appended or deleted samples;
+    :meth:`verify` reads every chunk (what ``nvalchemi-training data check`` runs).
 
     ``validates = True``: :class:`AtomicDataZarrWriter` stores only validated
     ``AtomicData``, so ``Dataset`` need not check samples again (labels a sample
     lacks, stored as NaN, are left out of it, as ``Batch`` does when splitting).
 
+    Args:
+        store: a directory path, a ``dict`` (in-memory store) or any zarr store.
+        cache_bytes: budget of decoded chunks of compressed arrays kept for reuse.
+
     Raises:
         FileNotFoundError: no store at the path.
-        ValueError: the store lacks the ``meta`` or ``core`` group.
+        StoreDamagedError: (a ``ValueError``) the store lacks a group or an array its
+            metadata declares, its sample count disagrees with its arrays, or a chunk
+            file is missing, truncated or undecodable (also raised by reads).
     """
 
     validates = True
@@ -196,14 +389,24 @@ class AtomicDataZarrReader(Reader):
         *,
         pin_memory: bool = False,
         include_index_in_metadata: bool = True,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
         super().__init__(pin_memory=pin_memory, include_index_in_metadata=include_index_in_metadata)
         self.store = store
         self._root: Any = None
         self._closed = False
+        self._cache = _DecodedChunks(cache_bytes)
         self._open()
 
     # ------------------------------------------------------------------ state
+    def _damaged(self, text: str) -> StoreDamagedError:
+        where = describe(self.store)
+        return StoreDamagedError(
+            f"Zarr store {where} is damaged: {text}. Fix: copy it again from its source (or "
+            f"rewrite it with `nvalchemi-training data convert`); `nvalchemi-training data "
+            f"check {where}` verifies every chunk."
+        )
+
     def _open(self) -> None:
         zarr = zarr_module()
         if isinstance(self.store, (str, os.PathLike)) and not Path(self.store).exists():
@@ -214,35 +417,55 @@ class AtomicDataZarrReader(Reader):
             raise FileNotFoundError(f"No zarr store at {describe(self.store)}.") from exc
         for group in ("meta", "core"):
             if group not in root:
-                raise ValueError(
+                raise StoreDamagedError(
                     f"Zarr store {describe(self.store)} is missing {group!r} group; it was not "
                     "written by AtomicDataZarrWriter."
                 )
         attrs = dict(root.attrs)
-        n = int(attrs.get("num_samples", 0))
+        self._strict = attrs.get("format") == FORMAT
+        self._cache.clear()
+        n = attrs.get("num_samples", 0)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise self._damaged(f"its num_samples attribute (zarr.json) is {n!r}, not a count")
         meta = root["meta"]
-        zero = np.zeros(1, dtype=np.int64)
-        self._atoms_ptr = np.asarray(meta["atoms_ptr"][: n + 1], dtype=np.int64) if n else zero
-        self._edges_ptr = np.asarray(meta["edges_ptr"][: n + 1], dtype=np.int64) if n else zero
-        mask = np.asarray(meta["samples_mask"][:n], dtype=bool) if n else np.zeros(0, bool)
-        self._active = np.flatnonzero(mask).astype(np.int64)
-        fields = attrs.get("fields", {})
-        levels: dict[str, str] = {}
         arrays: dict[str, _Rows] = {}
-        for group_name, default in (("core", "atom"), ("custom", "system")):
-            declared = fields.get(group_name, {})
-            if group_name not in root:
+        levels: dict[str, str] = {}
+        for name, level in (("atoms_ptr", "ptr"), ("edges_ptr", "ptr"), ("samples_mask", "system"),
+                            ("atoms_mask", "atom"), ("edges_mask", "edge")):  # fmt: skip
+            if name in meta:
+                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache)
+                levels[f"meta/{name}"] = level
+        for name, need in (("atoms_ptr", n + 1), ("edges_ptr", n + 1), ("samples_mask", n)):
+            if f"meta/{name}" not in arrays:
+                if n:  # an emptied (all deleted, defragmented) store has no arrays
+                    raise self._damaged(f"array meta/{name} is missing")
                 continue
-            group = root[group_name]
-            for key in group.array_keys():
-                levels[key] = declared.get(key, default)
-                arrays[key] = _Rows(group[key])
-        self._levels = levels
-        self._arrays = arrays
+            rows = arrays[f"meta/{name}"].shape[0]
+            if rows < need:
+                raise self._damaged(
+                    f"its metadata claims {n:,} samples but meta/{name} has {rows:,} rows "
+                    f"(needs {need:,}); the zarr.json was edited or the store truncated"
+                )
+        self._meta_levels = levels
+        self._meta_arrays = arrays
+        zero = np.zeros(1, dtype=np.int64)
+        self._atoms_ptr = zero
+        self._edges_ptr = zero
+        if n:
+            self._atoms_ptr = self._pointers("meta/atoms_ptr", n)
+            self._edges_ptr = self._pointers("meta/edges_ptr", n)
+        mask = self._read("meta/samples_mask", 0, n).astype(bool) if n else np.zeros(0, bool)
+        self._active = np.flatnonzero(mask).astype(np.int64)
+        self._levels, self._arrays = self._data_arrays(root, attrs.get("fields", {}), n)
         self._labels = frozenset(
             key
-            for key, rows in arrays.items()
+            for key, rows in self._arrays.items()
             if key in FIELDS and FIELDS[key].label and rows.dtype.kind == "f"
+        )
+        self._widen = frozenset(  # index fields stored narrower (atomic numbers: uint8)
+            key
+            for key, rows in self._arrays.items()
+            if key in FIELDS and FIELDS[key].kind == "index" and rows.dtype != np.int64
         )
         stamp = attrs.get("neighbor_list")
         self._stamp_meta = (
@@ -252,6 +475,98 @@ class AtomicDataZarrReader(Reader):
         )
         self._root = root
 
+    def _pointers(self, name: str, n: int) -> np.ndarray:
+        ptr = self._read(name, 0, n + 1).astype(np.int64, copy=False)
+        bad = np.flatnonzero(np.diff(ptr) < 0)
+        if ptr[0] != 0 or bad.size:
+            where = "its first entry" if ptr[0] != 0 else f"entry {int(bad[0]) + 1:,}"
+            raise self._damaged(f"{name} does not count up from 0 ({where})")
+        return ptr
+
+    def _data_arrays(
+        self, root: Any, fields: dict[str, Any], n: int
+    ) -> tuple[dict[str, str], dict[str, _Rows]]:
+        """Levels and row readers of the core and custom arrays, checked against the counts."""
+        totals = {"atom": int(self._atoms_ptr[-1]), "edge": int(self._edges_ptr[-1]), "system": n}
+        levels: dict[str, str] = {}
+        arrays: dict[str, _Rows] = {}
+        for group_name, default in (("core", "atom"), ("custom", "system")):
+            declared = dict(fields.get(group_name, {}) or {})
+            group = root.get(group_name)
+            present = set(group.array_keys()) if group is not None else set()
+            lost = sorted(set(declared) - present)
+            if lost:
+                raise self._damaged(
+                    f"its metadata lists {group_name} arrays {lost} that are not in the store"
+                )
+            for key in sorted(present):
+                level = declared.get(key, default)
+                rows = _Rows(group[key], self._strict, self._cache)
+                need = totals.get(level, 0)
+                if not rows.shape or rows.shape[0] < need:
+                    have = rows.shape[0] if rows.shape else 0
+                    raise self._damaged(
+                        f"array {group_name}/{key} has {have:,} rows but the store's "
+                        f"{n:,} samples need {need:,} ({level} level)"
+                    )
+                levels[key] = level
+                arrays[key] = rows
+        return levels, arrays
+
+    def _samples_of_rows(self, level: str, start: int, stop: int) -> tuple[int, int]:
+        """Physical samples ``[a, b)`` that own rows ``[start, stop)`` of a ``level`` array."""
+        if level in ("system", "ptr"):
+            return start, stop
+        ptr = self._atoms_ptr if level == "atom" else self._edges_ptr
+        first = max(0, int(np.searchsorted(ptr, start, side="right")) - 1)
+        return first, max(first + 1, int(np.searchsorted(ptr, stop, side="left")))
+
+    def _problem_text(self, name: str, level: str, problem: _ChunkProblem) -> str:
+        a, b = problem.rows
+        first, last = self._samples_of_rows(level, a, b)
+        samples = f"sample {first:,}" if last - first == 1 else f"samples {first:,}-{last - 1:,}"
+        return f"{problem.reason} (array {name}, rows {a:,}-{max(a, b - 1):,}: {samples})"
+
+    def _read(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows of a meta array (``meta/...``) or a field, as ``StoreDamagedError`` if damaged."""
+        rows = self._meta_arrays.get(name) or self._arrays[name]
+        try:
+            return rows.read(start, stop)
+        except _ChunkProblem as problem:
+            level = self._meta_levels.get(name) or self._levels[name]
+            path = name if name.startswith("meta/") else self._array_path(name)
+            raise self._damaged(self._problem_text(path, level, problem)) from None
+
+    def _array_path(self, key: str) -> str:
+        rows = self._arrays[key]
+        return str(rows.array.store_path.path or key)
+
+    @property
+    def every_chunk_written(self) -> bool:
+        """Whether the store writes every chunk (format 2), so an absent chunk is damage.
+
+        False for stores of format 1 and the reference toolkit's, which leave out chunks
+        of zeros: there an absent chunk reads as zeros.
+        """
+        return self._strict
+
+    def verify(self) -> dict[str, Any]:
+        """Read every chunk of every array; report what is missing, truncated or undecodable.
+
+        Returns ``{"chunks": checked, "problems": [text, ...], "absent_may_be_zeros": bool}``;
+        the last is True for stores of an older format (or the reference toolkit's), which
+        leave out chunks of zeros, so an absent chunk there may be zeros rather than damage.
+        """
+        if self._closed:
+            raise RuntimeError("AtomicDataZarrReader is closed.")
+        problems, chunks = [], 0
+        named = [(name, rows, self._meta_levels[name]) for name, rows in self._meta_arrays.items()]
+        named += [(self._array_path(k), r, self._levels[k]) for k, r in self._arrays.items()]
+        for name, rows, level in named:
+            chunks += rows.num_chunks()
+            problems += [self._problem_text(name, level, p) for p in rows.problems()]
+        return {"chunks": chunks, "problems": problems, "absent_may_be_zeros": not self._strict}
+
     def refresh(self) -> None:
         """Re-read pointers, masks and fields (after external appends or deletes)."""
         if self._closed:
@@ -260,25 +575,29 @@ class AtomicDataZarrReader(Reader):
         self._open()
 
     def _close_arrays(self) -> None:
-        for rows in getattr(self, "_arrays", {}).values():
+        for rows in [*getattr(self, "_arrays", {}).values(), *getattr(self, "_meta_arrays", {}).values()]:
             rows.close()
 
     def close(self) -> None:
         """Drop the store handle and open files; reads afterwards raise ``RuntimeError``."""
         self._close_arrays()
         self._arrays = {}
+        self._meta_arrays = {}
+        self._cache.clear()
         self._root = None
         self._closed = True
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("_arrays", None)
-        state.pop("_root", None)
+        for key in ("_arrays", "_meta_arrays", "_root"):
+            state.pop(key, None)
+        state["_cache"] = _DecodedChunks(self._cache.max_bytes)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._arrays = {}
+        self._meta_arrays = {}
         self._root = None
         if not self._closed:
             self._open()
@@ -357,7 +676,7 @@ class AtomicDataZarrReader(Reader):
         requested samples are read through when the run stays dense (spanned
         samples at most 8x the requested ones).
         """
-        raw = all(rows.raw is not None for rows in self._arrays.values())
+        raw = all(rows.mode != "zarr" for rows in self._arrays.values())
         max_gap = 1 if raw else max(1, ordered.size)
         runs: list[tuple[int, int]] = []
         start = prev = int(ordered[0])
@@ -379,7 +698,15 @@ class AtomicDataZarrReader(Reader):
             "atom": (int(self._atoms_ptr[start]), int(self._atoms_ptr[stop])),
             "edge": (int(self._edges_ptr[start]), int(self._edges_ptr[stop])),
         }
-        return {key: rows.read(*spans[self._levels[key]]) for key, rows in self._arrays.items()}
+        levels = self._levels
+        out = {}
+        for key, rows in self._arrays.items():
+            try:
+                out[key] = rows.read(*spans[levels[key]])
+            except _ChunkProblem as problem:
+                text = self._problem_text(self._array_path(key), levels[key], problem)
+                raise self._damaged(text) from None
+        return out
 
     def _slice(
         self, block: dict[str, np.ndarray], start: int, p: int, copy: bool
@@ -401,6 +728,8 @@ class AtomicDataZarrReader(Reader):
                 continue  # a label this sample lacks, stored as NaN (as Batch fills it)
             if key == "neighbor_list":
                 part = part - self._atoms_ptr[p]  # store-global -> local (a new array)
+            elif key in self._widen:
+                part = part.astype(np.int64)  # a new array
             elif copy:  # a duplicate request must not alias the first one's tensors
                 part = part.copy()
             if not part.dtype.isnative:

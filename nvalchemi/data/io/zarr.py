@@ -3,7 +3,8 @@
 On-disk layout (kept compatible with the reference toolkit)::
 
     <store>/
-      zarr.json      root attributes: "num_samples" (physical samples),
+      zarr.json      root attributes: "format" ("nvalchemi-atomicdata-zarr/2"),
+                     "num_samples" (physical samples),
                      "fields": {"core": {name: level}, "custom": {name: level}},
                      and, when the stored neighbour lists carry one, "neighbor_list":
                      {"cutoff": float, "half_list": bool}
@@ -15,10 +16,19 @@ On-disk layout (kept compatible with the reference toolkit)::
       core/<field>       atom fields [V, ...], edge fields [E, ...], system fields [N, ...]
       custom/<key>       arrays added with add_custom (leading dimension by level)
 
-Dtypes are stored as given. ``core/neighbor_list`` holds *store-global* atom
-indices (``atoms_ptr[sample]`` added), also for appended samples; the reader
-returns sample-local indices. Storing neighbour lists (e.g. built with
+Dtypes are stored as given, except ``core/atomic_numbers``: uint8 (1..118; read back
+as int64). ``core/neighbor_list`` holds *store-global* atom indices
+(``atoms_ptr[sample]`` added), also for appended samples; the reader returns
+sample-local indices. Storing neighbour lists (e.g. built with
 ``NeighborListTransform`` before writing) means training need not recompute them.
+
+Compact by content (see :class:`ZarrArrayConfig`): chunks of at most ``chunk_bytes``
+(1 MiB; 64 KiB when compressed) but no larger than the first write needs, Blosc
+compression for every array it shrinks by a quarter or more (indices, masks, neighbour
+lists, repeated cells), raw bytes for noisy floats. Every chunk is written, also
+chunks of zeros, so a missing chunk file always means a damaged store (format 2;
+stores of format 1 and the reference's left zero chunks out and still read, with
+absent chunks as zeros).
 
 Correctness rules of the writer: a write or append validates the whole incoming
 data before touching the store; an append whose samples lack a stored non-label
@@ -28,10 +38,11 @@ them: NaN, zeros, False); the sample count attribute is updated last, so an
 interrupted append leaves the earlier samples readable.
 
 Reading is built for random access: pointer arrays are cached, requested samples
-are merged into contiguous runs (one read per field per run), and uncompressed,
-unsharded arrays in a local directory (the default) are read with ``preadv``
-straight from the chunk files (the zarr v3 on-disk format), which avoids zarr's
-per-call overhead; any other store or codec goes through zarr.
+are merged into contiguous runs (one read per field per run), and arrays in a local
+directory (the default) are read straight from the chunk files: raw chunks with
+``preadv`` of the requested rows, compressed ones decoded whole into a small cache.
+A chunk that is missing, truncated or undecodable raises
+:class:`StoreDamagedError` naming the store, the array and the samples.
 
 Example:
     >>> import torch
@@ -48,11 +59,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -62,42 +74,85 @@ from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
     FORMAT,
     LEVELS,
+    StoreDamagedError,
     describe,
     open_store,
     store_exists,
+    writing_every_chunk,
     zarr_module,
 )
 from nvalchemi.data.io._zarr_reader import AtomicDataZarrReader
 
 __all__ = [
+    "CHUNK_BYTES",
     "AtomicDataZarrReader",
     "AtomicDataZarrWriter",
+    "StoreDamagedError",
     "ZarrArrayConfig",
     "ZarrWriteConfig",
 ]
 
-_CHUNK_BYTES = 1 << 20  # default chunk: about 1 MiB of rows
+CHUNK_BYTES = 1 << 20
+"""Default target size of one chunk (decoded bytes)."""
+_MIN_CHUNK_BYTES = 16 << 10  # floor for small first writes that later grow by appends
+_COMPRESSED_CHUNK_DIVISOR = 16  # compressed arrays: chunks of chunk_bytes / 16
+_WORTH_COMPRESSING = 0.75  # "auto": compress an array when that saves at least 25%
 
 
 # ------------------------------------------------------------------------ configs
+def auto_compressor(itemsize: int) -> Any:
+    """The codec ``compressors="auto"`` tries: Blosc (LZ4, byte shuffle), fast to decode."""
+    return zarr_module().codecs.BloscCodec(
+        cname="lz4", clevel=5, shuffle="shuffle", typesize=max(1, int(itemsize))
+    )
+
+
+def _compresses_well(data: np.ndarray, rows: int) -> bool:
+    """Whether the ``auto`` codec shrinks the first chunk of ``data`` to 75% or less.
+
+    The chunk is judged as zarr stores it: ``rows`` rows, the rows past the data filled
+    with zeros (which compress away, so a small store's padding costs nothing).
+    """
+    import numcodecs
+
+    trailing = data.shape[1:] if data.ndim else ()
+    chunk = np.zeros((rows, *trailing), dtype=data.dtype)
+    head = data[:rows] if data.ndim else data.reshape(1)
+    chunk[: head.shape[0]] = head
+    if chunk.nbytes == 0:
+        return True
+    codec = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+    return len(codec.encode(chunk)) <= _WORTH_COMPRESSING * chunk.nbytes
+
+
 class ZarrArrayConfig(BaseModel):
     """How arrays of one group (or one field) are encoded and chunked.
 
-    ``compressors=None`` (the default) stores raw bytes, which the reader can fetch
-    without zarr's overhead; pass e.g. ``(zarr.codecs.ZstdCodec(level=3),)`` to
-    compress. ``chunk_size``/``shard_size`` are rows along the leading axis
-    (default: about 1 MiB per chunk, no sharding); ``shard_size`` must be a
-    multiple of ``chunk_size``.
+    Chunks are sized by content: about ``chunk_bytes`` (decoded) each, a sixteenth of
+    that for compressed arrays (decoded whole to read one sample), but no larger than
+    the data of the first write (rounded up to a power of two, at least 16 KiB), so a
+    small store is small. ``chunk_size`` (rows) fixes the size instead;
+    ``shard_size`` (rows, a multiple of ``chunk_size``) packs chunks into shard files.
+
+    ``compressors="auto"`` (the default) compresses an array with Blosc (LZ4, byte
+    shuffle) when that saves at least a quarter of its size (indices, masks, cells,
+    species) and stores it raw otherwise (noisy float positions and forces, which
+    compress by a few percent but are then read without decoding: a sample reads only
+    its own bytes). ``None`` stores raw bytes; a tuple of zarr codecs (e.g.
+    ``(zarr.codecs.ZstdCodec(level=3),)``) is used as given.
+
+    Every chunk is written, also chunks of zeros (zarr leaves those out by default),
+    so a missing chunk file always means a damaged store.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    compressors: tuple[Any, ...] | None = None
+    compressors: tuple[Any, ...] | Literal["auto"] | None = "auto"
     filters: tuple[Any, ...] | None = None
     serializer: Any | None = None
+    chunk_bytes: int = Field(default=CHUNK_BYTES, ge=1)
     chunk_size: int | None = Field(default=None, ge=1)
     shard_size: int | None = Field(default=None, ge=1)
-    write_empty_chunks: bool = True
 
     @model_validator(mode="after")
     def _check_shards(self) -> ZarrArrayConfig:
@@ -109,14 +164,34 @@ class ZarrArrayConfig(BaseModel):
                 )
         return self
 
-    def array_kwargs(self, shape: tuple[int, ...], itemsize: int) -> dict[str, Any]:
-        """Keyword arguments of ``zarr.Group.create_array`` for an array of ``shape``."""
+    def chunk_rows(self, shape: tuple[int, ...], itemsize: int, compressed: bool = False) -> int:
+        """Rows per chunk of a new array of ``shape`` (see the class docstring)."""
+        if self.chunk_size is not None:
+            return self.chunk_size
         trailing = tuple(max(1, d) for d in shape[1:])
         row_bytes = max(1, itemsize * int(np.prod(trailing, dtype=np.int64)))
-        rows = self.chunk_size or max(1, _CHUNK_BYTES // row_bytes)
+        # A compressed chunk is decoded whole to read one sample from it: keep it small.
+        target = self.chunk_bytes // _COMPRESSED_CHUNK_DIVISOR if compressed else self.chunk_bytes
+        rows = int(shape[0]) if shape else 1
+        fit = 1 << max(0, rows - 1).bit_length()  # next power of two >= rows
+        floor = max(1, _MIN_CHUNK_BYTES // row_bytes)
+        return max(1, min(target // row_bytes, max(fit, floor)))
+
+    def array_kwargs(self, data: np.ndarray) -> dict[str, Any]:
+        """Keyword arguments of ``zarr.Group.create_array`` for a new array holding ``data``."""
+        shape = tuple(data.shape)
+        trailing = tuple(max(1, d) for d in shape[1:])
+        compressors = self.compressors
+        rows = self.chunk_rows(shape, data.dtype.itemsize, compressed=bool(compressors))
+        if compressors == "auto":
+            compressed_rows = self.chunk_rows(shape, data.dtype.itemsize, compressed=True)
+            if _compresses_well(data, compressed_rows):
+                compressors, rows = (auto_compressor(data.dtype.itemsize),), compressed_rows
+            else:
+                compressors, rows = None, self.chunk_rows(shape, data.dtype.itemsize)
         kwargs: dict[str, Any] = {
             "chunks": (rows, *trailing),
-            "compressors": self.compressors,
+            "compressors": compressors,
             "filters": self.filters if self.filters is not None else (),
         }
         if self.shard_size is not None:
@@ -127,8 +202,6 @@ class ZarrArrayConfig(BaseModel):
             kwargs["shards"] = (shard, *trailing)
         if self.serializer is not None:
             kwargs["serializer"] = self.serializer
-        if not self.write_empty_chunks:
-            kwargs["config"] = {"write_empty_chunks": False}
         return kwargs
 
 
@@ -205,6 +278,8 @@ class _Payload:
                 )
             self.arrays[key] = array
             self.levels[key] = level
+        if "atomic_numbers" in self.arrays:
+            self.arrays["atomic_numbers"] = _species(self.arrays["atomic_numbers"])
         nl = self.arrays.get("neighbor_list")
         if nl is not None and nl.size and (nl.min() < 0 or nl.max() >= counts["atom"]):
             raise ValueError(
@@ -219,6 +294,16 @@ class _Payload:
         return int(self.edge_counts.sum())
 
 
+def _species(values: np.ndarray) -> np.ndarray:
+    """Atomic numbers as stored: one byte per atom (``AtomicData`` allows only 1..118)."""
+    if values.size and (values.min() < 1 or values.max() > 255):
+        raise ValueError(
+            f"atomic_numbers holds {int(values.min())}..{int(values.max())}; atomic numbers "
+            "must be 1..118 (build the samples as AtomicData, which checks them)."
+        )
+    return values.astype(np.uint8)
+
+
 def _fill_missing(key: str, like: np.ndarray | tuple, dtype: np.dtype, rows: int) -> np.ndarray:
     """Values for appended samples lacking ``key``, or raise when it may not be missing."""
     shape = (rows, *like)
@@ -230,6 +315,17 @@ def _fill_missing(key: str, like: np.ndarray | tuple, dtype: np.dtype, rows: int
     if spec is not None and spec.label and np.issubdtype(dtype, np.floating):
         return np.full(shape, np.nan, dtype=dtype)
     raise KeyError(key)
+
+
+def _every_chunk(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a writer method with zarr writing every chunk (see ``writing_every_chunk``)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with writing_every_chunk():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 # ------------------------------------------------------------------------ writer
@@ -263,7 +359,7 @@ class AtomicDataZarrWriter:
 
     def _create(self, group: Any, name: str, data: np.ndarray, group_name: str) -> Any:
         config = self.config.for_array(group_name, name)
-        kwargs = config.array_kwargs(data.shape, data.dtype.itemsize)
+        kwargs = config.array_kwargs(data)
         array = group.create_array(name, shape=data.shape, dtype=data.dtype, **kwargs)
         if data.size:
             array[...] = data
@@ -291,6 +387,7 @@ class AtomicDataZarrWriter:
         root.attrs.update(attrs)
 
     # ------------------------------------------------------------------ write
+    @_every_chunk
     def write(self, data: Any) -> None:
         """Create the store from ``data`` (``AtomicData``, a list of them, or a ``Batch``).
 
@@ -308,6 +405,7 @@ class AtomicDataZarrWriter:
         self._write_new(payload, root)
 
     # ----------------------------------------------------------------- append
+    @_every_chunk
     def append(self, data: Any) -> None:
         """Add samples at the end of an existing store.
 
@@ -393,6 +491,8 @@ class AtomicDataZarrWriter:
             dtype = np.dtype(array.dtype)
             if key in payload.arrays:
                 values = payload.arrays[key]
+                if key == "atomic_numbers" and np.issubdtype(dtype, np.integer):
+                    values = values.astype(dtype)  # stores of format 1 hold int64
                 if payload.levels[key] != level:
                     problems.append(f"{key!r} is {payload.levels[key]}-level, stored as {level}")
                 elif values.dtype != dtype:
@@ -433,6 +533,7 @@ class AtomicDataZarrWriter:
         return stored if incoming == stored else None
 
     # ---------------------------------------------------------------- custom
+    @_every_chunk
     def add_custom(self, key: str, data: Any, level: str, *, overwrite: bool = False) -> None:
         """Store a user array under ``custom/<key>`` with one row per atom, edge or sample.
 
@@ -472,6 +573,7 @@ class AtomicDataZarrWriter:
         root.attrs["fields"] = fields
 
     # ---------------------------------------------------------------- delete
+    @_every_chunk
     def delete(self, indices: Any) -> None:
         """Soft-delete samples by *physical* index (masks set False, their rows zeroed).
 
@@ -514,16 +616,33 @@ class AtomicDataZarrWriter:
                     meta[name][a:b] = False
 
     # ------------------------------------------------------------- defragment
+    @_every_chunk
     def defragment(self, config: ZarrWriteConfig | Mapping | None = None) -> None:
         """Rewrite the store without deleted samples (optionally with a new ``config``).
 
         Neighbour-list indices are renumbered. Local stores are rebuilt in a
         sibling directory and swapped in; other stores are rewritten in place.
-        Loads the active data into memory.
+        Loads the active data into memory. A damaged store (see
+        :meth:`AtomicDataZarrReader.verify`) is refused: rewriting it would turn lost
+        chunks into zeros in a store that then looks whole.
+
+        Raises:
+            StoreDamagedError: a chunk is missing (format 2), truncated or undecodable.
         """
         if config is not None:
             self.config = _as_config(config)
         root = self._root(mode="r")
+        report = AtomicDataZarrReader(self.store).verify()
+        problems = [
+            p for p in report["problems"]
+            if not (report["absent_may_be_zeros"] and " is missing " in p)
+        ]  # fmt: skip
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise StoreDamagedError(
+                f"Cannot defragment zarr store {describe(self.store)}: {problems[0]}{more}. "
+                "Fix: copy it again from its source, or rewrite it from the source files."
+            )
         num_samples = int(root.attrs.get("num_samples", 0))
         fields = root.attrs.get("fields", {"core": {}, "custom": {}})
         stamp = root.attrs.get("neighbor_list")

@@ -67,6 +67,27 @@ def _validation_lines(exc: Any) -> list[str]:
     return lines
 
 
+def _collective_failure(exc: BaseException) -> bool:
+    from nvalchemi.distributed.stalls import is_collective_failure
+
+    return is_collective_failure(exc)
+
+
+def _collective_text(exc: BaseException) -> str:
+    """A failed collective: the framework's notes (which collective, which rank) first."""
+    notes = [n for n in getattr(exc, "__notes__", None) or [] if isinstance(n, str)]
+    ours = [n.removeprefix("nvalchemi: ") for n in notes if n.startswith("nvalchemi:")]
+    where = [n for n in notes if n.startswith("raised during training")]
+    head = " ".join(ours) or (
+        "a collective operation between the ranks failed: another rank most likely exited, "
+        "crashed or stalled; check its log"
+    )
+    tail = f"PyTorch: {type(exc).__name__}: {exc}"
+    if where:
+        tail += f"; {where[0]}"
+    return f"{head} ({tail})"
+
+
 def user_message(exc: BaseException) -> str:
     """One paragraph describing ``exc`` for a person at a terminal."""
     from pydantic import ValidationError
@@ -87,6 +108,8 @@ def user_message(exc: BaseException) -> str:
         text = str(exc) or type(exc).__name__
     elif isinstance(exc, ImportError):
         text = f"{exc}. Install the missing package (see the README's install section)"
+    elif _collective_failure(exc):
+        text = _collective_text(exc)
     else:
         text = (
             f"unexpected {type(exc).__name__}: {exc}. This may be a bug; re-run with --debug "

@@ -12,6 +12,10 @@
   needs ``--trust``).
 * ``finetune`` of a ``custom`` model: built from ``strategy.model_specs``, weights read
   from ``source.checkpoint_path`` (a state dict, no pickle).
+
+A ``finetune.head`` adds that readout head (``new_heads``, a copy of
+``finetune.source_head``); the rest of the ``finetune`` block is applied after the
+strategy exists (:mod:`nvalchemi.training.cli.finetune_run`).
 """
 
 from __future__ import annotations
@@ -156,6 +160,11 @@ def _finetune(
 
     source, payload = job.source, job.strategy
     kwargs = {**_runtime_payload(payload), "hooks": hooks, **extra}
+    if job.finetune is not None and job.finetune.head is not None:
+        # The new head starts as a copy of the source head (zero-step parity).
+        heads = dict(kwargs.get("new_heads") or {})
+        heads.setdefault(job.finetune.head, job.finetune.source_head)
+        kwargs["new_heads"] = heads
     if map_location is not None:
         kwargs["devices"] = [map_location]  # --map-location wins over strategy.devices
     device = map_location or str((payload.get("devices") or ["cpu"])[0])

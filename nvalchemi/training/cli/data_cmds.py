@@ -1,4 +1,4 @@
-"""``data convert`` (extxyz / ASE db -> zarr store) and ``data stats``."""
+"""``data convert`` (extxyz / ASE db -> zarr store), ``data check`` and ``data stats``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def _label_keys(pairs: tuple[str, ...]) -> dict[str, str]:
 
 @main.group()
 def data() -> None:
-    """Convert data sets and print their statistics."""
+    """Convert data sets, verify them and print their statistics."""
 
 
 @data.command("convert")
@@ -90,26 +90,26 @@ def data() -> None:
     type=click.IntRange(min=1),
     help="Convert only the first N structures of each input.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a zarr store.")
 @debug_option  # fmt: skip
 def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
-    """Convert extxyz / ASE db files (INPUTS) into one zarr store (OUTPUT)."""
-    from nvalchemi.training.cli.data_tools import convert_to_zarr, open_inputs, prepare_output
+    """Convert extxyz / ASE db files (INPUTS) into one zarr store (OUTPUT).
+
+    The store is written next to OUTPUT and moved into place when complete, so an
+    interrupted conversion leaves nothing half-written; --overwrite replaces only a
+    zarr store (never an input, a directory holding one, or any other file).
+    """
+    from nvalchemi.training.cli.data_tools import check_output, convert_to_zarr, open_inputs
 
     if options["half_list"] and options["cutoff"] is None:
         raise CLIError("--half-list needs --cutoff", fix="add --cutoff 5.0 (or drop --half-list)")
+    check_output(inputs, output, overwrite=options["overwrite"])
     readers = open_inputs(
         inputs,
         dtype=options["dtype"],
         label_keys=_label_keys(options["label_keys"]),
         max_structures=options["max_structures"],
     )
-    try:
-        prepare_output(output, overwrite=options["overwrite"])
-    except CLIError:
-        for reader in readers:
-            reader.close()
-        raise
     with _progress(f"writing {output}") as update:
         summary = convert_to_zarr(
             readers,
@@ -118,6 +118,7 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
             half_list=options["half_list"],
             chunk_size=options["chunk_size"],
             progress=update,
+            overwrite=options["overwrite"],
         )
     console = err_console()
     text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
@@ -126,6 +127,68 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
             f" with {summary['edges']:,} neighbour pairs (cutoff {summary['neighbor_cutoff']} Å)"
         )
     console.print(text)
+
+
+@data.command("check")
+@click.argument("paths", nargs=-1, required=True)
+@click.option(
+    "--label-key",
+    "label_keys",
+    multiple=True,
+    help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON on stdout.")
+@debug_option  # fmt: skip
+def check(paths: tuple[str, ...], label_keys: tuple[str, ...], as_json: bool) -> None:
+    """Verify data end to end (run it after copying a store).
+
+    Reads every chunk of every array of a zarr store (missing, truncated or undecodable
+    chunk files) and every structure of any source (shapes, dtypes, finite values,
+    atomic numbers). Exit status 1 when anything is wrong.
+    """
+    from nvalchemi.training.cli.data_sources import open_reader
+    from nvalchemi.training.cli.data_tools import check_data
+
+    keys = _label_keys(label_keys)
+    console = err_console()
+    reports, found = [], 0
+    for path in paths:
+        reader = open_reader(path, field="PATH", label_keys=keys)
+        try:
+            with _progress(f"checking {path}") as update:
+                report = check_data(reader, progress=update)
+        finally:
+            reader.close()
+        reports.append({"path": path, **report})
+        found += len(report["problems"])
+        _print_check(console, path, report)
+    if as_json:
+        click.echo(json.dumps(reports, indent=2))
+    if found:
+        raise CLIError(
+            f"{found:,} problem(s) found (listed above)",
+            field="PATH",
+            fix="copy a damaged store again from its source (or rewrite it with `data convert`); "
+            "fix or drop the structures listed",
+        )
+
+
+def _print_check(console: Any, path: str, report: dict[str, Any]) -> None:
+    chunks = "" if report["chunks"] is None else f", {report['chunks']:,} chunks read"
+    head = (
+        f"{path}: {report['structures_valid']:,} of {report['structures']:,} structures valid "
+        f"({report['atoms']:,} atoms){chunks}"
+    )
+    console.print(head, markup=False, soft_wrap=True)
+    for warning in report["warnings"]:
+        console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    shown = report["problems"][:20]
+    for problem in shown:
+        console.print(f"  problem: {problem}", markup=False, soft_wrap=True)
+    if len(report["problems"]) > len(shown):
+        console.print(f"  ... and {len(report['problems']) - len(shown):,} more", markup=False)
+    if not report["problems"]:
+        console.print(f"{path}: OK", markup=False)
 
 
 @data.command("stats")
@@ -148,13 +211,17 @@ def stats(
 ) -> None:
     """Counts, elements, label statistics and suggested per-element reference energies."""
     from nvalchemi.training.cli.data_sources import open_reader
-    from nvalchemi.training.cli.data_tools import data_statistics
+    from nvalchemi.training.cli.data_tools import absent_chunk_warning, data_statistics
 
     keys = _label_keys(label_keys)
     readers = [
         open_reader(p, field="PATH", max_structures=max_structures, label_keys=keys) for p in paths
     ]
     try:
+        for reader in readers:
+            warning = absent_chunk_warning(reader)
+            if warning:
+                err_console().print(f"warning: {warning}", markup=False, soft_wrap=True)
         with _progress("reading") as update:
             result = data_statistics(readers, progress=update)
     finally:

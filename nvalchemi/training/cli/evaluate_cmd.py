@@ -40,6 +40,7 @@ def evaluate_checkpoint(
     batch_size: int = 16,
     device: str = "cpu",
     max_structures: int | None = None,
+    head: str | None = None,
 ) -> Any:
     """:class:`~nvalchemi.training.cli.evaluation.Evaluation` of ``model`` on ``paths``."""
     from nvalchemi.training.cli.data_sources import (
@@ -53,7 +54,8 @@ def evaluate_checkpoint(
     readers = [open_reader(p, field="--dataset", max_structures=max_structures) for p in paths]
     try:
         dataset = make_dataset(readers, neighbor_config=neighbor_config_of(model))
-        return predict(model, make_loader(dataset, batch_size=batch_size), device=device)
+        loader = make_loader(dataset, batch_size=batch_size)
+        return predict(model, loader, device=device, head=head)
     finally:
         for reader in readers:
             reader.close()
@@ -116,6 +118,7 @@ def print_evaluation(console: Any, evaluation: Any, title: str) -> dict[str, Any
     help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).",
 )
 @click.option("--plots/--no-plots", default=True, show_default=True)
+@click.option("--head", help="Readout head of a multi-head model (default: its default head).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")
 @click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
 @click.option(
@@ -136,6 +139,7 @@ def evaluate(
     max_structures: int | None,
     out_dir: str | None,
     plots: bool,
+    head: str | None,
     as_json: bool,
     trust: bool,
     allow_imports: tuple[str, ...],
@@ -147,9 +151,17 @@ def evaluate(
     index = parse_checkpoint_index(checkpoint_index)
     model = load_checkpoint_model(checkpoint_dir, index=index, device=device, use_ema=ema,
                                   trust=trust)  # fmt: skip
+    names = getattr(model, "head_names", None)
+    if head is not None and (names is None or head not in names):
+        raise CLIError(
+            f"--head {head!r} is not a head of this model (heads: {list(names or [])})",
+            field="--head",
+            fix="name one of the model's heads, or drop --head",
+        )
     evaluation = evaluate_checkpoint(
-        model, list(datasets), batch_size=batch_size, device=device, max_structures=max_structures
-    )
+        model, list(datasets), batch_size=batch_size, device=device,
+        max_structures=max_structures, head=head,
+    )  # fmt: skip
     console = err_console()
     result = print_evaluation(console, evaluation, "Evaluation")
     from nvalchemi.training.cli.run_reporting import PLOTS_HINT, plots_available

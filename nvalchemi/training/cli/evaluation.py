@@ -105,8 +105,13 @@ def _stress_outputs(model: Any) -> bool:
     return config is not None and "stress" in getattr(config, "outputs", ())
 
 
-def predict(model: Any, loader: Any, *, device: Any = "cpu", stress: bool = True) -> Evaluation:
-    """Run ``model`` (eval mode) over ``loader``; collect predictions and references."""
+def predict(
+    model: Any, loader: Any, *, device: Any = "cpu", stress: bool = True, head: str | None = None
+) -> Evaluation:
+    """Run ``model`` (eval mode) over ``loader``; collect predictions and references.
+
+    ``head`` picks the readout head of a multi-head model (default: its default head).
+    """
     import torch
 
     device = torch.device(device)
@@ -124,7 +129,7 @@ def predict(model: Any, loader: Any, *, device: Any = "cpu", stress: bool = True
     try:
         for batch in loader:
             batch = batch.to(device)
-            out = model(batch)
+            out = model(batch) if head is None else model(batch, head=head)
             counts = batch.num_nodes_per_graph.double().reshape(-1, 1)
             parts["ep"].append(
                 (out["energy"].detach().double().reshape(-1, 1) / counts).cpu().numpy()

@@ -1,8 +1,11 @@
-"""``train init``, ``finetune init {checkpoint,mace,custom}`` and ``schema dump|template``.
+"""``train init``, ``finetune init [--from SOURCE | checkpoint|mace|custom]``,
+``finetune check`` and ``schema dump|template``.
 
 Each init command writes a complete job spec (JSON, or YAML for a ``.yaml`` path) that
 ``spec report`` explains and ``spec run`` trains. Without ``--out`` the spec is printed
-to stdout.
+to stdout. ``finetune init --from SOURCE`` tells the source kind from the path (a
+checkpoint directory, a ``.model`` MACE file, else a weights file); the fine-tuning
+options (``--e0``, ``--head``, ``--replay``, ...) fill the job's ``finetune`` block.
 """
 
 from __future__ import annotations
@@ -24,15 +27,15 @@ __all__ = ["finetune", "schema", "train"]
 DTYPE_POLICIES = ("strict", "prediction_to_target", "target_to_prediction")
 
 
-def _common_options(default_lr: float):
-    """Options shared by every init command."""
+def _common_options(default_lr: float, *, required: bool = True):
+    """Options shared by every init command (``required=False``: checked by the command)."""
 
     def decorate(fn):
         options = [
-            click.option("--dataset", "datasets", multiple=True, required=True,
+            click.option("--dataset", "datasets", multiple=True, required=required,
                          help="Training data: extxyz / ASE db file or zarr store (repeat for "
                               "several; they become one MultiDataset)."),
-            click.option("--output-dir", required=True, help="Run directory of the job."),
+            click.option("--output-dir", required=required, help="Run directory of the job."),
             click.option("--out", "out", type=click.Path(dir_okay=False),
                          help="Write the spec here (.json or .yaml); default: stdout."),
             click.option("--lr", type=float, default=default_lr, show_default=True,
@@ -166,19 +169,198 @@ def train_init(model_kind: str, cutoff: float | None, **options: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- finetune
+E0_MODES = ("keep", "refit", "estimated", "fixed")
+
+
+def _finetune_options(fn):
+    """What a fine-tune keeps of its source: the job's ``finetune`` block."""
+    options = [
+        click.option("--e0", "e0", type=click.Choice(E0_MODES), default="keep",
+                     show_default=True,
+                     help="Reference energies of the trained head: keep the source's (new "
+                          "elements fitted), refit on the new data, estimated (source + "
+                          "fitted offset of the new labels), fixed (--e0-value)."),
+        click.option("--e0-value", "e0_values", multiple=True, metavar="EL=EV",
+                     help="E0 of one element for --e0 fixed, e.g. Cu=-3.71 (repeatable)."),
+        click.option("--scale-shift", type=click.Choice(["keep", "refit"]), default="keep",
+                     show_default=True, help="Keep or re-estimate scale and shift."),
+        click.option("--head", help="Add a readout head of this name (a copy of the source "
+                                    "head) and train it on the new data."),
+        click.option("--source-head", help="The source head to copy and to label replay with."),
+        click.option("--trunk-lr-scale", type=click.FloatRange(min=0),
+                     help="Learning rate of everything but the trained head, relative to "
+                          "--lr (0 freezes it; for MACE the head is every readout)."),
+        click.option("--replay", "replay", multiple=True,
+                     help="Replay structures mixed in against forgetting (repeatable)."),
+        click.option("--replay-ratio", type=click.FloatRange(0, 1, min_open=True,
+                                                             max_open=True),
+                     help="Share of every batch drawn from replay (default: by size)."),
+        click.option("--replay-weight", type=click.FloatRange(min=0), default=1.0,
+                     show_default=True, help="Loss weight of replay structures."),
+        click.option("--pseudo-label/--replay-labels", default=True, show_default=True,
+                     help="Label replay with the source model (cached once), or use the "
+                          "labels in the replay files."),
+        click.option("--holdout-fraction", type=click.FloatRange(0, 1, min_open=True,
+                                                                 max_open=True),
+                     default=0.1, show_default=True,
+                     help="Replay held out to measure forgetting."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        fn = option(fn)
+    return functools.wraps(fn)(fn)
+
+
+_FINETUNE_OPTIONS = (
+    "e0", "e0_values", "scale_shift", "head", "source_head", "trunk_lr_scale", "replay",
+    "replay_ratio", "replay_weight", "pseudo_label", "holdout_fraction",
+)  # fmt: skip
+
+
+def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's ``finetune`` block from the options (``None`` when all are defaults)."""
+    values = {k: options.pop(k) for k in _FINETUNE_OPTIONS}
+    block: dict[str, Any] = {}
+    if values["e0"] != "keep":
+        block["e0"] = values["e0"]
+    if values["e0_values"]:
+        if values["e0"] != "fixed":
+            raise CLIError("--e0-value needs --e0 fixed", fix="add --e0 fixed")
+        block["atomic_energies"] = _e0_values(values["e0_values"])
+    elif values["e0"] == "fixed":
+        raise CLIError("--e0 fixed needs the values", fix="add --e0-value Cu=-3.71 per element")
+    if values["scale_shift"] != "keep":
+        block["scale_shift"] = values["scale_shift"]
+    for key in ("head", "source_head"):
+        if values[key]:
+            block[key] = values[key]
+    if values["replay"]:
+        replay: dict[str, Any] = {"paths": list(values["replay"])}
+        if values["replay_ratio"] is not None:
+            replay["ratio"] = values["replay_ratio"]
+        if values["replay_weight"] != 1.0:
+            replay["weight"] = values["replay_weight"]
+        if not values["pseudo_label"]:
+            replay["pseudo_label"] = False
+        if values["holdout_fraction"] != 0.1:
+            replay["holdout_fraction"] = values["holdout_fraction"]
+        block["replay"] = replay
+    elif values["replay_ratio"] is not None or values["replay_weight"] != 1.0:
+        raise CLIError("--replay-ratio/--replay-weight need replay data", fix="add --replay PATH")
+    options["_trunk_lr_scale"] = values["trunk_lr_scale"]
+    return block or None
+
+
+def _e0_values(items: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        element, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[element.strip()] = float(value)
+        except ValueError:
+            raise CLIError(
+                f"--e0-value {item!r} is not ELEMENT=EV", fix="write e.g. --e0-value Cu=-3.71"
+            ) from None
+    return out
+
+
+def _finetune_job(model: str, options: dict[str, Any], **extra: Any) -> TrainingJobSpec:
+    """A fine-tuning job: the common scaffold plus the ``finetune`` block and head lr."""
+    block = _finetune_block(options)
+    trunk = options.pop("_trunk_lr_scale")
+    head = (block or {}).get("head")
+    if trunk is not None:
+        extra["trunk_lr"] = (trunk, head)
+    if block is not None:
+        extra["finetune"] = block
+    return _scaffold("finetune", model, options, **extra)
+
+
+def _source_kind(source: str) -> tuple[str, dict[str, Any]]:
+    """``(source.model, source keys)`` told from the path given to ``--from``."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "manifest.json").is_file():
+            raise CLIError(
+                f"{path} is a directory but not an nvalchemi checkpoint (no manifest.json)",
+                field="--from",
+                fix="give a checkpoint directory, a MACE .model file or a weights file",
+            )
+        return "native-checkpoint", {"checkpoint_path": source}
+    if path.suffix == ".model":
+        return "mace", {"checkpoint_path": source, "compile_model": False}
+    if not path.is_file():
+        raise CLIError(f"{path} does not exist", field="--from")
+    return "custom", {"checkpoint_path": source}
+
+
 @main.group()
 def finetune() -> None:
-    """Scaffold fine-tuning jobs."""
+    """Scaffold and check fine-tuning jobs."""
 
 
-@finetune.group("init")
-def finetune_init() -> None:
-    """Scaffold a fine-tuning job from a checkpoint or a model file."""
+@finetune.group("init", invoke_without_command=True)
+@click.option("--from", "source", metavar="SOURCE",
+              help="Checkpoint directory, MACE .model file or weights file to fine-tune.")  # fmt: skip
+@_common_options(default_lr=1e-5, required=False)
+@_finetune_options
+@click.pass_context
+def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> None:
+    """Scaffold a fine-tuning job (--from SOURCE, or a subcommand naming the source kind)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if source is None:
+        click.echo(ctx.get_help())
+        return
+    missing = [f"--{k.replace('_', '-')}" for k in ("datasets", "output_dir") if not options[k]]
+    if missing:
+        raise CLIError(f"missing {' and '.join(missing)}", fix="give the new data and a run dir")
+    model, keys = _source_kind(source)
+    patterns = options["trainable_patterns"]
+    if model == "mace" and not patterns:
+        patterns = ("main.model.readouts.*",)
+    if model == "native-checkpoint":
+        keys.update(optimizer_lr=options["lr"])
+    job = _finetune_job(model, options, trainable_patterns=patterns, source=keys)
+    _emit(job, options["out"])
+
+
+@finetune.command("check")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--map-location", help="Device to build and run the models on (default: cpu).")
+@click.option("--trust", is_flag=True, help="Trust the job file (pickled MACE models).")
+@debug_option
+def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None:
+    """Compare the job's fine-tune-ready model with its source (zero-step parity)."""
+    from nvalchemi.training.cli._console import err_console
+    from nvalchemi.training.cli._load import load_job
+    from nvalchemi.training.cli.finetune_run import finetune_check, parity_note
+
+    job, _ = load_job(path, trust=trust)
+    run = finetune_check(job, trust=trust, map_location=map_location or "cpu")
+    console = err_console()
+    stats = run.statistics
+    console.print(f"reference energies ({stats.e0_mode}), eV:")
+    for element, value in stats.atomic_energies.items():
+        before = stats.source_atomic_energies.get(element, 0.0)
+        console.print(f"  {element:<3} {before:+.6f} -> {value:+.6f}")
+    if stats.residual_rmse_per_atom is not None:
+        console.print(
+            f"source model on the new data: {1000 * stats.residual_rmse_per_atom:.2f} meV/atom "
+            "energy RMSE (before the new E0)"
+        )
+    click.echo(run.parity.format())
+    note = parity_note(stats)
+    if note:
+        console.print(note)
+    click.echo(json.dumps(run.parity.to_dict()))
 
 
 @finetune_init.command("checkpoint")
 @click.argument("checkpoint_dir")
 @_common_options(default_lr=1e-5)
+@_finetune_options
 @click.option("--checkpoint-index", default="-1", show_default=True,
               help="Which checkpoint: an index, 'latest' or 'best'.")  # fmt: skip
 @click.option("--use-original-loss", is_flag=True,
@@ -194,8 +376,7 @@ def finetune_checkpoint(
 ) -> None:
     """Fine-tune the model(s) of an nvalchemi training checkpoint."""
     index = parse_checkpoint_index(checkpoint_index)
-    job = _scaffold(
-        "finetune",
+    job = _finetune_job(
         "native-checkpoint",
         options,
         source={
@@ -219,12 +400,12 @@ def finetune_checkpoint(
 @finetune_init.command("mace")
 @click.argument("model_or_checkpoint")
 @_common_options(default_lr=1e-5)
+@_finetune_options
 def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
     """Fine-tune a mace-torch model file (default: only the readouts train)."""
     key = "checkpoint_path" if Path(model_or_checkpoint).suffix else "model_id"
     patterns = options["trainable_patterns"] or ("main.model.readouts.*",)
-    job = _scaffold(
-        "finetune",
+    job = _finetune_job(
         "mace",
         options,
         trainable_patterns=patterns,
@@ -236,9 +417,10 @@ def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
 @finetune_init.command("custom")
 @click.argument("checkpoint_path")
 @_common_options(default_lr=1e-5)
+@_finetune_options
 def finetune_custom(checkpoint_path: str, **options: Any) -> None:
     """Fine-tune your own model class from a weights file (fill strategy.model_specs)."""
-    job = _scaffold("finetune", "custom", options, source={"checkpoint_path": checkpoint_path})
+    job = _finetune_job("custom", options, source={"checkpoint_path": checkpoint_path})
     _emit(job, options["out"])
 
 

@@ -9,7 +9,8 @@ the current directory) so that they stay right in a job file written elsewhere
 
 Paths are the job's file and directory fields: ``dataset.path``/``paths``/
 ``validation_path``, ``output.run_dir``/``checkpoint_dir``/``report_path``,
-``source.checkpoint_path``, ``source.mace.atomic_energies_path``, and keyword arguments of
+``source.checkpoint_path``, ``source.mace.atomic_energies_path``,
+``finetune.replay.path``/``paths``, and keyword arguments of
 ``source.hooks`` specs whose name ends in ``_dir``, ``_path`` or ``_file`` (e.g. a
 ``CheckpointHook``'s ``checkpoint_dir``). URIs (``s3://...``) and absolute paths are kept;
 ``~`` is expanded. Paths inside ``strategy`` are passed on as written.
@@ -60,6 +61,12 @@ def map_job_paths(data: dict[str, Any], fn: Callable[[str], str]) -> dict[str, A
         for key in keys:
             if key in section:
                 section[key] = _apply(section[key], fn)
+    finetune = out.get("finetune")
+    replay = finetune.get("replay") if isinstance(finetune, dict) else None
+    if isinstance(replay, dict):
+        for key in ("path", "paths"):
+            if key in replay:
+                replay[key] = _apply(replay[key], fn)
     source = out.get("source")
     if not isinstance(source, dict):
         return out

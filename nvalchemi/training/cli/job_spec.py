@@ -1,10 +1,11 @@
 """The job file of ``spec run``: :class:`TrainingJobSpec` (JSON or YAML).
 
 A job names where the model comes from (``source``), the data (``dataset``), where
-results go (``output``), how often to validate (``validation``) and the training
+results go (``output``), how often to validate (``validation``), what a fine-tune keeps
+of its source (``finetune``: reference energies, a new head, replay) and the training
 recipe (``strategy``: a ``TrainingStrategy.to_spec_dict()``-shaped payload plus the
 fine-tuning keys ``freeze_patterns``/``trainable_patterns``/``freeze_mode``/
-``module_patches``). Every block forbids unknown keys, so a typo is an error that
+``module_patches``/``new_heads``). Every block forbids unknown keys, so a typo is an error that
 names the key instead of a silently ignored setting.
 
 This module checks structure only (types, required keys, combinations); dotted paths
@@ -34,8 +35,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "DatasetSpec",
+    "DistributedSpec",
+    "FineTuneSpec",
     "MaceSourceOptions",
     "OutputSpec",
+    "ReplaySpec",
     "RuntimeHookSpec",
     "SourceSpec",
     "TrainingJobSpec",
@@ -47,7 +51,13 @@ __all__ = [
 
 ModelSource = Literal["native-checkpoint", "mace", "custom"]
 DataFormat = Literal["auto", "extxyz", "ase-db", "alchemi-zarr", "alchemi-zarr-multidataset"]
-FINETUNE_KEYS = ("module_patches", "freeze_patterns", "trainable_patterns", "freeze_mode")
+FINETUNE_KEYS = (
+    "module_patches",
+    "freeze_patterns",
+    "trainable_patterns",
+    "freeze_mode",
+    "new_heads",
+)
 PAYLOAD_KEYS = frozenset(
     {
         "optimizer_configs",
@@ -318,6 +328,97 @@ class ValidationSpec(_Block):
         return self
 
 
+class DistributedSpec(_Block):
+    """Multi-rank runs: how long a collective may wait for a rank before the run fails."""
+
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds every collective waits for the other ranks before the run fails "
+        "naming the silent rank (default: NVALCHEMI_DIST_TIMEOUT_S, else 600); --dist-timeout "
+        "overrides it",
+    )
+
+class ReplaySpec(_Block):
+    """Replay data mixed into a fine-tune against forgetting (``finetune.replay``)."""
+
+    path: str | None = None
+    paths: list[str] = Field(default_factory=list)
+    pseudo_label: bool = Field(
+        default=True,
+        description="label the replay structures with the source model (once, cached in "
+        "<run_dir>/replay_labels.zarr); false: use the labels in the files",
+    )
+    ratio: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="share of every batch drawn from replay (default: in proportion to size)",
+    )
+    weight: float = Field(default=1.0, ge=0, description="loss weight of replay structures")
+    holdout_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="held out of replay (never trained on) to measure forgetting",
+    )
+    max_structures: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _some_path(self) -> ReplaySpec:
+        if self.path is None and not self.paths:
+            raise ValueError("finetune.replay needs 'path' (a file) or 'paths' (several)")
+        return self
+
+    @property
+    def all_paths(self) -> list[str]:
+        return list(self.paths) if self.paths else [str(self.path)]
+
+
+class FineTuneSpec(_Block):
+    """What a fine-tune keeps of its source: reference energies, heads, replay.
+
+    ``e0``: ``keep`` (the source's; new elements fitted), ``refit`` (least squares on
+    the new data), ``estimated`` (the source's plus the fitted offset of the new labels
+    from the source's predictions), ``fixed`` (``atomic_energies``).
+    """
+
+    e0: Literal["keep", "refit", "estimated", "fixed"] = "keep"
+    atomic_energies: dict[str, float] | None = Field(
+        default=None, description="e0 'fixed': {element: E0 in eV}"
+    )
+    scale_shift: Literal["keep", "refit"] = "keep"
+    head: str | None = Field(
+        default=None,
+        description="add a readout head of this name (a copy of source_head) and train it on "
+        "the new data; the source head keeps predicting the source's level of theory",
+    )
+    source_head: str | None = Field(
+        default=None, description="the source's head to copy and to pseudo-label with"
+    )
+    trunk_lr_scale: float | None = Field(
+        default=None,
+        ge=0,
+        description="learning rate of everything but the trained head, relative to lr "
+        "(0 freezes it)",
+    )
+    replay: ReplaySpec | None = None
+    parity_structures: int = Field(
+        default=4,
+        ge=0,
+        description="structures of the new data for the zero-step parity check before "
+        "training (0: skip)",
+    )
+
+    @model_validator(mode="after")
+    def _fixed_values(self) -> FineTuneSpec:
+        if (self.e0 == "fixed") != (self.atomic_energies is not None):
+            raise ValueError(
+                "finetune.atomic_energies gives the values of e0 'fixed' (and only of it)"
+            )
+        return self
+
+
 class TrainingJobSpec(_Block):
     """A complete training or fine-tuning job for ``nvalchemi-training spec run``."""
 
@@ -334,6 +435,8 @@ class TrainingJobSpec(_Block):
     dataset: DatasetSpec
     output: OutputSpec
     validation: ValidationSpec | None = None
+    distributed: DistributedSpec | None = None
+    finetune: FineTuneSpec | None = None
     strategy: dict[str, Any] = Field(
         json_schema_extra={"additionalProperties": True},
         description="TrainingStrategy.to_spec_dict()-shaped payload plus fine-tuning keys",
@@ -373,6 +476,8 @@ class TrainingJobSpec(_Block):
                         f"source.{flag} only applies to 'native-checkpoint' fine-tunes "
                         f"(source.model is {source.model!r}); remove it"
                     )
+        if self.finetune is not None and self.workflow != "finetune":
+            raise ValueError("the 'finetune' block only applies to workflow 'finetune'; remove it")
         if source.fit_to_data and self.workflow != "train":
             raise ValueError("source.fit_to_data only applies to workflow 'train'; remove it")
         if self.validation is not None and not self.dataset.has_validation:

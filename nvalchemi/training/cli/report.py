@@ -1,7 +1,8 @@
 """``spec report``: a job as tables and warnings, without loading models or data.
 
-Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Optimizers, Notes and
-a Learning-rate preview computed with the real scheduler
+Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning (the
+``finetune`` block, and the reference energies a run of the job wrote), Optimizers, Notes
+and a Learning-rate preview computed with the real scheduler
 (:mod:`nvalchemi.training.cli.lr_preview`).
 """
 
@@ -182,6 +183,42 @@ def _strategy_table(job: TrainingJobSpec) -> Table:
     return table
 
 
+def _finetune_table(job: TrainingJobSpec) -> Table | None:
+    spec = job.finetune
+    if spec is None:
+        return None
+    from pathlib import Path
+
+    from nvalchemi.training.finetune_statistics import read_finetune_statistics
+
+    table = _table("Fine-tuning", "setting", "value")
+    table.add_row("reference energies (e0)", spec.e0)
+    if spec.atomic_energies:
+        table.add_row("fixed E0 (eV)", _kwargs(spec.atomic_energies))
+    table.add_row("scale and shift", spec.scale_shift)
+    if spec.head is not None:
+        source = spec.source_head or "the first"
+        table.add_row("new head", f"{spec.head} (a copy of {source} source head)")
+    if spec.replay is not None:
+        replay = spec.replay
+        labels = "pseudo-labels of the source (cached)" if replay.pseudo_label else "file labels"
+        share = f"{replay.ratio:.0%} of every batch" if replay.ratio else "by size"
+        table.add_row("replay", f"{', '.join(replay.all_paths)}: {labels}")
+        table.add_row(
+            "replay share, weight", f"{share}, loss weight {format_number(replay.weight)}"
+        )
+        table.add_row("forgetting held out", f"{replay.holdout_fraction:.0%} of replay")
+    table.add_row("zero-step check", f"{spec.parity_structures} structures before training")
+    written = read_finetune_statistics(Path(job.output.run_dir))
+    if written is not None:
+        for element, value in written.atomic_energies.items():
+            before = written.source_atomic_energies.get(element, 0.0)
+            table.add_row(f"E0 {element} (written by the run)", f"{before:+.6f} -> {value:+.6f} eV")
+        if written.scale_shift_mode != "keep":
+            table.add_row("scale, shift (written)", f"{written.scale:.6g}, {written.shift:.6g}")
+    return table
+
+
 def _optimizer_table(resolved: ResolvedJob) -> Table:
     table = _table("Optimizers", "model", "optimizer", "kwargs", "scheduler", "scheduler kwargs")
     for key, configs in resolved.optimizer_configs.items():
@@ -235,6 +272,9 @@ def render_report(job: TrainingJobSpec, resolved: ResolvedJob, console: Console)
     warnings_table, found = _warning_table(job)
     console.print(warnings_table)
     console.print(_strategy_table(job))
+    finetune = _finetune_table(job)
+    if finetune is not None:
+        console.print(finetune)
     console.print(_optimizer_table(resolved))
     if job.notes:
         console.print(Panel(job.notes.strip(), title="Notes", title_align="left"))

@@ -12,6 +12,9 @@ Order of work in :func:`run_job`:
    (``SIGTERM``/``SIGUSR1`` -> checkpoint and exit 75) when a ``CheckpointHook`` exists;
 7. ``strategy.run(loader)``, then learning curves and, on rank 0 with validation data,
    parity plots of the final model (EMA weights when the run kept them) on that data.
+
+``SIGTERM``/``SIGUSR1`` during steps 1-6 stop the command with a message (nothing was
+saved, nothing needs resuming) and exit status 75 (:class:`SetupSignals`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from nvalchemi.training.cli.payload import ResolvedJob
 __all__ = [
     "RunOptions",
     "RunResult",
+    "SetupSignals",
     "distributed_enabled",
     "launch_env",
     "SavedProgress",
@@ -48,6 +52,7 @@ class RunOptions:
     map_location: str | None = None
     distributed: bool | None = None
     ddp_backend: str | None = None
+    dist_timeout_s: float | None = None  # else the job's distributed.timeout_s
     validation_paths: tuple[str, ...] = ()
     validation_every_epochs: int | None = None
     validation_every_steps: int | None = None
@@ -69,6 +74,8 @@ class RunResult:
     num_train: int = 0
     num_validation: int = 0
     is_main: bool = True
+    forgetting: dict[str, dict[str, float]] | None = None
+    """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -96,13 +103,16 @@ def distributed_enabled(flag: bool | None, environ: Any = None) -> bool:
     return launch_env(environ).world_size > 1
 
 
-def _distributed(options: RunOptions) -> tuple[Any, list[Any]]:
+def _distributed(options: RunOptions, job: TrainingJobSpec) -> tuple[Any, list[Any]]:
     if not distributed_enabled(options.distributed):
         return None, []
     from nvalchemi.distributed import DistributedManager
     from nvalchemi.training.hooks.ddp import DDPHook
 
-    DistributedManager.initialize(backend=options.ddp_backend)
+    timeout_s = options.dist_timeout_s
+    if timeout_s is None and job.distributed is not None:
+        timeout_s = job.distributed.timeout_s
+    DistributedManager.initialize(backend=options.ddp_backend, timeout_s=timeout_s)
     return DistributedManager(), [DDPHook(backend=options.ddp_backend)]
 
 
@@ -295,6 +305,82 @@ def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) 
         )
 
 
+class _StoppedDuringSetup(BaseException):
+    """A stop signal before the first step (a ``BaseException``: no ``except Exception`` eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class SetupSignals:
+    """``SIGTERM``/``SIGUSR1`` while a run is set up: a clear message and exit status 75.
+
+    Setting up (reading data, fitting statistics, neighbour lists) can take minutes on
+    a large data set. A signal then stops the command with a message that the run was
+    stopped before its first training step, that nothing was saved and nothing needs
+    resuming, and exit status :data:`~nvalchemi.training.preemption.PREEMPTION_EXIT_CODE`
+    (75): a job script that requeues on 75 simply runs the same command again. Once
+    training started (:meth:`training_started`), the run's ``PreemptionHandler`` owns
+    the signals (checkpoint, then 75); without one, a signal acts as it would without
+    this guard.
+    """
+
+    def __init__(self, console: Any = None) -> None:
+        self.console = console
+        self.training = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> SetupSignals:
+        import signal
+        import threading
+
+        from nvalchemi.training.preemption import PreemptionHandler
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in PreemptionHandler().signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def training_started(self) -> None:
+        self.training = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import os
+
+        if not self.training:
+            raise _StoppedDuringSetup(signum)
+        self._restore()  # as without this guard: e.g. the default action (exit 143)
+        os.kill(os.getpid(), signum)
+
+    def _restore(self) -> None:
+        import signal
+
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._restore()
+        if not isinstance(exc, _StoppedDuringSetup):
+            return
+        import signal
+
+        from nvalchemi.training.preemption import PREEMPTION_EXIT_CODE
+
+        if self.console is not None:
+            name = signal.Signals(exc.signum).name
+            self.console.print(
+                f"Stopped by {name} while setting up (reading data, statistics, neighbour "
+                "lists), before the first training step: nothing was trained or saved, so "
+                "nothing needs resuming; run the same command again to start. Exit status "
+                f"{PREEMPTION_EXIT_CODE}.",
+                markup=False,
+                soft_wrap=True,
+            )
+        raise SystemExit(PREEMPTION_EXIT_CODE) from None
+
+
 def run_job(
     job: TrainingJobSpec,
     resolved: ResolvedJob,
@@ -304,7 +390,43 @@ def run_job(
     checkpoint_index: Any = -1,
     console: Any = None,
 ) -> RunResult:
-    """Train (or resume) ``job``; returns the strategy and where results are."""
+    """Train (or resume) ``job``; returns the strategy and where results are.
+
+    A stop signal before the first step ends the command with exit status 75 and a
+    message (see :class:`SetupSignals`).
+    """
+    from nvalchemi.distributed.launch import detect_launch_env
+
+    main_rank = _launch_rank(detect_launch_env) == 0
+    with SetupSignals(console if main_rank else None) as signals:
+        return _run_job(
+            job,
+            resolved,
+            options,
+            signals,
+            resume_from=resume_from,
+            checkpoint_index=checkpoint_index,
+            console=console,
+        )
+
+
+def _launch_rank(detect: Any) -> int:
+    try:
+        return detect().rank
+    except ValueError:
+        return 0
+
+
+def _run_job(
+    job: TrainingJobSpec,
+    resolved: ResolvedJob,
+    options: RunOptions,
+    signals: SetupSignals,
+    *,
+    resume_from: str | Path | None,
+    checkpoint_index: Any,
+    console: Any,
+) -> RunResult:
     from nvalchemi.distributed.runtime import get_rank, get_world_size
     from nvalchemi.training.cli.build import build_strategy
     from nvalchemi.training.cli.data_sources import (
@@ -313,6 +435,7 @@ def run_job(
         neighbor_config_of,
         open_sources,
     )
+    from nvalchemi.training.cli.finetune_run import forgetting_hook, prepare_finetune_run
     from nvalchemi.training.cli.run_reporting import TimeBudgetHook, reporting_hook
     from nvalchemi.training.preemption import PreemptionHandler
 
@@ -322,7 +445,7 @@ def run_job(
     check_devices(
         job, options, None if resume_from is None else Path(resume_from), checkpoint_index
     )
-    manager, hooks = _distributed(options)
+    manager, hooks = _distributed(options, job)
     is_main = get_rank(manager) == 0
     if not is_main:
         console = None  # one rank reports
@@ -336,6 +459,9 @@ def run_job(
                 f"is rank 0's: structures/s are per rank, about {world_size}x that in total"
             )
     hooks += [hook for hook, _ in resolved.hooks]
+    forgetting = forgetting_hook(job)
+    if forgetting is not None:
+        hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
     if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise CLIError(
@@ -382,15 +508,30 @@ def run_job(
             strategy.distributed_manager = manager
         neighbors = neighbor_config_of(strategy.models)
         train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory)
-        loader = make_loader(
-            train,
-            batch_size=options.batch_size or data.batch_size,
-            shuffle=data.shuffle if options.shuffle is None else options.shuffle,
-            seed=data.seed,
-            num_workers=data.num_workers if options.num_workers is None else options.num_workers,
-            drop_last=options.drop_last,
-            balance_ranks=True,
-        )
+        batch_size = options.batch_size or data.batch_size
+        shuffle = data.shuffle if options.shuffle is None else options.shuffle
+        num_workers = data.num_workers if options.num_workers is None else options.num_workers
+        finetune = prepare_finetune_run(
+            job, strategy, train, run_dir=run_dir, neighbors=neighbors, batch_size=batch_size,
+            shuffle=shuffle, seed=data.seed, resumed=resume_from is not None, manager=manager,
+            forgetting=forgetting, console=console,
+        )  # fmt: skip
+        if finetune is not None and finetune.batch_sampler is not None:
+            from nvalchemi.data.datapipes.dataloader import DataLoader
+
+            loader = DataLoader(
+                finetune.train, batch_sampler=finetune.batch_sampler, num_workers=num_workers
+            )
+        else:
+            loader = make_loader(
+                train if finetune is None else finetune.train,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                seed=data.seed,
+                num_workers=num_workers,
+                drop_last=options.drop_last,
+                balance_ranks=True,
+            )
         validation = None
         if sources.validation:
             validation = make_dataset(
@@ -401,8 +542,10 @@ def run_job(
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_job(job, run_dir / "job.json")
+        signals.training_started()
         strategy.run(loader)
         result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
+        result.forgetting = None if forgetting is None else forgetting.result
         if job.output.plots and is_main:
             _final_plots(result, job, validation, options.batch_size or data.batch_size, console)
     finally:

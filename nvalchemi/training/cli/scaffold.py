@@ -81,18 +81,38 @@ def scaffold_payload(
     model_specs: dict[str, Any] | None = None,
     has_validation: bool = False,
     weight_decay: float = 1e-6,
+    trunk_lr: tuple[float, str | None] | None = None,
+    head_pattern: str | None = None,
 ) -> dict[str, Any]:
-    """A complete ``strategy`` payload (AdamW, per-atom energy + force MSE, one device)."""
+    """A complete ``strategy`` payload (AdamW, per-atom energy + force MSE, one device).
+
+    ``trunk_lr=(scale, head)``: the trained head (``head``, else the first) learns at
+    ``lr`` and everything else at ``scale * lr`` (a parameter group); ``scale == 0``
+    trains only the head (a trainable pattern). ``head_pattern`` names the head's
+    parameters (relative to the model); default PaiNN's: ``readout.*`` for the first
+    head, ``head_readouts.<head>.*`` for added ones.
+    """
     import torch
 
     from nvalchemi.training.optimizers import OptimizerConfig
 
     if num_epochs is not None:
         num_steps = None
+    groups = None
+    base_lr = lr
+    if trunk_lr is not None:
+        scale, head = trunk_lr
+        pattern = head_pattern or ("readout.*" if head is None else f"head_readouts.{head}.*")
+        if scale == 0:
+            trainable_patterns = (*trainable_patterns, f"main.{pattern}")
+        else:
+            groups = [{"params": [pattern], "lr": lr}]
+            base_lr = lr * scale
     config = OptimizerConfig(
         optimizer_cls=torch.optim.AdamW,
-        optimizer_kwargs={"lr": lr, "weight_decay": weight_decay},
-        **_scheduler(lr, num_steps, has_validation),
+        optimizer_kwargs={"lr": base_lr, "weight_decay": weight_decay},
+        param_groups=groups,
+        **_scheduler(base_lr, num_steps, has_validation),
     )
     loss = QUICKSTART.loss_fn(dtype_policy=dtype_policy)
     return {
@@ -144,8 +164,11 @@ def scaffold_job(
     source: dict[str, Any] | None = None,
     model_specs: dict[str, Any] | None = None,
     name: str | None = None,
+    finetune: dict[str, Any] | None = None,
+    trunk_lr: tuple[float, str | None] | None = None,
 ) -> TrainingJobSpec:
-    """A complete job; ``source`` holds the model-specific source keys."""
+    """A complete job; ``source`` holds the model-specific source keys, ``finetune`` the
+    job's ``finetune`` block and ``trunk_lr`` see :func:`scaffold_payload`."""
     has_validation = bool(validation_datasets) or val_fraction is not None
     checkpoint_dir = str(Path(output_dir) / "checkpoints")
     hooks = [
@@ -184,8 +207,13 @@ def scaffold_job(
             freeze_patterns=freeze_patterns,
             model_specs=model_specs,
             has_validation=has_validation,
+            trunk_lr=trunk_lr,
+            # mace-torch heads share the readout layers: "the head" is every readout
+            head_pattern="model.readouts.*" if model == "mace" else None,
         ),
     }
+    if finetune is not None:
+        data["finetune"] = dict(finetune)
     if has_validation:
         cadence = (
             {"every_n_steps": validation_every_steps}

@@ -43,6 +43,11 @@ def _run_options(fn: Any) -> Any:
                      help="DDP training. Default: on when the launcher started several "
                      "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1)."),
         click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
+        click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True),
+                     metavar="SECONDS",
+                     help="How long a collective waits for the other ranks before the run "
+                     "fails naming the silent rank (default: the job's distributed.timeout_s, "
+                     "else NVALCHEMI_DIST_TIMEOUT_S, else 600)."),
         click.option("--validation-dataset", "validation_paths", multiple=True,
                      help="Validation data file(s) (override the job's)."),
         click.option("--validation-every-epochs", type=click.IntRange(min=1)),
@@ -75,6 +80,7 @@ def _options(kwargs: dict[str, Any]) -> Any:
         map_location=kwargs["map_location"],
         distributed=kwargs["distributed"],
         ddp_backend=kwargs["ddp_backend"],
+        dist_timeout_s=kwargs["dist_timeout"],
         validation_paths=tuple(kwargs["validation_paths"]),
         validation_every_epochs=kwargs["validation_every_epochs"],
         validation_every_steps=kwargs["validation_every_steps"],
@@ -92,6 +98,21 @@ def _last_validation(run_dir: Any) -> dict[str, Any]:
     rows = read_metrics(path) if path.is_file() else []
     validation = [r for r in rows if r.get("kind") == "validation"]
     return validation[-1] if validation else {}
+
+
+def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
+    """Held-out replay errors before -> after a fine-tune (meV), when the job had replay."""
+    if not forgetting:
+        return []
+    rows = []
+    for key, label in (
+        ("energy_per_atom_mae", "forgetting: held-out replay energy MAE (meV/atom)"),
+        ("forces_mae", "forgetting: held-out replay force MAE (meV/Å)"),
+    ):
+        before, after = forgetting["before"].get(key), forgetting["after"].get(key)
+        if before is not None and after is not None:
+            rows.append((label, f"{1000 * before:.2f} -> {1000 * after:.2f}"))
+    return rows
 
 
 def _summary(result: Any, console: Any) -> None:
@@ -115,6 +136,7 @@ def _summary(result: Any, console: Any) -> None:
         value = last.get(f"validation/{key}")
         if isinstance(value, (int, float)):
             rows.append((label, float(value) * scale))
+    rows += _forgetting_rows(result.forgetting)
     print_table(console, "Run summary", ["", "value"], rows)
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:

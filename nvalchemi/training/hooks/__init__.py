@@ -13,6 +13,8 @@ _EXPORTS = {
     "GradientAccumulationHook": ".gradients",
     "GradientClipHook": ".gradients",
     "LossSpikeSkipHook": ".gradients",
+    "AddHeadHook": ".finetune",
+    "ForgettingHook": ".finetune",
     "ModulePatchHook": ".finetune",
     "TrainableParameterHook": ".finetune",
     "EarlyStoppingHook": ".early_stopping",

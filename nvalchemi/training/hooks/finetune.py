@@ -1,12 +1,17 @@
-"""Fine-tuning hooks: replace submodules, and choose which parameters train.
+"""Fine-tuning hooks: new heads and submodules, which parameters train, and forgetting.
 
-Both hooks do their work once, when registered with a strategy, and never fire at a
+Three hooks do their work once, when registered with a strategy, and never fire at a
 training stage:
 
+* :class:`AddHeadHook` adds readout heads to multi-head models (copies of an existing
+  head, so the new head starts from the source's predictions) before optimizers exist;
 * :class:`ModulePatchHook` adds or replaces submodules (a fresh readout head, say)
   before optimizers exist;
 * :class:`TrainableParameterHook` freezes parameters by name pattern, or trains only
   those matching ``trainable_patterns``.
+
+:class:`ForgettingHook` measures what a fine-tune forgets: the error on held-out data of
+the source's domain before training and at every validation.
 
 Parameter names are qualified by the model key and never contain wrapper prefixes:
 ``"main.model.projection.weight"`` is the same name before and after ``DDPHook`` wraps
@@ -51,7 +56,14 @@ from nvalchemi.training.model_spec import model_spec_for
 from nvalchemi.training.optimizers import iter_qualified_named_parameters
 from nvalchemi.training.spec import BaseSpec, create_model_spec, create_model_spec_from_json
 
-__all__ = ["ModulePatchHook", "PatchedModule", "TrainableParameterHook", "apply_module_patches"]
+__all__ = [
+    "AddHeadHook",
+    "ForgettingHook",
+    "ModulePatchHook",
+    "PatchedModule",
+    "TrainableParameterHook",
+    "apply_module_patches",
+]
 
 
 # ---------------------------------------------------------------------------- module patches
@@ -523,3 +535,194 @@ def _examples(names: list[str], limit: int = 6) -> list[str]:
         return names
     step = len(names) / limit
     return [names[int(i * step)] for i in range(limit)]
+
+
+# ---------------------------------------------------------------------------- new heads
+class AddHeadHook(BaseModel):
+    """Add readout heads to the strategy's multi-head models when registered.
+
+    Args:
+        heads: ``{"<head>": copy_from}`` for model ``"main"`` or
+            ``{"<model key>.<head>": copy_from}``; ``copy_from`` names the head the new
+            one starts as a copy of (``None``: the model's default head). A head the model
+            already has is left alone (a resumed run rebuilds its models with it). The
+            head added last becomes the model's default head: structures without a
+            ``head`` field (the fine-tuning data) train and validate it, while replay
+            structures name the source head.
+
+    The models need ``add_head(name, copy_from)`` and ``head_names``
+    (:class:`~nvalchemi.models.PaiNN`). Registering after optimizers were built raises
+    ``RuntimeError`` (the new parameters would not be optimized); a
+    :class:`TrainableParameterHook` registered before is re-applied.
+
+    Example:
+        >>> hook = AddHeadHook(heads={"dft": None})
+        >>> hook.heads
+        {'dft': None}
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[Any] = None
+
+    heads: dict[str, str | None] = Field(default_factory=dict)
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return False
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        """Never called: the heads are added in :meth:`on_register`."""
+
+    def on_register(self, workflow: Any) -> None:
+        """Add the heads the models lack (all targets checked first)."""
+        models = getattr(workflow, "models", None)
+        if not isinstance(models, Mapping):
+            raise TypeError("AddHeadHook needs a workflow whose models are a mapping (a strategy).")
+        pending = []
+        for target, copy_from in self.heads.items():
+            key, head = target.rsplit(".", 1) if "." in target else ("main", target)
+            if key not in models:
+                raise KeyError(
+                    f"AddHeadHook target {target!r}: unknown model key {key!r}; models: "
+                    f"{sorted(models)}."
+                )
+            model = _patchable_root(models[key], key)
+            names = getattr(model, "head_names", None)
+            if names is None or not callable(getattr(model, "add_head", None)):
+                raise TypeError(
+                    f"AddHeadHook target {target!r}: {type(model).__name__} has no readout "
+                    "heads (needs head_names and add_head, e.g. nvalchemi.models.PaiNN)."
+                )
+            if head in names:
+                continue
+            if copy_from is not None and copy_from not in names:
+                raise ValueError(
+                    f"AddHeadHook target {target!r}: copy_from={copy_from!r} is not a head of "
+                    f"model {key!r} (heads: {list(names)})."
+                )
+            pending.append((model, head, copy_from))
+        if not pending:
+            return
+        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+            raise RuntimeError(
+                "AddHeadHook must be registered before optimizers are built; the new heads "
+                "would not be optimized. Use FineTuningStrategy(new_heads=...)."
+            )
+        for model, head, copy_from in pending:
+            model.add_head(head, copy_from=copy_from, make_default=True)
+        for hook in getattr(workflow, "hooks", None) or ():
+            if isinstance(hook, TrainableParameterHook):
+                hook.apply(workflow)
+
+
+# ---------------------------------------------------------------------------- forgetting
+class ForgettingHook:
+    """Error on held-out data of the source's domain: before the fine-tune, and as it goes.
+
+    Args:
+        holdout: re-iterable batches (a ``DataLoader`` or list) the fine-tune never
+            trains on, e.g. a held-out part of the replay data; may be set later
+            (``hook.holdout = loader``) but before the run.
+        name: the key under which the numbers appear.
+
+    At ``BEFORE_TRAINING`` (once; a resumed run keeps the first value, which is part
+    of the hook's checkpointed state) it evaluates the strategy's models on
+    ``holdout`` with the strategy's loss and validation metrics. At every
+    ``AFTER_VALIDATION`` it evaluates them again and adds
+    ``summary[name] = {"<metric>": now, "<metric>_before": ..., "<metric>_increase":
+    now - before}`` for the MAE/RMSE metrics, so the reporters write them
+    (``validation/forgetting/energy_per_atom_mae_increase`` in ``metrics.jsonl``) when
+    this hook runs before them: :class:`~nvalchemi.training.FineTuningStrategy` moves
+    ``ForgettingHook`` entries of ``hooks`` to the front. At ``AFTER_TRAINING`` it
+    evaluates the final model; :attr:`result` holds ``before``/``after``/``increase``.
+
+    Under DDP every rank evaluates (the validation metrics are all-reduced).
+
+    Example:
+        >>> hook = ForgettingHook()
+        >>> hook.result is None
+        True
+    """
+
+    frequency = 1
+    stage = None
+    _STAGES = ("BEFORE_TRAINING", "AFTER_VALIDATION", "AFTER_TRAINING")
+
+    def __init__(self, holdout: Any = None, *, name: str = "forgetting") -> None:
+        self.holdout = holdout
+        self.name = str(name)
+        self.before: dict[str, float] | None = None
+        self.after: dict[str, float] | None = None
+        self._latest: tuple[int, dict[str, float]] | None = None
+        self._workflow: Any = None
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return getattr(stage, "name", None) in self._STAGES
+
+    def on_register(self, workflow: Any) -> None:
+        self._workflow = workflow
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"before": self.before}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        before = state.get("before")
+        self.before = None if before is None else {k: float(v) for k, v in before.items()}
+
+    @property
+    def result(self) -> dict[str, dict[str, float]] | None:
+        """``{"before": ..., "after": ..., "increase": ...}`` once the run ended, else ``None``."""
+        if self.before is None or self.after is None:
+            return None
+        return {
+            "before": dict(self.before),
+            "after": dict(self.after),
+            "increase": {k: self.after[k] - v for k, v in self.before.items() if k in self.after},
+        }
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        name = getattr(stage, "name", "")
+        workflow = getattr(ctx, "workflow", None) or self._workflow
+        if name == "BEFORE_TRAINING":
+            if self.before is None:
+                self.before = self.evaluate(workflow)
+            return
+        now = self.evaluate(workflow)
+        if name == "AFTER_TRAINING":
+            self.after = now
+            return
+        summary = getattr(ctx, "validation", None)
+        if isinstance(summary, dict) and self.before is not None:
+            entry = {}
+            for key, value in now.items():
+                entry[key] = value
+                if key in self.before:
+                    entry[f"{key}_before"] = self.before[key]
+                    entry[f"{key}_increase"] = value - self.before[key]
+            summary[self.name] = entry
+
+    def evaluate(self, workflow: Any) -> dict[str, float]:
+        """The MAE/RMSE metrics of ``workflow``'s models on ``holdout`` now (cached per step)."""
+        from nvalchemi.training.validation import ValidationConfig, ValidationLoop
+
+        if self.holdout is None:
+            raise RuntimeError(
+                "ForgettingHook has no holdout data; pass ForgettingHook(holdout=loader) or set "
+                "hook.holdout before the run."
+            )
+        step = int(getattr(workflow, "step_count", 0))
+        if self._latest is not None and self._latest[0] == step:
+            return dict(self._latest[1])
+        config = ValidationConfig(validation_data=self.holdout, name=self.name)
+        loop = ValidationLoop.from_training_strategy(workflow, config)
+        with loop:
+            summary = loop.execute()
+        metrics = {
+            key: float(value)
+            for key, value in summary.items()
+            if isinstance(key, str) and key.endswith(("_mae", "_rmse"))
+        }
+        metrics["loss"] = float(summary["total_loss"])
+        self._latest = (step, metrics)
+        return dict(metrics)

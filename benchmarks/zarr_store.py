@@ -1,0 +1,185 @@
+"""Size and read speed of the zarr store (``AtomicDataZarrWriter`` / ``AtomicDataZarrReader``).
+
+Prints JSON lines:
+
+* ``store_size``: bytes on disk of stores written by ``data convert``'s library function
+  (:func:`~nvalchemi.training.cli.data_tools.convert_to_zarr`) from the bundled EMT data
+  (train + validation + test, 3,000 structures) and from a ~6 KB extxyz (the first two
+  structures), and of the same data written in one ``write`` call;
+* ``store_read``: structures/s reading those stores (median and best of ``--repeats``):
+
+  - ``read_many_sequential``: ``reader.read_many`` over consecutive batches of 16,
+  - ``read_random``: ``reader.read(i)`` in a shuffled order,
+  - ``loader_shuffled``: ``DataLoader(Dataset(reader), batch_size=16, shuffle=True)``
+    (what training does, without neighbour lists: the reading and collation cost),
+
+  for the bundled store and for a larger synthetic one (``--large`` structures of 64 atoms),
+  also with ``cache_bytes=0`` (no decoded chunk kept: the worst case of random reads
+  from a store far larger than the reader's cache).
+
+Compare runs of this script on two commits (interleaved, on a quiet machine) for
+before/after numbers; nothing here asserts a speed.
+
+Usage: ``python benchmarks/zarr_store.py [--repeats 5] [--large 20000] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nvalchemi.data import AtomicData
+from nvalchemi.data.bundled import BUNDLED_DIR
+
+BATCH = 16
+
+
+def store_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def convert(inputs: list[Path], output: Path) -> None:
+    from nvalchemi.training.cli.data_tools import convert_to_zarr, open_inputs
+
+    convert_to_zarr(open_inputs([str(p) for p in inputs]), output)
+
+
+def tiny_extxyz(workdir: Path, structures: int = 2) -> Path:
+    """The first ``structures`` structures of the bundled training file (about 6 KB)."""
+    lines = (BUNDLED_DIR / "train.extxyz").read_text().splitlines(keepends=True)
+    out, i = [], 0
+    for _ in range(structures):
+        n = int(lines[i])
+        out += lines[i : i + n + 2]
+        i += n + 2
+    path = workdir / "tiny.extxyz"
+    path.write_text("".join(out))
+    return path
+
+
+def synthetic(count: int, atoms: int, seed: int = 0) -> list[AtomicData]:
+    """Random periodic structures with float32 positions and labels (no physics needed)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        out.append(
+            AtomicData(
+                atomic_numbers=torch.randint(1, 90, (atoms,), generator=g),
+                positions=10 * torch.rand(atoms, 3, generator=g),
+                cell=10 * torch.eye(3).unsqueeze(0),
+                pbc=torch.ones(1, 3, dtype=torch.bool),
+                energy=torch.randn(1, 1, generator=g),
+                forces=torch.randn(atoms, 3, generator=g),
+                stress=torch.randn(1, 3, 3, generator=g),
+            )
+        )
+    return out
+
+
+def rates(fn, repeats: int) -> dict:
+    values = [fn() for _ in range(repeats)]
+    return {"median": round(statistics.median(values)), "best": round(max(values))}
+
+
+def read_cases(path: Path, repeats: int, limit: int | None, cache_bytes: int | None) -> dict:
+    from nvalchemi.data.datapipes.dataloader import DataLoader
+    from nvalchemi.data.datapipes.dataset import Dataset
+    from nvalchemi.data.io.zarr import AtomicDataZarrReader
+
+    options = {} if cache_bytes is None else {"cache_bytes": cache_bytes}
+    reader = AtomicDataZarrReader(str(path), **options)
+    n = len(reader) if limit is None else min(limit, len(reader))
+    rng = np.random.default_rng(0)
+
+    def sequential() -> float:
+        start = time.perf_counter()
+        for a in range(0, n, BATCH):
+            reader.read_many(range(a, min(a + BATCH, n)))
+        return n / (time.perf_counter() - start)
+
+    def random() -> float:
+        order = rng.permutation(len(reader))[:n].tolist()
+        start = time.perf_counter()
+        for i in order:
+            reader.read(i)
+        return n / (time.perf_counter() - start)
+
+    dataset = Dataset(reader, skip_validation=True)
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+
+    def shuffled() -> float:
+        start, count = time.perf_counter(), 0
+        for batch in loader:
+            count += batch.num_graphs
+            if count >= n:
+                break
+        return count / (time.perf_counter() - start)
+
+    random()  # warm the page cache and open files
+    out = {
+        "read_many_sequential": rates(sequential, repeats),
+        "read_random": rates(random, repeats),
+        "loader_shuffled": rates(shuffled, repeats),
+        "structures": n,
+    }
+    reader.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--large", type=int, default=20000, help="structures of the large store")
+    parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.large = 1, 500
+    torch.set_num_threads(1)
+    print(json.dumps({"bench": "zarr_store", "machine": platform.machine(),
+                      "cpus": os.cpu_count(),
+                      "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
+    bundled = [BUNDLED_DIR / f"{name}.extxyz" for name in ("train", "val", "test")]
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tiny = tiny_extxyz(work)
+        convert(bundled, work / "bundled.zarr")
+        convert([tiny], work / "tiny.zarr")
+        from nvalchemi.data.io.zarr import AtomicDataZarrReader, AtomicDataZarrWriter
+
+        large = synthetic(args.large, 64)
+        AtomicDataZarrWriter(str(work / "large.zarr")).write(large)
+        del large
+        print(json.dumps({
+            "bench": "store_size",
+            "bundled_structures": len(AtomicDataZarrReader(str(work / "bundled.zarr"))),
+            "bundled_extxyz_bytes": sum(p.stat().st_size for p in bundled),
+            "bundled_store_bytes": store_bytes(work / "bundled.zarr"),
+            "tiny_extxyz_bytes": tiny.stat().st_size,
+            "tiny_store_bytes": store_bytes(work / "tiny.zarr"),
+            "large_structures": args.large,
+            "large_store_bytes": store_bytes(work / "large.zarr"),
+        }), flush=True)  # fmt: skip
+        cases = [("bundled", None, None), ("large", 5000, None)]
+        if "cache_bytes" in inspect.signature(AtomicDataZarrReader).parameters:
+            # nothing kept decoded: every read of a compressed array decodes its chunk
+            cases.append(("large", 5000, 0))
+        for name, limit, cache_bytes in cases:
+            record = read_cases(work / f"{name}.zarr", args.repeats, limit, cache_bytes)
+            print(json.dumps({"bench": "store_read", "store": name, "cache_bytes": cache_bytes,
+                              **record}), flush=True)  # fmt: skip
+    print(json.dumps({"bench": "zarr_store_end",
+                      "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Checks of what a run trains on, made once: the dataloader given to ``run`` and its first batch.
+
+A wrong dataloader (``run(42)``, a loader that yields single ``AtomicData``) or data
+in another floating dtype than the model otherwise fails deep inside the first
+forward ("'int' object is not iterable", "ForceMSELoss requires batch_idx", "mat1 and
+mat2 must have the same dtype"). These checks run before it, once per run, and cost
+a few attribute reads (no device sync); each error names the dataloader, what it
+gave, and the fix.
+
+Example:
+    >>> check_dataloader([1, 2])  # any iterable passes; its batches are checked later
+    >>> check_dataloader(42)
+    Traceback (most recent call last):
+    ...
+    TypeError: TrainingStrategy.run(dataloader): got int (42), which is not an iterable of batches. Fix: pass a loader of Batch objects: nvalchemi.data.DataLoader(dataset, batch_size=8), or torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=Batch.from_data_list).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+__all__ = ["check_dataloader", "check_first_batch", "describe_loader", "loader_error"]
+
+_LOADER_FIX = (
+    "pass a loader of Batch objects: nvalchemi.data.DataLoader(dataset, batch_size=8), or "
+    "torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=Batch.from_data_list)"
+)
+
+
+def describe_loader(loader: Any) -> str:
+    """``DataLoader(collate_fn=default_collate)``-style name of a dataloader, for messages."""
+    name = type(loader).__name__
+    collate = getattr(loader, "collate_fn", None)
+    if collate is not None:
+        label = getattr(collate, "__qualname__", None) or type(collate).__name__
+        return f"{name}(collate_fn={label})"
+    return name
+
+
+def check_dataloader(dataloader: Any) -> None:
+    """Refuse, before anything runs, what cannot be a dataloader (``TypeError`` with the fix)."""
+    from nvalchemi.data import AtomicData, Batch
+
+    if isinstance(dataloader, (Batch, AtomicData)):
+        raise TypeError(
+            f"TrainingStrategy.run(dataloader): got one {type(dataloader).__name__}, not a "
+            "dataloader. Fix: train on it with strategy.train_batch(batch), or pass a list "
+            f"of batches (run([batch])), or {_LOADER_FIX}."
+        )
+    iterable = hasattr(dataloader, "__iter__") or hasattr(dataloader, "__getitem__")
+    if dataloader is None or isinstance(dataloader, (str, bytes, numbers.Number)) or not iterable:
+        shown = repr(dataloader)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(
+            f"TrainingStrategy.run(dataloader): got {type(dataloader).__name__} ({shown}), "
+            f"which is not an iterable of batches. Fix: {_LOADER_FIX}."
+        )
+
+
+def check_first_batch(
+    batch: Any, models: Any, *, default_training_fn: bool, dataloader: Any = None
+) -> None:
+    """Check the first batch of a run before its forward (``TypeError`` naming the fix).
+
+    * single structures instead of a ``Batch`` (an ``AtomicData``, or a list of them:
+      a torch ``DataLoader`` without ``collate_fn=Batch.from_data_list``);
+    * with the default ``training_fn`` (``default_training_fn=True``), a floating dtype of the batch that differs
+      from the model's parameters, unless the model is an nvalchemi model (those cast
+      their inputs to their own dtype).
+    """
+    from nvalchemi.data import Batch
+
+    source = "the dataloader"
+    if dataloader is not None:
+        source = f"the dataloader {describe_loader(dataloader)}"
+    structures = _structures_in(batch)
+    if structures is not None:
+        raise TypeError(
+            f"{source} yielded {structures} instead of a Batch (structures collated into "
+            "one graph with batch_idx and ptr). Fix: collate with "
+            "torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=Batch.from_data_list), "
+            "or use nvalchemi.data.DataLoader(dataset, batch_size=8)."
+        )
+    if batch is None or isinstance(batch, (str, bytes, numbers.Number)):
+        raise TypeError(
+            f"{source} yielded {type(batch).__name__} ({batch!r}) instead of a Batch. "
+            f"Fix: {_LOADER_FIX}."
+        )
+    if isinstance(batch, Batch) and default_training_fn:  # custom batches: a custom training_fn
+        _check_dtype(batch, models, source)
+
+
+def _structures_in(batch: Any) -> str | None:
+    from nvalchemi.data import AtomicData
+
+    if isinstance(batch, AtomicData):
+        return "one AtomicData"
+    sequence = isinstance(batch, Sequence) and not isinstance(batch, (str, bytes))
+    if sequence and batch and all(isinstance(item, AtomicData) for item in batch):
+        return f"a {type(batch).__name__} of {len(batch)} AtomicData"
+    return None
+
+
+def _check_dtype(batch: Any, models: Any, source: str) -> None:
+    from nvalchemi.models.base import BaseModelMixin
+    from nvalchemi.training.runtime import unwrap_model
+
+    positions = getattr(batch, "positions", None)
+    if positions is None or not positions.dtype.is_floating_point:
+        return
+    if isinstance(models, Mapping):
+        name = "main" if "main" in models or len(models) != 1 else next(iter(models))
+        model = models.get(name)
+    else:
+        name, model = "main", models
+    model = unwrap_model(model) if model is not None else None
+    if not isinstance(model, nn.Module) or isinstance(model, BaseModelMixin):
+        return
+    dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), None)
+    if dtype is None or dtype == positions.dtype:
+        return
+    wanted = str(dtype).removeprefix("torch.")
+    convert = {"float64": "model.double()", "float32": "model.float()"}.get(
+        str(positions.dtype).removeprefix("torch."), f"model.to({positions.dtype})"
+    )
+    raise TypeError(
+        f"{source} yielded a batch of {str(positions.dtype).removeprefix('torch.')} positions "
+        f"but model {name!r} ({type(model).__name__}) has {wanted} parameters; its first "
+        f"forward would fail on mixed dtypes. Fix: read the data as {wanted} (dtype={dtype} "
+        f"of the reader or dataset, e.g. ASEReader(..., dtype={dtype}); dataset.dtype: "
+        f"{wanted} in a job file), or convert the model: {convert} before building the strategy."
+    )
+
+
+def loader_error(exc: BaseException, dataloader: Any) -> TypeError | None:
+    """A clearer error for torch's collate failure on ``AtomicData`` (else ``None``).
+
+    ``torch.utils.data.DataLoader`` without ``collate_fn`` cannot stack ``AtomicData``
+    and says only "default_collate: batch must contain tensors, ... found AtomicData".
+    """
+    text = str(exc)
+    if isinstance(exc, TypeError) and "collate" in text and "AtomicData" in text:
+        return TypeError(
+            f"the dataloader {describe_loader(dataloader)} cannot collate AtomicData "
+            f"({' '.join(text.split())}). Fix: DataLoader(dataset, batch_size=8, "
+            "collate_fn=Batch.from_data_list), or use nvalchemi.data.DataLoader."
+        )
+    return None

@@ -1,0 +1,113 @@
+"""``finetune init --from`` with reference energies, a new head and replay; ``finetune check``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from nvalchemi.hooks.reporting import read_metrics
+from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
+
+from ._support import TRAIN, assert_user_error, invoke, write_job
+
+
+def _job(tmp_path, trained_run, *args):
+    out = tmp_path / "ft.json"
+    result = invoke(
+        "finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN,
+        "--output-dir", tmp_path / "ft", "--num-steps", 3, "--batch-size", 4,
+        "--val-fraction", 0.25, "--validation-every-steps", 1, "--device", "cpu",
+        "--out", out, *args,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    job = json.loads(out.read_text())
+    job["dataset"].update({"max_structures": 12, "in_memory": True})
+    if "replay" in job.get("finetune", {}):
+        job["finetune"]["replay"]["max_structures"] = 10
+    job["output"].update({"tensorboard": False, "plots": False})
+    return write_job(out, job), job
+
+
+def test_init_from_a_checkpoint_writes_the_finetune_block(tmp_path, trained_run):
+    _, job = _job(tmp_path, trained_run, "--e0", "estimated", "--replay", TRAIN,
+                  "--replay-ratio", 0.25, "--head", "ft", "--trunk-lr-scale", 0)  # fmt: skip
+    assert job["source"]["model"] == "native-checkpoint"
+    assert job["finetune"]["e0"] == "estimated" and job["finetune"]["head"] == "ft"
+    assert job["finetune"]["replay"]["ratio"] == 0.25
+    assert job["strategy"]["trainable_patterns"] == ["main.head_readouts.ft.*"]
+
+
+def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, trained_run):
+    path, _ = _job(tmp_path, trained_run, "--e0", "estimated", "--replay", TRAIN,
+                   "--replay-ratio", 0.25, "--head", "ft", "--trunk-lr-scale", 0.5)  # fmt: skip
+    report = invoke("spec", "report", path)
+    assert "Fine-tuning" in report.stderr and "estimated" in report.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = invoke("spec", "run", path, "--no-report")
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "ft"
+    stats = json.loads((run_dir / "finetune_statistics.json").read_text())
+    assert stats["e0_mode"] == "estimated" and stats["head"] == "ft"
+    parity = json.loads((run_dir / "finetune_parity.json").read_text())
+    assert parity["max_abs"]["forces"] == 0.0  # only the reference energies moved
+    assert "energy differences are expected" in result.stderr
+    assert (run_dir / "replay_labels.zarr").is_dir()
+    assert "forgetting: held-out replay energy MAE" in result.stderr
+    rows = [r for r in read_metrics(run_dir) if r["kind"] == "validation"]
+    assert "validation/forgetting/energy_per_atom_mae_increase" in rows[-1]
+    model = load_model_from_checkpoint(run_dir / "checkpoints", use_ema=False)
+    assert model.head_names == ("default", "ft")
+    assert model.get_reference_energies("ft") != model.get_reference_energies("default")
+    meta = read_strategy_metadata(run_dir / "checkpoints")
+    assert meta["new_heads"] == {"ft": None}
+    # A resumed run reuses the cached labels (the fine-tuned model must not relabel).
+    labels = run_dir / "replay_labels.zarr" / "zarr.json"
+    stamp = labels.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = invoke("spec", "resume", run_dir / "checkpoints", "--spec", path,
+                         "--num-steps", 4)  # fmt: skip
+    assert resumed.exit_code == 0, resumed.output
+    assert labels.stat().st_mtime_ns == stamp
+    assert read_strategy_metadata(run_dir / "checkpoints")["runtime_state"]["step_count"] == 4
+
+
+def test_finetune_check_prints_the_zero_step_differences(tmp_path, trained_run):
+    path, _ = _job(tmp_path, trained_run)
+    result = invoke("finetune", "check", path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["num_structures"] == 4
+    assert max(report["max_abs"].values()) <= 1e-5  # float32 model, keep: no change
+
+
+def test_bad_finetune_options_are_explained(tmp_path, trained_run):
+    base = ["finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN,
+            "--output-dir", tmp_path / "x", "--device", "cpu"]  # fmt: skip
+    assert_user_error(invoke(*base, "--e0", "fixed"), "needs the values", fix="--e0-value")
+    assert_user_error(invoke(*base, "--replay-ratio", 0.2), "need replay data", fix="--replay")
+    assert_user_error(
+        invoke(
+            "finetune", "init", "--from", tmp_path, "--dataset", TRAIN, "--output-dir", tmp_path
+        ),
+        "not an nvalchemi checkpoint",
+        fix="checkpoint directory",
+    )
+
+
+def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
+    path, _ = _job(tmp_path, trained_run, "--head", "ft", "--e0", "estimated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert invoke("spec", "run", path, "--no-report").exit_code == 0
+    root = tmp_path / "ft" / "checkpoints"
+    common = ["evaluate", root, "--dataset", TRAIN, "--max-structures", 6, "--no-plots",
+              "--no-ema", "--json"]  # fmt: skip
+    by_head = {}
+    for head in ("default", "ft"):
+        result = invoke(*common, "--head", head)
+        assert result.exit_code == 0, result.output
+        by_head[head] = json.loads(result.stdout)["metrics"]["energy_per_atom_mae"]
+    assert by_head["default"] != by_head["ft"]  # the heads hold different E0
+    assert_user_error(invoke(*common, "--head", "nope"), "not a head", fix="--head")
