@@ -28,9 +28,11 @@ member                           meaning, and when it is used
 ``precision_name``               label of that precision (``"bf16"``) for reports
 ===============================  ==========================================================
 
-Update hooks (:mod:`nvalchemi.training.hooks.update`) add ``priority``,
-``_exclusive_update_key``, ``_veto_defers_step``, ``window_open`` and
-``batches_per_step``; the orchestrator reads those of its children.
+Update hooks (:mod:`nvalchemi.training.hooks.update`) may also define, and the update
+orchestrator reads of its children: ``priority`` (dispatch order, lower first),
+``_exclusive_update_key`` (at most one hook per key), ``_veto_defers_step`` (a veto that
+only postpones the step: gradient accumulation), ``window_open`` (gradients wait for a
+later step) and ``batches_per_step`` (batches per optimizer step of a full window).
 """
 
 from __future__ import annotations
@@ -42,20 +44,23 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from nvalchemi.hooks.context import HookContext
 
-__all__ = ["OPTIONAL_MEMBERS", "CheckpointableHook", "Hook", "member"]
+__all__ = ["OPTIONAL_MEMBERS", "CheckpointableHook", "Hook", "is_checkpointable", "member"]
 
-OPTIONAL_MEMBERS: frozenset[str] = frozenset(
-    {
-        "_runs_on_stage", "on_register", "_validate_registered_hooks", "prepare_strategy",
-        "__enter__", "__exit__", "close", "state_dict", "load_state_dict",
-        "checkpointable_children", "iter_hooks", "inference_autocast", "precision_name",
-    }
+_DATA_MEMBERS = frozenset(
+    {"precision_name", "priority", "_exclusive_update_key", "_veto_defers_step", "window_open",
+     "batches_per_step"}
 )  # fmt: skip
+OPTIONAL_MEMBERS: frozenset[str] = _DATA_MEMBERS | {
+    "_runs_on_stage", "on_register", "_validate_registered_hooks", "prepare_strategy",
+    "__enter__", "__exit__", "close", "state_dict", "load_state_dict",
+    "checkpointable_children", "iter_hooks", "inference_autocast",
+}  # fmt: skip
 """Every optional member an engine may look up on a hook (see the module docstring)."""
 
 
-def member(hook: Any, name: str) -> Any:
-    """``hook.<name>`` if the hook defines that optional member (callables: if callable), else ``None``.
+def member(hook: Any, name: str, default: Any = None) -> Any:
+    """``hook.<name>`` if the hook defines that optional member (a method only if callable),
+    else ``default``.
 
     ``name`` must be one of :data:`OPTIONAL_MEMBERS`: engines reach hooks only through the
     declared protocol.
@@ -69,10 +74,10 @@ def member(hook: Any, name: str) -> Any:
     """
     if name not in OPTIONAL_MEMBERS:
         raise ValueError(f"{name!r} is not an optional hook member of nvalchemi.hooks.protocol.")
-    value = getattr(hook, name, None)
-    if name == "precision_name":
+    value = getattr(hook, name, default)
+    if name in _DATA_MEMBERS:
         return value
-    return value if callable(value) else None
+    return value if callable(value) else default
 
 
 @runtime_checkable
@@ -125,3 +130,8 @@ class CheckpointableHook(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state produced by :meth:`state_dict`."""
         ...
+
+
+def is_checkpointable(hook: Any) -> bool:
+    """Whether ``hook`` has ``state_dict`` and ``load_state_dict`` (its state is checkpointed)."""
+    return member(hook, "state_dict") is not None and member(hook, "load_state_dict") is not None

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from nvalchemi.distributed.runtime import explain_collective_failure
 from nvalchemi.hooks import protocol
@@ -94,11 +95,11 @@ class NonFiniteRecord:
 class _Run:
     """What one ``run()`` (or one ``train_batch`` session) needs, and the loop itself."""
 
-    def __init__(self, strategy: Any, loader: Any) -> None:
+    def __init__(self, strategy: Any, loader: Any, *, strict: bool = False) -> None:
         self.strategy = strategy
         self.d = strategy.__dict__
         self.record = NonFiniteRecord()
-        self.strict_nonfinite = False  # train_batch: check every loss before its step
+        self.strict_nonfinite = strict  # train_batch: check every loss before its step
         self.epoch_length: int | None = None
         self.first_batch = loader is not None
         self.loader = self._begin(loader)
@@ -172,6 +173,7 @@ class _Run:
             x for x in d["_lr_schedulers"] if x is not None and not is_metric_scheduler(x)
         ]
         self.nonfinite = NONFINITE_MODES[s.nonfinite_loss]
+        self._capacity = 1 if self.strict_nonfinite else s.nonfinite_check_interval
         config = s.validation_config
         self.val_every_steps = (config.every_n_steps or 0) if config is not None else 0
         self.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
@@ -378,10 +380,16 @@ class _Run:
                     _fire(stage, self.after_loss, ctx, gate)
                     if ctx.loss is not None:
                         loss = ctx.loss
-            d["_last_loss"] = loss.detach()  # never the graph: it would outlive the step
+            d["_last_loss"] = detached_loss = loss.detach()  # the graph would outlive the step
             mode = self.nonfinite
-            if mode == _RAISE:
-                self._record(out)
+            if mode == _RAISE:  # detached aliases only: no kernel, no sync
+                record = self.record
+                record.losses.append(detached_loss)
+                components = out["per_component_unweighted"]
+                record.meta.append(
+                    (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"],
+                     [(k, v.detach()) for k, v in components.items()])
+                )  # fmt: skip
             elif mode == _SKIP and self._skip_nonfinite(loss):
                 return self._skip_batch(out)
             if self.before_backward:
@@ -405,7 +413,11 @@ class _Run:
                 _fire(stage, self.before_optimizer_step, ctx, gate)
             # A due non-finite check runs before the step (the orchestrator runs it itself,
             # after its vetoes, so a window its hooks skip is never reported).
-            if self.orchestrator is None and mode == _RAISE and self.check_due():
+            if (
+                mode == _RAISE
+                and self.orchestrator is None
+                and len(record.losses) >= self._capacity
+            ):
                 stage = "the non-finite loss check before the optimizer step"
                 self.check_nonfinite()
             stage = S.DO_OPTIMIZER_STEP
@@ -433,7 +445,7 @@ class _Run:
                 stage = S.AFTER_BATCH
                 self._sync(ctx)
                 _fire(stage, self.after_batch, ctx, gate if ran else -1)
-            if mode == _RAISE and self.check_due():
+            if not ran and mode == _RAISE and len(self.record.losses) >= self._capacity:
                 # Still due: the step was vetoed or postponed, so no weights changed yet.
                 stage = "the periodic non-finite loss check"
                 self.check_nonfinite()
@@ -477,21 +489,9 @@ class _Run:
                 )
 
     # ------------------------------------------------------------------ non-finite losses
-    def _record(self, out: Mapping[str, Any]) -> None:
-        # Detached aliases only (no kernel, no sync): references to live tensors would keep
-        # every step's autograd graph alive until the next check.
-        d, record = self.d, self.record
-        record.losses.append(d["_last_loss"])
-        components = out.get("per_component_unweighted") or {}
-        record.meta.append(
-            (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"],
-             [(k, v.detach()) for k, v in components.items()])
-        )  # fmt: skip
-
     def check_due(self) -> bool:
         """Whether the record holds enough losses for the periodic check."""
-        capacity = 1 if self.strict_nonfinite else self.strategy.nonfinite_check_interval
-        return len(self.record.losses) >= capacity
+        return len(self.record.losses) >= self._capacity
 
     def check_nonfinite(self) -> None:
         """Raise :class:`NonFiniteLossError` for a NaN/inf loss since the last check (see the
@@ -688,8 +688,6 @@ class _Run:
 
     def check_first_batch(self, loader: Any, batch: Any) -> None:
         """Once per run, before the first forward: is this a batch the models can take?"""
-        from nvalchemi.training.strategy import default_training_fn
-
         s = self.strategy
         default = s.training_fn is default_training_fn
         check_first_batch(batch, s.models, default_training_fn=default, dataloader=loader)
@@ -700,6 +698,36 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------- helpers
+def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """Call ``model(batch)`` and return ``{"predicted_<key>": value}`` for every non-``None`` output.
+
+    ``model`` is one module, or a mapping holding ``"main"`` (or a single model).
+    Keys that already start with ``predicted_`` are kept as they are.
+
+    Example:
+        >>> import torch
+        >>> class Energy(torch.nn.Module):
+        ...     def forward(self, batch):
+        ...         return {"energy": batch["x"].sum().reshape(1, 1), "forces": None}
+        >>> default_training_fn(Energy(), {"x": torch.ones(2)})
+        {'predicted_energy': tensor([[2.]])}
+    """
+    if not isinstance(model, nn.Module) and isinstance(model, Mapping):
+        model = model["main"] if "main" in model or len(model) != 1 else next(iter(model.values()))
+    outputs = model(batch)
+    if type(outputs) is not dict and not isinstance(outputs, Mapping):
+        raise TypeError(
+            f"default_training_fn expects {type(model).__name__} to return a mapping of outputs "
+            f"(e.g. {{'energy': ...}}); got {type(outputs).__name__}. Write a training_fn that "
+            "returns {'predicted_energy': ...}."
+        )
+    return {
+        (k if k.startswith("predicted_") else f"predicted_{k}"): v
+        for k, v in outputs.items()
+        if v is not None
+    }
+
+
 def annotate(exc: BaseException, counters: Mapping[str, Any], stage: Any) -> None:
     """Add a note to ``exc`` naming the stage and the counters (once per exception)."""
     if getattr(exc, "_nvalchemi_annotated", False):
@@ -781,11 +809,11 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
         getattr(batch_sampler, "sampler", None),
     ]
     seen: set[int] = set()
-    for candidate in candidates:
-        if candidate is None or id(candidate) in seen:
+    for sampler in candidates:
+        if sampler is None or id(sampler) in seen:
             continue
-        seen.add(id(candidate))
-        set_epoch = getattr(candidate, "set_epoch", None)
+        seen.add(id(sampler))
+        set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
             return

@@ -46,7 +46,7 @@ from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch
-from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, detached
+from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, default_training_fn, detached
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.hooks.update import (
     _MULTIPLE_ORCHESTRATOR_MSG,
@@ -77,36 +77,6 @@ __all__ = ["NonFiniteLossError", "TrainingStalledError", "TrainingStrategy", "de
 _DO_STAGES = (TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP)
 
 _COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
-
-
-def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
-    """Call ``model(batch)`` and return ``{"predicted_<key>": value}`` for every non-``None`` output.
-
-    ``model`` is one module, or a mapping holding ``"main"`` (or a single model).
-    Keys that already start with ``predicted_`` are kept as they are.
-
-    Example:
-        >>> import torch
-        >>> class Energy(torch.nn.Module):
-        ...     def forward(self, batch):
-        ...         return {"energy": batch["x"].sum().reshape(1, 1), "forces": None}
-        >>> default_training_fn(Energy(), {"x": torch.ones(2)})
-        {'predicted_energy': tensor([[2.]])}
-    """
-    if not isinstance(model, nn.Module) and isinstance(model, Mapping):
-        model = model["main"] if "main" in model or len(model) != 1 else next(iter(model.values()))
-    outputs = model(batch)
-    if type(outputs) is not dict and not isinstance(outputs, Mapping):
-        raise TypeError(
-            f"default_training_fn expects {type(model).__name__} to return a mapping of outputs "
-            f"(e.g. {{'energy': ...}}); got {type(outputs).__name__}. Write a training_fn that "
-            "returns {'predicted_energy': ...}."
-        )
-    return {
-        (k if k.startswith("predicted_") else f"predicted_{k}"): v
-        for k, v in outputs.items()
-        if v is not None
-    }
 
 
 class TrainingStrategy(HookRegistryMixin, BaseModel):
@@ -441,10 +411,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             if isinstance(hook, TrainingUpdateOrchestrator):
                 if not hook.checkpointable_children():
                     continue
-            elif not (
-                callable(getattr(hook, "state_dict", None))
-                and callable(getattr(hook, "load_state_dict", None))
-            ):
+            elif not protocol.is_checkpointable(hook):
                 continue
             name = type(hook).__name__
             n = counts.get(name, 0)
@@ -595,8 +562,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             if run is None:
                 default = self.training_fn is default_training_fn
                 check_first_batch(batch, self.models, default_training_fn=default)
-                d["_run"] = run = _Run(self, None)
-                run.strict_nonfinite = True
+                d["_run"] = run = _Run(self, None, strict=True)
             else:
                 self.ensure_optimizers()
                 run.refresh()
@@ -716,6 +682,11 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             run.record.forget_last(int(count))
 
     # ------------------------------------------------------------------ optimizers
+    @property
+    def optimizers_built(self) -> bool:
+        """Whether the optimizers exist (hooks that add parameters must come before)."""
+        return bool(self.__dict__["_optimizers"])
+
     def ensure_optimizers(self) -> tuple[list[Any], list[Any]]:
         """Build the optimizers/schedulers if needed; return ``(optimizers, schedulers)``.
 
