@@ -24,8 +24,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 import nvalchemi
 
 PACKAGE_DIR = Path(nvalchemi.__file__).resolve().parent
@@ -46,11 +44,6 @@ CHECKPOINT_STORE = "nvalchemi.training.checkpoint.store"
 LAYERS = ("bottom", "data", "models", "distributed", "hooks", "training", "training.cli")
 TOP_LEVEL_LAYER = {"nvalchemi.neighbors": "data"}
 """Top-level modules outside the bottom layer: documented import paths of a layer's code."""
-
-TRAINING_LOOP_CYCLE = frozenset(
-    {"nvalchemi.training._first_batch", "nvalchemi.training._loop", "nvalchemi.training.strategy"}
-)
-"""The training-core cycle that the lead's ``loop`` branch removes."""
 
 
 @dataclass(frozen=True)
@@ -303,16 +296,7 @@ def test_every_module_belongs_to_a_layer() -> None:
 
 
 def test_no_import_cycle_between_files() -> None:
-    components = [c for c in _cycles(EDGES) if not c <= TRAINING_LOOP_CYCLE]
-    assert not components, "import cycles:\n" + _describe_cycles(components)
-
-
-# The loop branch (a run object in training/_run.py) removes this cycle: drop the marker then.
-@pytest.mark.xfail(
-    strict=True, reason="_first_batch/_loop/strategy cycle; the loop branch removes it"
-)
-def test_no_import_cycle_in_the_training_loop() -> None:
-    components = [c for c in _cycles(EDGES) if c & TRAINING_LOOP_CYCLE]
+    components = _cycles(EDGES)
     assert not components, "import cycles:\n" + _describe_cycles(components)
 
 

@@ -880,8 +880,7 @@ class _PerSampleValues(dict):
     __slots__ = ("_pending",)
 
     def __init__(self, pending: list[tuple[str, Any, Any, float]]) -> None:
-        super().__init__()
-        self._pending = pending or None
+        self._pending = pending or None  # (dict.__new__ made the empty dict)
 
     def _fill(self) -> None:
         pending = self._pending
