@@ -95,6 +95,21 @@ def temporary_sibling(path: str | os.PathLike, kind: str = "tmp") -> Path:
 
 
 @contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary sibling to fill; moved over ``path`` (then its folder synced) on success."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """``with atomic_path(path) as tmp:`` write the file ``tmp``; it then replaces ``path``.
 
@@ -104,19 +119,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     is ``fsync``-ed; on any error ``tmp`` is removed and ``path`` is left as it was.
     Missing parent directories are created.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(path)
-    try:
+    with _replacing(Path(path)) as tmp:
         yield tmp
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
 
 
 def write_atomic(path: str | os.PathLike, content: Content) -> None:
@@ -124,7 +130,7 @@ def write_atomic(path: str | os.PathLike, content: Content) -> None:
 
     On any error the temporary file is removed and ``path`` is left as it was.
     """
-    with atomic_path(path) as tmp:
+    with _replacing(Path(path)) as tmp:
         write_durable(tmp, content)
 
 
