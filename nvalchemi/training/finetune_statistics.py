@@ -45,6 +45,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from nvalchemi._fileio import write_atomic
+
 __all__ = [
     "STATISTICS_FILENAME",
     "E0Mode",
@@ -185,10 +187,7 @@ def prepare_finetune_model(
     stats.apply(model)
     if run_dir is not None and get_rank(distributed_manager) == 0:
         path = Path(run_dir) / STATISTICS_FILENAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(stats.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
+        write_atomic(path, (json.dumps(stats.to_dict(), indent=2) + "\n").encode())
     return stats
 
 

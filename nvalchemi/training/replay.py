@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from nvalchemi._fileio import replace_dir
+
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
 from nvalchemi.data.batch import iter_batches
@@ -267,7 +269,7 @@ def _write_store(structures: list[Any], path: Path) -> None:
     if tmp.exists():  # our own half-written store of an interrupted run
         shutil.rmtree(tmp)
     AtomicDataZarrWriter(str(tmp)).write([_without_edges(d) for d in structures])
-    tmp.rename(path)
+    replace_dir(tmp, path)
 
 
 def _without_edges(data: Any) -> Any:
