@@ -124,7 +124,7 @@ class _Run:
             CompiledModels(s.trainable_models(), s.compile_kwargs) if s.compile else None
         )
         self.neighbor_builders: tuple[Any, ...] = ()  # decided at the first batch
-        self.budget = MemoryBudget()
+        self.budget: MemoryBudget | None = None  # after the first out-of-memory error
         self.oom_reported = False
         self._piece_gate = 0
         self.vote: DistributedVote | None = None
@@ -383,8 +383,7 @@ class _Run:
         """
         d, ctx = self.d, self.ctx
         gate = d["step_count"] + 1
-        budget = self.budget
-        if budget.max_atoms is not None and not budget.fits(batch):
+        if self.budget is not None and not self.budget.fits(batch):
             return self.split_step(batch, gate, begun=False)
         stage: Any = S.BEFORE_BATCH
         voted = False
@@ -599,6 +598,8 @@ class _Run:
             if ran_out_at is not None:
                 split.release_memory(batch)
             self._clear_attempt(ran_out_at, begun)
+            if self.budget is None:
+                self.budget = split.MemoryBudget()
             params = self.trained_parameters()
             shares = split.LossShares(self.loss_fn, batch)
             scale = self._loss_scale()
