@@ -37,7 +37,9 @@ from torch import nn
 from nvalchemi.distributed.runtime import explain_collective_failure
 from nvalchemi.hooks import protocol
 from nvalchemi.training import loader_position
+from nvalchemi.training._compiled import CompiledModels, compiled_graph_count
 from nvalchemi.training._first_batch import check_first_batch, loader_error
+from nvalchemi.training._memory_split import DistributedVote, MemoryBudget
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.losses.composition import compute_supervised_loss
 from nvalchemi.training.optimizers import (
@@ -59,6 +61,20 @@ __all__: list[str] = []
 
 _IGNORE, _RAISE, _SKIP = 0, 1, 2
 NONFINITE_MODES = {"ignore": _IGNORE, "raise": _RAISE, "skip": _SKIP}
+
+# Where a step can run out of memory and still be trained in pieces (see split_step):
+# after BEFORE_BATCH and the zeroing, up to and including the backward.
+_SPLITTABLE_STAGES = frozenset(
+    {S.BEFORE_FORWARD, "the forward pass (training_fn)", S.AFTER_FORWARD, S.BEFORE_LOSS,
+     "the loss computation", S.AFTER_LOSS, S.BEFORE_BACKWARD, S.DO_BACKWARD}
+)  # fmt: skip
+_FORWARD_STAGES = _SPLITTABLE_STAGES | {S.BEFORE_BATCH, "zeroing gradients"}
+# A failed attempt recorded its loss and may have accumulated gradients from here on.
+_BACKWARD_STAGES = frozenset({S.BEFORE_BACKWARD, S.DO_BACKWARD})
+
+
+class _PiecesAgreed(Exception):
+    """Raised inside a step when the ranks voted to train this step in pieces."""
 
 
 class NonFiniteRecord:
@@ -103,7 +119,18 @@ class _Run:
         self.epoch_length: int | None = None
         self.first_batch = loader is not None
         self.loader = self._begin(loader)
+        s = strategy
+        self.compiled = (
+            CompiledModels(s.trainable_models(), s.compile_kwargs) if s.compile else None
+        )
+        self.neighbor_builders: tuple[Any, ...] = ()  # decided at the first batch
+        self.budget: MemoryBudget | None = None  # after the first out-of-memory error
+        self.oom_reported = False
+        self._piece_gate = 0
+        self.vote: DistributedVote | None = None
         self._resolve()
+        if self.world_size > 1 and _distributed(s):
+            self.vote = DistributedVote(s.distributed_manager)  # a collective: every rank
 
     @classmethod
     def idle(cls, strategy: Any) -> _Run:
@@ -161,11 +188,16 @@ class _Run:
             self.do_step or self.after_backward or self.before_optimizer_step
             or self.after_optimizer_step or self.after_batch or self.after_epoch
         )  # fmt: skip
-        self.ctx = s.new_context() if s.hooks else None
+        if self.neighbor_builders:  # before the user's hooks: they see the lists
+            self.before_forward = (*self.neighbor_builders, *self.before_forward)
+        self.ctx = s.new_context() if (s.hooks or self.neighbor_builders) else None
         if self.ctx is not None:
             self.ctx.epoch_length = self.epoch_length
         self.fn = s.training_fn
-        self.model_arg = s.models["main"] if s.single_model_input else s.models
+        models = s.models
+        if self.compiled is not None:
+            models = self.compiled.models(models, s.optimizer_configs)
+        self.model_arg = models["main"] if s.single_model_input else models
         self.loss_fn, self.assembler = s.loss_fn, s.loss_target_assembler
         self.target_keys = d["_target_keys"]
         self.optimizers = d["_optimizers"]
@@ -225,6 +257,8 @@ class _Run:
         self.set_epoch_length(per_epoch)
         while True:
             _set_sampler_epoch(loader, d["epoch_count"])
+            if self.compiled is not None:
+                self._graphs_mark = compiled_graph_count()
             skip = self._seek(loader)
             processed = 0
             iterator, finished = self._open_epoch(loader, skip)
@@ -326,6 +360,10 @@ class _Run:
         d = self.d
         d["epoch_count"] += 1
         d["epoch_step_count"] = 0
+        if self.compiled is not None:
+            d["_compiled_graphs"].append(
+                self.compiled.report_epoch(d["epoch_count"], self._graphs_mark)
+            )
         if self.after_epoch:
             self.check_nonfinite()
             _fire(S.AFTER_EPOCH, self.after_epoch, self._synced_ctx(), d["epoch_count"])
@@ -338,10 +376,17 @@ class _Run:
 
     # ------------------------------------------------------------------ one step
     def step(self, batch: Any) -> bool:
-        """One batch: forward, loss, backward, optimizer step, counters. Returns whether it stepped."""
+        """One batch: forward, loss, backward, optimizer step, counters. Returns whether it stepped.
+
+        A batch that runs out of memory (or, after that, exceeds the learned budget) is
+        trained in pieces by :meth:`split_step` with the same update.
+        """
         d, ctx = self.d, self.ctx
         gate = d["step_count"] + 1
+        if self.budget is not None and not self.budget.fits(batch):
+            return self.split_step(batch, gate, begun=False)
         stage: Any = S.BEFORE_BATCH
+        voted = False
         try:
             if ctx is not None:
                 ctx.clear_step_outputs()
@@ -380,33 +425,64 @@ class _Run:
                     _fire(stage, self.after_loss, ctx, gate)
                     if ctx.loss is not None:
                         loss = ctx.loss
-            d["_last_loss"] = detached_loss = loss.detach()  # the graph would outlive the step
-            mode = self.nonfinite
-            if mode == _RAISE:  # detached aliases only: no kernel, no sync
-                record = self.record
-                record.losses.append(detached_loss)
-                components = out["per_component_unweighted"]
-                record.meta.append(
-                    (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"],
-                     [(k, v.detach()) for k, v in components.items()])
-                )  # fmt: skip
-            elif mode == _SKIP and self._skip_nonfinite(loss):
+            if self.vote is not None:  # DDP: did a rank run out in its forward? (one all-reduce)
+                stage, voted = "the out-of-memory vote", True
+                if self.vote(False):
+                    raise _PiecesAgreed
+            mode = self.record_loss(loss, out)
+            if mode == _SKIP and self._skip_nonfinite(loss):
                 return self._skip_batch(out)
             if self.before_backward:
                 stage = S.BEFORE_BACKWARD
                 _fire(stage, self.before_backward, ctx, gate)
             stage = S.DO_BACKWARD
-            if self.do_backward is not None:
-                self.do_backward(ctx, stage)
-            elif ctx is not None and ctx.loss is not None:
-                ctx.loss.backward()  # a BEFORE_BACKWARD hook may have replaced it
-            else:
-                loss.backward()
+            self.backward(loss)
+        except torch.OutOfMemoryError as exc:
+            ran_out_at = self._splittable(exc, stage, batch, voted)
+        except _PiecesAgreed:
+            ran_out_at = None
+        except Exception as exc:
+            self.annotate(exc, stage)
+            self._explain_compile(exc)
+            raise
+        else:
+            return self.finish(out, loss, gate, mode)
+        predictions = out = loss = None  # free this attempt's graph first
+        return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=voted)
+
+    def record_loss(self, loss: torch.Tensor, out: Mapping[str, Any]) -> int:
+        """Publish the detached loss and record it for the non-finite check; return the mode."""
+        d = self.d
+        d["_last_loss"] = detached_loss = loss.detach()  # the graph would outlive the step
+        mode = self.nonfinite
+        if mode == _RAISE:  # detached aliases only: no kernel, no sync
+            self.record.losses.append(detached_loss)
+            components = out["per_component_unweighted"]
+            self.record.meta.append(
+                (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"],
+                 [(k, v.detach()) for k, v in components.items()])
+            )  # fmt: skip
+        return mode
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``DO_BACKWARD``: the claiming hook (update orchestrator), else ``loss.backward()``."""
+        ctx = self.ctx
+        if self.do_backward is not None:
+            self.do_backward(ctx, S.DO_BACKWARD)
+        elif ctx is not None and ctx.loss is not None:
+            ctx.loss.backward()  # a BEFORE_BACKWARD hook may have replaced it
+        else:
+            loss.backward()
+
+    def finish(self, out: Mapping[str, Any], loss: torch.Tensor, gate: int, mode: int) -> bool:
+        """From ``AFTER_BACKWARD`` to ``AFTER_BATCH``: the optimizer step and the counters."""
+        d, ctx = self.d, self.ctx
+        stage: Any = S.AFTER_BACKWARD
+        try:
             if ctx is not None and self.publish_detached:
                 ctx.loss = ctx.loss.detach() if ctx.loss is not None else None
                 ctx.losses = _detached(out)
             if self.after_backward:
-                stage = S.AFTER_BACKWARD
                 _fire(stage, self.after_backward, ctx, gate)
             if self.before_optimizer_step:
                 stage = S.BEFORE_OPTIMIZER_STEP
@@ -416,7 +492,7 @@ class _Run:
             if (
                 mode == _RAISE
                 and self.orchestrator is None
-                and len(record.losses) >= self._capacity
+                and len(self.record.losses) >= self._capacity
             ):
                 stage = "the non-finite loss check before the optimizer step"
                 self.check_nonfinite()
@@ -452,7 +528,224 @@ class _Run:
             return ran
         except Exception as exc:
             self.annotate(exc, stage)
+            if isinstance(exc, torch.OutOfMemoryError):
+                _not_split(exc, "the gradients were already complete; cutting the batch would not help")
             raise
+
+    # ------------------------------------------------------------------ out of memory
+    def _splittable(
+        self, exc: torch.OutOfMemoryError, stage: Any, batch: Any, voted: bool
+    ) -> Any:
+        """The stage a step ran out of memory at, if the batch can be trained in pieces;
+        else annotate and re-raise ``exc`` (see :mod:`nvalchemi.training._memory_split`)."""
+        from nvalchemi.data import Batch
+
+        reason = None
+        if not isinstance(batch, Batch):
+            reason = f"the batch is a {type(batch).__name__}, not a Batch that can be cut"
+        elif stage not in _SPLITTABLE_STAGES:
+            reason = (
+                "the gradients were already complete; cutting the batch would not help"
+                if stage not in _FORWARD_STAGES
+                else "it ran out inside a BEFORE_BATCH hook or while zeroing gradients"
+            )
+        elif voted:  # under DDP, in the backward: the other ranks' all-reduce is under way
+            reason = (
+                "under DDP a rank that runs out in its backward cannot be matched: the "
+                "other ranks' gradient all-reduce is already under way"
+            )
+        if reason is None:
+            return stage
+        self.annotate(exc, stage)
+        _not_split(exc, reason)
+        raise exc
+
+    def split_step(
+        self, batch: Any, gate: int, *, ran_out_at: Any = None, voted: bool = False,
+        begun: bool = True,
+    ) -> bool:  # fmt: skip
+        """Train ``batch`` in pieces, with the update (and the hooks' view) of one step.
+
+        ``ran_out_at``: the stage where the whole batch ran out (``None``: it exceeds the
+        learned budget, or another rank ran out). ``begun``: ``BEFORE_BATCH`` already
+        fired. The stages up to the one that ran out saw the failed attempt; the retry
+        fires ``BEFORE_FORWARD``, ``AFTER_FORWARD`` and ``BEFORE_LOSS`` for every piece
+        (``ctx.batch`` and ``ctx.predictions`` are the piece's), and ``AFTER_LOSS`` and
+        every later stage once, for the whole batch: ``ctx.predictions`` holds the pieces'
+        predictions concatenated, ``ctx.loss`` a leaf holding the whole batch's loss
+        (the pieces' gradients are added scaled by its gradient, so hooks that scale or
+        extend the loss act as in one step), ``ctx.losses`` the whole batch's parts.
+        """
+        from nvalchemi.training import _memory_split as split
+
+        ctx = self.ctx
+        stage: Any = "training the batch in pieces"
+        try:
+            if not begun:
+                if ctx is not None:
+                    ctx.clear_step_outputs()
+                    ctx.batch = batch
+                    self._sync(ctx)
+                if self.before_batch:
+                    stage = S.BEFORE_BATCH
+                    _fire(stage, self.before_batch, ctx, gate)
+            if self.vote is not None and not voted:
+                stage = "the out-of-memory vote"
+                self.vote(True)
+            stage = "training the batch in pieces"
+            if ctx is not None:
+                ctx.clear_step_outputs()  # the failed attempt's graph
+            if ran_out_at is not None:
+                split.release_memory(batch)
+            self._clear_attempt(ran_out_at, begun)
+            if self.budget is None:
+                self.budget = split.MemoryBudget()
+            params = self.trained_parameters()
+            shares = split.LossShares(self.loss_fn, batch)
+            scale = self._loss_scale()
+            self._piece_gate = gate
+            with self._without_gradient_sync():
+                pieces = split.train_in_pieces(
+                    batch, self._run_piece, params, shares, self.budget,
+                    ran_out=ran_out_at is not None, scale=scale, where=f" on {self.device}",
+                )  # fmt: skip
+            if self.vote is not None:
+                split.average_gradients(pieces.grads, params, self.vote.gradient_group)
+            self._report_split(batch, ran_out_at, pieces)
+            proxy = pieces.total.detach().clone().requires_grad_(True)
+            out = pieces.out
+            out["total_loss"] = loss = proxy
+            if ctx is not None:
+                ctx.batch, ctx.predictions = batch, pieces.predictions
+                ctx.loss, ctx.losses = proxy, out
+                if self.after_loss:
+                    stage = S.AFTER_LOSS
+                    _fire(stage, self.after_loss, ctx, gate)
+                    if ctx.loss is not None:
+                        loss = ctx.loss
+            mode = self.record_loss(loss, out)
+            if mode == _SKIP and self._skip_nonfinite(loss):
+                return self._skip_batch(out)
+            if self.before_backward:
+                stage = S.BEFORE_BACKWARD
+                _fire(stage, self.before_backward, ctx, gate)
+            stage = S.DO_BACKWARD
+            self.backward(loss)
+            if proxy.grad is not None:  # d(what was backpropagated) / d(loss)
+                split.add_gradients(params, pieces.grads, proxy.grad / scale)
+        except Exception as exc:
+            self.annotate(exc, stage)
+            self._explain_compile(exc)
+            raise
+        return self.finish(out, loss, gate, mode)
+
+    def _run_piece(self, piece: Any) -> tuple[Any, Any]:
+        """Forward and loss of one piece, with its per-forward stages."""
+        ctx, gate, d = self.ctx, self._piece_gate, self.d
+        try:
+            if ctx is not None:
+                ctx.batch, ctx.predictions, ctx.loss, ctx.losses = piece, None, None, None
+                if self.before_forward:
+                    _fire(S.BEFORE_FORWARD, self.before_forward, ctx, gate)
+            predictions = self.fn(self.model_arg, piece)
+            if ctx is not None:
+                ctx.predictions = predictions
+                if self.after_forward:
+                    _fire(S.AFTER_FORWARD, self.after_forward, ctx, gate)
+                if self.before_loss:
+                    _fire(S.BEFORE_LOSS, self.before_loss, ctx, gate)
+            out = compute_supervised_loss(
+                self.loss_fn, predictions, piece, step=d["step_count"], epoch=d["epoch_count"],
+                workflow=self.strategy, target_assembler=self.assembler,
+                target_keys=self.target_keys,
+            )  # fmt: skip
+            return predictions, out
+        finally:
+            if ctx is not None:
+                ctx.predictions = None  # the piece's graph goes with its gradients
+
+    def _clear_attempt(self, ran_out_at: Any, begun: bool) -> None:
+        """Zero what a failed backward may have accumulated (and, when ``BEFORE_BATCH`` did
+        not run, the previous step's gradients)."""
+        if ran_out_at in _BACKWARD_STAGES and self.nonfinite == _RAISE:
+            self.record.forget_last(1)  # the failed attempt's loss; the retry records its own
+        orchestrator = self.orchestrator
+        if orchestrator is None:
+            if not begun or ran_out_at in _BACKWARD_STAGES:
+                zero_gradients(self.optimizers)
+                if self.clear_unowned is not None:
+                    self.clear_unowned()
+            return
+        if ran_out_at not in _BACKWARD_STAGES:
+            return
+        if orchestrator.window_open:
+            warnings.warn(
+                "A batch ran out of memory in its backward inside a gradient-accumulation "
+                "window: the gradients accumulated from the window's earlier batches were "
+                "partly overwritten and are dropped, so this optimizer step uses this batch "
+                "and the window's later ones only.",
+                UserWarning,
+                stacklevel=4,
+            )
+        zero_gradients(self.optimizers)
+        if self.clear_unowned is not None:
+            self.clear_unowned()
+
+    def trained_parameters(self) -> list[torch.Tensor]:
+        """Every parameter that receives gradients in a step (each once, in model order)."""
+        seen: set[int] = set()
+        out = []
+        for model in self.strategy.models.values():
+            for param in model.parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    out.append(param)
+        return out
+
+    def _loss_scale(self) -> float:
+        """The fp16 loss scale (pieces backpropagate a loss scaled like the step's), else 1."""
+        scaler = getattr(self.ctx, "grad_scaler", None) if self.ctx is not None else None
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
+
+    def _without_gradient_sync(self) -> contextlib.ExitStack:
+        """DDP's ``no_sync`` on every wrapped model (the pieces' gradients are averaged once)."""
+        stack = contextlib.ExitStack()
+        for model in self.strategy.models.values():
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                stack.enter_context(model.no_sync())
+        return stack
+
+    def _report_split(self, batch: Any, ran_out_at: Any, pieces: Any) -> None:
+        """Say once per run that a batch was trained in pieces, and the budget from now on."""
+        if self.oom_reported:
+            return
+        self.oom_reported = True
+        budget = self.budget
+        if ran_out_at is None and not pieces.ran_out:
+            what = "another rank ran out of memory"
+        else:
+            where = getattr(ran_out_at, "name", ran_out_at) or "a piece"
+            what = f"it ran out of memory ({where}) on {self.device}"
+        limit = f"{budget.max_atoms} atoms" if budget.max_atoms is not None else "no limit"
+        if budget.max_edges is not None:
+            limit += f" or {budget.max_edges} edges"
+        warnings.warn(
+            f"Step {self.d['step_count'] + 1}: {what} with a batch of {batch.num_nodes} atoms "
+            f"in {batch.num_graphs} structures; trained it in {len(pieces.pieces)} pieces "
+            f"with the update of the whole batch. From now on batches above {limit} are cut "
+            "before their forward (the loader is unchanged).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _explain_compile(self, exc: BaseException) -> None:
+        compiled = self.compiled
+        if compiled is not None:
+            clearer = compiled.explain(exc)
+            if clearer is not None:
+                raise clearer from exc
 
     def _skip_batch(self, out: Mapping[str, Any]) -> bool:
         ctx = self.ctx
@@ -691,6 +984,18 @@ class _Run:
         s = self.strategy
         default = s.training_fn is default_training_fn
         check_first_batch(batch, s.models, default_training_fn=default, dataloader=loader)
+        self.plan_neighbor_lists(batch)
+
+    def plan_neighbor_lists(self, batch: Any) -> None:
+        """Build the models' neighbour lists in every step if the first batch has none.
+
+        Decided once (see :mod:`nvalchemi.training._neighbor_lists`): batches that carry
+        lists cost nothing per step.
+        """
+        builders = tuple(b for b in self.strategy.neighbor_list_builders() if b.missing(batch))
+        if builders:
+            self.neighbor_builders = builders
+            self._resolve()
 
     def annotate(self, exc: BaseException, stage: Any) -> None:
         """Add a note naming where training was (once per exception)."""
@@ -754,6 +1059,14 @@ def _fire(stage: S, hooks: tuple[Any, ...], ctx: Any, gate: int) -> None:
             except Exception as exc:
                 add_note(exc, f"raised by hook {type(hook).__name__} at stage {stage.name}")
                 raise
+
+
+def _not_split(exc: BaseException, reason: str) -> None:
+    add_note(
+        exc,
+        f"The batch was not trained in pieces: {reason}. Lower the batch size or the budget "
+        "(BudgetBatchSampler(max_atoms=...)), or use a smaller model.",
+    )
 
 
 def _distributed(strategy: Any) -> bool:

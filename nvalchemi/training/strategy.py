@@ -117,6 +117,20 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             in a row without an optimizer step (skipped or vetoed; batches that only
             accumulate gradients in an open accumulation window are not counted);
             ``None`` disables.
+        compile: train with the models' forward and backward compiled by
+            ``torch.compile`` (``dynamic=True`` unless ``compile_kwargs`` says otherwise);
+            the strategy's models stay eager for validation and checkpoints. Forces and
+            stress compile with the model when they come from
+            ``energy_and_derivatives`` (PaiNN, DemoModel); see
+            :mod:`nvalchemi.training._compiled` for what compiles and what does not.
+        compile_kwargs: keyword arguments of ``torch.compile`` (``mode``, ``backend``,
+            ``dynamic``, ``fullgraph``, ``options``, ``disable``).
+
+    A step that runs out of device memory (``torch.OutOfMemoryError``) is trained in
+    pieces with the update of the whole batch, and later batches above the size that
+    fitted are cut before their forward (see :mod:`nvalchemi.training._memory_split`).
+    Models that declare a ``NeighborConfig`` get their neighbour lists built on the
+    training device when the batches come without (see :meth:`neighbor_list_builders`).
 
     Counters ``step_count``, ``global_step_count``, ``batch_count``, ``epoch_count``
     (alias ``epoch``) and ``epoch_step_count`` may be given to resume.
@@ -163,6 +177,8 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     nonfinite_loss: Literal["raise", "skip", "ignore"] = "raise"
     nonfinite_check_interval: int = Field(default=100, ge=1)
     max_consecutive_skips: int | None = Field(default=100, ge=1)
+    compile: bool = False
+    compile_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @model_validator(mode="before")
@@ -240,6 +256,13 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
             raise ValueError(f"hooks must be a list of hooks; got {type(value).__name__}.")
         return _fold_training_update_hooks(list(value))
+
+    @field_validator("compile_kwargs", mode="before")
+    @classmethod
+    def _compile_kwargs(cls, value: Any) -> Any:
+        from nvalchemi.training._compiled import check_compile_kwargs
+
+        return check_compile_kwargs(value)
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -325,6 +348,8 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         d["_validated_at"] = None
         d["_consecutive_skips"] = 0
         d["_epoch_record"] = None  # generator states the open epoch's order was drawn from
+        d["_compiled_graphs"] = []  # per epoch of the last run (compile=True)
+        d["_neighbor_builders"] = None  # (models key, builders), see neighbor_list_builders
         d["_resume_loader"] = None  # a restored loader position, applied at the next epoch
         d["_target_keys"] = loss_target_keys(self.loss_fn)
         hooks = list(self.hooks)
@@ -462,6 +487,39 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         """Whether :meth:`request_stop` was called during the current run."""
         return self.__dict__["_stop_reason"] is not None
 
+    @property
+    def compiled_graphs(self) -> list[int]:
+        """Graphs ``torch.compile`` built in each epoch of the last ``run()`` (``compile=True``).
+
+        Read from ``torch._dynamo``'s counters (process-wide). The first epoch holds the
+        initial compilation; with ``dynamic=True`` later epochs stay near 0 even when
+        every batch has another size.
+        """
+        return list(self.__dict__["_compiled_graphs"])
+
+    def neighbor_list_builders(self) -> tuple[Any, ...]:
+        """Builders of the neighbour lists the models need, for batches that come without.
+
+        One per list format the models' ``NeighborConfig`` ask for, at the largest of
+        their cutoffs; each is a ``BEFORE_FORWARD`` hook that builds the lists of a batch
+        lacking them on the batch's device (:func:`nvalchemi.data.neighbors.compute_neighbors`).
+        ``run()`` and ``train_batch`` use them when the first batch has no lists,
+        validation for every batch without. Empty when no model declares a
+        ``NeighborConfig``, or when a ``NeighborListHook`` is registered (then it owns
+        the lists).
+        """
+        from nvalchemi.hooks.neighbor_list import NeighborListHook
+        from nvalchemi.training._neighbor_lists import builders_for
+
+        if any(isinstance(hook, NeighborListHook) for hook in self.all_hooks()):
+            return ()
+        d = self.__dict__
+        key = tuple(id(model) for model in self.models.values())
+        cached = d["_neighbor_builders"]
+        if cached is None or cached[0] != key:
+            cached = d["_neighbor_builders"] = (key, builders_for(self.models.values()))
+        return cached[1]
+
     def trainable_models(self) -> dict[str, nn.Module]:
         """The models that have optimizer configs (as stored, possibly DDP-wrapped)."""
         return {k: m for k, m in self.models.items() if k in self.optimizer_configs}
@@ -532,6 +590,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         d = self.__dict__
         self.close()
         d["_stop_reason"] = None
+        d["_compiled_graphs"] = []
         _check_metric_schedulers(self)
         with self:
             d["_running"] = True
@@ -559,7 +618,8 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             d["_auto_session"] = True
         with self._parameter_flags():  # fine-tuning filters, undone on return
             run = d["_run"]
-            if run is None:
+            first = run is None
+            if first:
                 default = self.training_fn is default_training_fn
                 check_first_batch(batch, self.models, default_training_fn=default)
                 d["_run"] = run = _Run(self, None, strict=True)
@@ -568,7 +628,10 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                 run.refresh()
             run.set_epoch_length(None)  # no epochs here: accumulation windows stay full
             with run._modes():
-                run.step(run.to_device(batch))
+                batch = run.to_device(batch)
+                if first:
+                    run.plan_neighbor_lists(batch)
+                run.step(batch)
         ctx = run.ctx
         loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
         return loss.detach() if isinstance(loss, torch.Tensor) else loss

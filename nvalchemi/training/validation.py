@@ -448,7 +448,10 @@ class ValidationLoop:
     def _forward_hooks(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         if self._strategy is None:
             return (), ()
-        return self._strategy.hooks_for(_BEFORE_FORWARD), self._strategy.hooks_for(_AFTER_FORWARD)
+        strategy = self._strategy
+        # neighbour lists for batches that come without (the builders skip the others)
+        before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
+        return before, strategy.hooks_for(_AFTER_FORWARD)
 
 
 # --------------------------------------------------------------------------- accumulation
