@@ -227,9 +227,22 @@ def report(**values: object) -> None:
 
 
 def teardown() -> None:
-    """Barrier, then destroy the default group (gloo can abort at exit without the barrier)."""
+    """Barrier, destroy the default group, then leave without interpreter finalisation.
+
+    gloo's worker threads may still hold references to Python tensors; finalising the
+    interpreter under them aborts the process (SIGABRT, "terminate called without an
+    active exception") now and then on a loaded machine, after the rank reported its
+    result. Call it last.
+    """
+    import gc
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

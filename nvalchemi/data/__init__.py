@@ -6,6 +6,7 @@ _EXPORTS = {
     "AtomicData": ".atomic_data",
     "AtomicNumberTable": ".atomic_data",
     "Batch": ".batch",
+    "iter_batches": ".batch",
     "FieldSpec": ".fields",
     "FIELDS": ".fields",
     "Reader": ".datapipes.reader",

@@ -8,17 +8,13 @@ converted, only reshaped.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from nvalchemi.data.atomic_data import (
-    AtomicData,
-    AtomicNumberTable,
-    atomic_numbers_to_indices,
-    to_one_hot,
-)
+if TYPE_CHECKING:
+    from nvalchemi.data.atomic_data import AtomicData
 
 __all__ = ["atoms_from_data", "fields_from_atoms", "valid_calculator_results"]
 
@@ -58,7 +54,6 @@ def fields_from_atoms(
     keys: Mapping[str, str],
     dtype: torch.dtype,
     label_dtype: torch.dtype,
-    z_table: AtomicNumberTable | None,
     use_calculator: bool,
     info_keys: tuple[str, ...] | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,9 +95,6 @@ def fields_from_atoms(
         if not float(charge).is_integer():
             raise ValueError(f"from_atoms: atoms.info['charge']={charge!r} is not an integer.")
         fields["charge"] = torch.tensor([[float(charge)]], dtype=label_dtype)
-    if z_table is not None:
-        idx = torch.as_tensor(atomic_numbers_to_indices(atoms.numbers, z_table))
-        fields["node_attrs"] = to_one_hot(idx.unsqueeze(-1), len(z_table)).to(dtype)
     consumed = {keys["energy"], keys["stress"], keys["virial"], keys["dipole"], "charge"}
     info = {
         key: value

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi.data._ase_convert import atoms_from_data, fields_from_atoms
 from nvalchemi.data.fields import FIELDS, LEVELS, RESERVED_NAMES, FieldSpec, Level, atomic_masses_of
 
 __all__ = [
@@ -642,25 +643,23 @@ class AtomicData:
             info_keys: ``atoms.info`` entries to keep in ``info`` (default: all but
                 the consumed labels). ``info`` is metadata and is never batched.
         """
-        from nvalchemi.data._ase_convert import fields_from_atoms
-
         fields, info = fields_from_atoms(
             atoms,
             keys={"energy": energy_key, "forces": forces_key, "stress": stress_key,
                   "virial": virials_key, "dipole": dipole_key, "charges": charges_key},
             dtype=dtype,
             label_dtype=label_dtype or dtype,
-            z_table=z_table,
             use_calculator=use_calculator,
             info_keys=info_keys,
         )  # fmt: skip
+        if z_table is not None:
+            idx = torch.as_tensor(atomic_numbers_to_indices(atoms.numbers, z_table))
+            fields["node_attrs"] = to_one_hot(idx.unsqueeze(-1), len(z_table)).to(dtype)
         data = cls(**fields, info=info)
         return data.to(device) if torch.device(device) != data.device else data
 
     def to_atoms(self) -> Any:
         """Convert to ``ase.Atoms`` with labels on a ``SinglePointCalculator``."""
-        from nvalchemi.data._ase_convert import atoms_from_data
-
         return atoms_from_data(self)
 
 

@@ -48,7 +48,7 @@ from nvalchemi.data._neighbor_stamps import clear_stamps, common_stamps, copy_st
 from nvalchemi.data.atomic_data import AtomicData, tensors_equal
 from nvalchemi.data.fields import FIELDS, RESERVED_NAMES, Level, atomic_masses_of
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "iter_batches"]
 
 _SPEC_LEVEL_NAMES = {"atom": "node", "edge": "edge", "system": "system"}
 
@@ -622,3 +622,37 @@ class Batch:
             f"Batch(num_graphs={self.num_graphs}, num_nodes={self.num_nodes}, "
             f"num_edges={self.num_edges}, device={self.device})"
         )
+
+
+def iter_batches(
+    structures: Any, batch_size: int, *, dtype: torch.dtype | None = None
+) -> Iterator[Batch]:
+    """Batches of ``batch_size`` structures from a list, a map-style dataset or any iterable.
+
+    Items may be ``AtomicData``, ASE ``Atoms`` (converted with ``dtype``, default float32)
+    or whole ``Batch`` objects (passed through as they are).
+
+    >>> from nvalchemi.data import AtomicData
+    >>> import torch
+    >>> data = [AtomicData(atomic_numbers=torch.tensor([1]), positions=torch.zeros(1, 3))] * 5
+    >>> [b.num_graphs for b in iter_batches(data, 2)]
+    [2, 2, 1]
+    """
+    from nvalchemi.data.atomic_data import AtomicData
+
+    items = structures
+    if hasattr(structures, "__len__") and hasattr(structures, "__getitem__"):
+        items = (structures[i] for i in range(len(structures)))  # map-style datasets: by index
+    pending: list[AtomicData] = []
+    for item in items:
+        if isinstance(item, Batch):
+            yield item
+            continue
+        if not isinstance(item, AtomicData):
+            item = AtomicData.from_atoms(item, dtype=dtype or torch.float32)
+        pending.append(item)
+        if len(pending) == batch_size:
+            yield Batch.from_data_list(pending)
+            pending = []
+    if pending:
+        yield Batch.from_data_list(pending)

@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nvalchemi._fileio import write_atomic
+
 if TYPE_CHECKING:
     from ase import Atoms
 
@@ -475,9 +477,7 @@ def _write_extxyz(path: Path, structures: list[Atoms]) -> None:
 
     buffer = io.StringIO()
     write(buffer, structures, format="extxyz")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buffer.getvalue())
-    tmp.replace(path)
+    write_atomic(path, buffer.getvalue().encode())
 
 
 def write_dataset(

@@ -1,17 +1,38 @@
-"""Structural protocols every hook and every checkpointable hook satisfies.
+"""The hook protocol: what every hook has, and every optional member an engine may use.
 
-A hook is any object with ``frequency``, ``stage`` and ``__call__(ctx, stage)``;
-nothing needs to subclass anything. Engines also recognise these optional
-members:
+A hook is any object with ``frequency``, ``stage`` and ``__call__(ctx, stage)``; nothing
+needs to subclass anything. Everything else is optional; the engines (the training
+strategy, its run loop, checkpoints, validation) look a member up only through
+:func:`member`, which accepts only the names listed in :data:`OPTIONAL_MEMBERS`. That
+table is the whole contract between engines and hooks:
 
-``_runs_on_stage(stage) -> bool``
-    Multi-stage dispatch. Takes precedence over ``stage ==`` and bypasses the
-    engine's stage-type check. The answer must not change after registration
-    (or the engine's ``refresh_hooks()`` must be called).
-``on_register(engine) -> None``
-    Called exactly once, when the hook is registered.
-``__enter__``/``__exit__`` or ``close()``
-    Lifecycle around a run.
+===============================  ==========================================================
+member                           meaning, and when it is used
+===============================  ==========================================================
+``_runs_on_stage(stage)``        multi-stage dispatch: whether the hook runs at ``stage``
+                                 (wins over ``stage ==``; asked when hooks are registered)
+``on_register(engine)``          called once, when the hook is registered
+``_validate_registered_hooks``   ``(hooks)``: raise if a hook it depends on is missing or
+                                 conflicts; called at construction and each registration
+``prepare_strategy(strategy)``   called once per run before models move to their devices
+                                 and before ``SETUP`` (DDP wraps models here)
+``__enter__()`` / ``__exit__``   around a run (or a ``train_batch`` session), outermost
+                                 first in, last out; ``close()`` when there is no ``__exit__``
+``close()``                      release resources at the end of a run
+``state_dict()``                 with ``load_state_dict``: the hook is checkpointed
+``load_state_dict(state)``       (see :class:`CheckpointableHook`)
+``checkpointable_children()``    ``[(key, hook)]`` of hooks inside this one (the update
+                                 orchestrator), saved and restored under their own keys
+``iter_hooks()``                 the hooks inside this one, in dispatch order
+``inference_autocast(device)``   a context manager for validation forwards (mixed precision)
+``precision_name``               label of that precision (``"bf16"``) for reports
+===============================  ==========================================================
+
+Update hooks (:mod:`nvalchemi.training.hooks.update`) may also define, and the update
+orchestrator reads of its children: ``priority`` (dispatch order, lower first),
+``_exclusive_update_key`` (at most one hook per key), ``_veto_defers_step`` (a veto that
+only postpones the step: gradient accumulation), ``window_open`` (gradients wait for a
+later step) and ``batches_per_step`` (batches per optimizer step of a full window).
 """
 
 from __future__ import annotations
@@ -23,7 +44,40 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from nvalchemi.hooks.context import HookContext
 
-__all__ = ["CheckpointableHook", "Hook"]
+__all__ = ["OPTIONAL_MEMBERS", "CheckpointableHook", "Hook", "is_checkpointable", "member"]
+
+_DATA_MEMBERS = frozenset(
+    {"precision_name", "priority", "_exclusive_update_key", "_veto_defers_step", "window_open",
+     "batches_per_step"}
+)  # fmt: skip
+OPTIONAL_MEMBERS: frozenset[str] = _DATA_MEMBERS | {
+    "_runs_on_stage", "on_register", "_validate_registered_hooks", "prepare_strategy",
+    "__enter__", "__exit__", "close", "state_dict", "load_state_dict",
+    "checkpointable_children", "iter_hooks", "inference_autocast",
+}  # fmt: skip
+"""Every optional member an engine may look up on a hook (see the module docstring)."""
+
+
+def member(hook: Any, name: str, default: Any = None) -> Any:
+    """``hook.<name>`` if the hook defines that optional member (a method only if callable),
+    else ``default``.
+
+    ``name`` must be one of :data:`OPTIONAL_MEMBERS`: engines reach hooks only through the
+    declared protocol.
+
+    >>> class Closing:
+    ...     def close(self): return "closed"
+    >>> member(Closing(), "close")()
+    'closed'
+    >>> member(Closing(), "prepare_strategy") is None
+    True
+    """
+    if name not in OPTIONAL_MEMBERS:
+        raise ValueError(f"{name!r} is not an optional hook member of nvalchemi.hooks.protocol.")
+    value = getattr(hook, name, default)
+    if name in _DATA_MEMBERS:
+        return value
+    return value if callable(value) else default
 
 
 @runtime_checkable
@@ -76,3 +130,8 @@ class CheckpointableHook(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the state produced by :meth:`state_dict`."""
         ...
+
+
+def is_checkpointable(hook: Any) -> bool:
+    """Whether ``hook`` has ``state_dict`` and ``load_state_dict`` (its state is checkpointed)."""
+    return member(hook, "state_dict") is not None and member(hook, "load_state_dict") is not None

@@ -185,12 +185,21 @@ def energy_and_derivatives(
     Returns:
         ``{"energy": [B, 1], "forces": ..., "stress": ...}`` (only what was asked).
         Under ``torch.no_grad()`` derivatives are still computed and every output
-        is detached.
+        is detached. While ``torch.compile`` traces it, the derivatives come from
+        ``torch.func.grad`` instead of ``torch.autograd.grad`` (same values), so the
+        energy, its derivatives and their backward compile into one graph.
     """
     grad_enabled = torch.is_grad_enabled()
     training = training and grad_enabled
     compute_stress = compute_stress and cell is not None
     need_grad = compute_forces or compute_stress
+    if need_grad and torch.compiler.is_compiling():
+        # torch.compile cannot differentiate a compiled backward again (forces trained by
+        # autograd.grad(create_graph=True)); torch.func.grad traces into the same graph.
+        out = _functional_derivatives(
+            energy_fn, positions, cell, batch_idx, num_graphs, compute_forces, compute_stress
+        )
+        return out if grad_enabled else {k: v.detach() for k, v in out.items()}
     with torch.set_grad_enabled(grad_enabled or need_grad):
         if compute_forces and not positions.requires_grad:
             positions = positions.detach().requires_grad_(True)
@@ -211,6 +220,43 @@ def energy_and_derivatives(
             )
     if not grad_enabled:
         out = {k: v.detach() for k, v in out.items()}
+    return out
+
+
+def _functional_derivatives(
+    energy_fn: EnergyFn,
+    positions: torch.Tensor,
+    cell: torch.Tensor | None,
+    batch_idx: torch.Tensor,
+    num_graphs: int,
+    compute_forces: bool,
+    compute_stress: bool,
+) -> dict[str, torch.Tensor]:
+    """:func:`energy_and_derivatives` with ``torch.func.grad`` (the path under ``torch.compile``).
+
+    The same strain and sign conventions; the derivatives stay differentiable with
+    respect to the model's parameters (what ``create_graph=True`` gives in eager mode).
+    """
+    positions = positions.detach()
+    displacement = positions.new_zeros(num_graphs, 3, 3)
+
+    def total(pos: torch.Tensor, disp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        strained_pos, strained_cell = pos, cell
+        if compute_stress:
+            symmetric = 0.5 * (disp + disp.transpose(-1, -2))
+            strained_pos = pos + torch.einsum("vi,vij->vj", pos, symmetric.index_select(0, batch_idx))
+            strained_cell = cell.to(pos.dtype) + torch.bmm(cell.to(pos.dtype), symmetric)
+        energy = energy_fn(strained_pos, strained_cell).reshape(num_graphs, 1)
+        return energy.sum(), energy
+
+    (grad_pos, grad_disp), energy = torch.func.grad(total, argnums=(0, 1), has_aux=True)(
+        positions, displacement
+    )
+    out = {"energy": energy}
+    if compute_forces:
+        out["forces"] = -grad_pos
+    if compute_stress:
+        out["stress"] = _stress_from_grad(grad_disp, cell)
     return out
 
 

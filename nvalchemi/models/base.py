@@ -387,7 +387,7 @@ class BaseModelMixin(abc.ABC):
         config = self.model_config.neighbor_config
         if config is None:
             return []
-        from nvalchemi.hooks.neighbor_list import NeighborListHook
+        from nvalchemi.data.neighbor_hook import NeighborListHook
 
         return [
             NeighborListHook(

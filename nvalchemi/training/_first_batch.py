@@ -61,12 +61,14 @@ def check_dataloader(dataloader: Any) -> None:
         )
 
 
-def check_first_batch(batch: Any, models: Any, training_fn: Any, dataloader: Any = None) -> None:
+def check_first_batch(
+    batch: Any, models: Any, *, default_training_fn: bool, dataloader: Any = None
+) -> None:
     """Check the first batch of a run before its forward (``TypeError`` naming the fix).
 
     * single structures instead of a ``Batch`` (an ``AtomicData``, or a list of them:
       a torch ``DataLoader`` without ``collate_fn=Batch.from_data_list``);
-    * with the default ``training_fn``, a floating dtype of the batch that differs
+    * with the default ``training_fn`` (``default_training_fn=True``), a floating dtype of the batch that differs
       from the model's parameters, unless the model is an nvalchemi model (those cast
       their inputs to their own dtype).
     """
@@ -88,13 +90,8 @@ def check_first_batch(batch: Any, models: Any, training_fn: Any, dataloader: Any
             f"{source} yielded {type(batch).__name__} ({batch!r}) instead of a Batch. "
             f"Fix: {_LOADER_FIX}."
         )
-    if not isinstance(batch, Batch):
-        return  # custom batches for a custom training_fn
-    from nvalchemi.training.strategy import default_training_fn
-
-    if training_fn is not default_training_fn:
-        return
-    _check_dtype(batch, models, source)
+    if isinstance(batch, Batch) and default_training_fn:  # custom batches: a custom training_fn
+        _check_dtype(batch, models, source)
 
 
 def _structures_in(batch: Any) -> str | None:

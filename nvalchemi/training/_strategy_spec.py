@@ -1,7 +1,8 @@
 """JSON specs of a :class:`~nvalchemi.training.TrainingStrategy` (``to_spec_dict`` and back).
 
 A spec holds what rebuilds the job: optimizer configs, duration, devices, the loss, model
-specs (best effort), the call mode and the ``training_fn`` path. Hooks, counters, the
+specs (best effort), the call mode, the ``training_fn`` path and, when set, ``compile`` and
+``compile_kwargs`` (absent for the default ``compile=False``). Hooks, counters, the
 validation config and the distributed manager are runtime objects and are not stored;
 checkpoints add ``strategy_cls`` and ``runtime_state``.
 
@@ -46,6 +47,9 @@ def to_spec_dict(strategy: Any) -> dict[str, Any]:
         "nonfinite_check_interval": strategy.nonfinite_check_interval,
         "max_consecutive_skips": strategy.max_consecutive_skips,
     }
+    if strategy.compile or strategy.compile_kwargs:  # absent by default: older readers
+        spec["compile"] = strategy.compile
+        spec["compile_kwargs"] = _json_compile_kwargs(strategy.compile_kwargs)
     path = _importable_path(strategy.training_fn)
     if path is None:
         warnings.warn(
@@ -78,6 +82,26 @@ def _model_specs(models: Mapping[str, nn.Module]) -> dict[str, Any]:
             out[key] = spec.model_dump()
         except (TypeError, ValueError) as exc:
             warnings.warn(f"Omitting model spec for {key!r}: {exc}", UserWarning, stacklevel=4)
+    return out
+
+
+def _json_compile_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``compile_kwargs`` that JSON can hold; others (a backend callable) are left out."""
+    import json
+
+    out = {}
+    for key, value in kwargs.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            warnings.warn(
+                f"Omitting compile_kwargs[{key!r}] ({type(value).__name__}) from the spec: "
+                "it is not JSON. Pass it again when loading (compile_kwargs=...).",
+                UserWarning,
+                stacklevel=4,
+            )
+            continue
+        out[key] = value
     return out
 
 
@@ -173,6 +197,17 @@ def from_spec_dict(
     for key in ("nonfinite_loss", "nonfinite_check_interval", "max_consecutive_skips"):
         if key in spec:
             kwargs[key] = spec[key]
+    if "compile" in spec:
+        if not isinstance(spec["compile"], bool):
+            raise ValueError(f"'compile' must be a bool; got {spec['compile']!r}.")
+        kwargs["compile"] = spec["compile"]
+    if "compile_kwargs" in spec:
+        if not isinstance(spec["compile_kwargs"], Mapping):
+            raise ValueError(
+                f"'compile_kwargs' must be a mapping of torch.compile options; got "
+                f"{spec['compile_kwargs']!r}."
+            )
+        kwargs["compile_kwargs"] = dict(spec["compile_kwargs"])
     kwargs.update(overrides)
     return cls(**kwargs)
 

@@ -26,6 +26,8 @@ import torch
 
 __all__ = ["ParityReport", "check_zero_step_parity"]
 
+from nvalchemi.data.batch import iter_batches
+
 _OUTPUTS = ("energy", "forces", "stress")
 _UNITS = {"energy": "eV", "forces": "eV/Å", "stress": "eV/Å³"}
 
@@ -100,7 +102,7 @@ def check_zero_step_parity(
     if unknown:
         raise ValueError(f"outputs {unknown} are not comparable; use {list(_OUTPUTS)}.")
     per_structure: list[dict[str, float]] = []
-    for batch in _batches(structures, batch_size):
+    for batch in iter_batches(structures, batch_size, dtype=torch.float64):
         ours = _predict(model, batch, wanted, head)
         theirs = _predict(source, batch, wanted, source_head)
         per_structure.extend(_differences(ours, theirs, batch))
@@ -118,24 +120,6 @@ def _name(head: str | int | None) -> str:
     if head is None:
         return "default"
     return f"#{head}" if isinstance(head, int) else head
-
-
-def _batches(structures: Iterable[Any], batch_size: int) -> Iterable[Any]:
-    from nvalchemi.data import AtomicData, Batch
-
-    pending = []
-    for item in structures:
-        if isinstance(item, Batch):
-            yield item
-            continue
-        if not isinstance(item, AtomicData):
-            item = AtomicData.from_atoms(item, dtype=torch.float64)
-        pending.append(item)
-        if len(pending) == batch_size:
-            yield Batch.from_data_list(pending)
-            pending = []
-    if pending:
-        yield Batch.from_data_list(pending)
 
 
 def _predict(model: Any, batch: Any, outputs: list[str], head: str | None) -> dict[str, Any]:

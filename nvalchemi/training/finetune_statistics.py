@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import torch
+
+from nvalchemi._fileio import write_atomic
 
 __all__ = [
     "STATISTICS_FILENAME",
@@ -54,6 +56,8 @@ __all__ = [
     "prepare_finetune_model",
     "read_finetune_statistics",
 ]
+
+from nvalchemi.data.batch import iter_batches
 
 E0Mode = Literal["keep", "refit", "estimated", "fixed"]
 ScaleShiftMode = Literal["keep", "refit"]
@@ -183,10 +187,7 @@ def prepare_finetune_model(
     stats.apply(model)
     if run_dir is not None and get_rank(distributed_manager) == 0:
         path = Path(run_dir) / STATISTICS_FILENAME
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(stats.to_dict(), indent=2) + "\n")
-        tmp.replace(path)
+        write_atomic(path, (json.dumps(stats.to_dict(), indent=2) + "\n").encode())
     return stats
 
 
@@ -225,25 +226,6 @@ class _Pass:
     neighbor_atoms: int = 0
 
 
-def _batches(data: Iterable[Any], batch_size: int) -> Iterator[Any]:
-    from nvalchemi.data import Batch
-
-    pending = []
-    items = data
-    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        items = (data[i] for i in range(len(data)))  # map-style datasets: by index
-    for item in items:
-        if isinstance(item, Batch):
-            yield item
-            continue
-        pending.append(item)
-        if len(pending) == batch_size:
-            yield Batch.from_data_list(pending)
-            pending = []
-    if pending:
-        yield Batch.from_data_list(pending)
-
-
 def _run_pass(
     model: Any,
     data: Iterable[Any],
@@ -266,7 +248,7 @@ def _run_pass(
     config.active_outputs = {"energy"}
     model.eval()
     try:
-        for batch in _batches(data, batch_size):
+        for batch in iter_batches(data, batch_size):
             if "energy" not in batch:
                 continue
             energy = batch["energy"].detach().double().reshape(-1).cpu()

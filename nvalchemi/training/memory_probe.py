@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi._fileio import write_atomic
+
 __all__ = ["BatchBudget", "probe_batch_budget"]
 
 BUDGET_FILE = "batch_budget.json"
@@ -395,9 +397,6 @@ def probe_batch_budget(
 
 def _write(directory: Path, budget: BatchBudget) -> Path:
     """``batch_budget.json`` in ``directory``, written atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / BUDGET_FILE
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(budget.to_dict(), indent=2) + "\n")
-    os.replace(partial, path)
+    write_atomic(path, (json.dumps(budget.to_dict(), indent=2) + "\n").encode())
     return path

@@ -35,7 +35,11 @@ from typing import Any
 
 import torch
 
+from nvalchemi._fileio import replace_dir
+
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
+
+from nvalchemi.data.batch import iter_batches
 
 _LABELS = ("energy", "forces", "stress")
 
@@ -69,7 +73,7 @@ def pseudo_label(
     if cache is not None and Path(cache).exists():
         return read_pseudo_labels(cache, model.model_config.neighbor_config)
     labelled = []
-    for batch in _batches(structures, batch_size):
+    for batch in iter_batches(structures, batch_size):
         labelled.extend(_label_batch(model, batch, head))
     if not labelled:
         raise ValueError("pseudo_label got no structures to label.")
@@ -204,31 +208,6 @@ def _split_batch(batch_size: int, ratio: float) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- labelling
-def _batches(structures: Iterable[Any], batch_size: int) -> Iterable[Any]:
-    from nvalchemi.data import AtomicData, Batch
-
-    pending = []
-    for item in _items(structures):
-        if isinstance(item, Batch):
-            yield item
-            continue
-        if not isinstance(item, AtomicData):
-            item = AtomicData.from_atoms(item, dtype=torch.float32)
-        pending.append(item)
-        if len(pending) == batch_size:
-            yield Batch.from_data_list(pending)
-            pending = []
-    if pending:
-        yield Batch.from_data_list(pending)
-
-
-def _items(structures: Iterable[Any]) -> Iterable[Any]:
-    """Items of a list, a map-style dataset (indexed) or any iterable."""
-    if hasattr(structures, "__len__") and hasattr(structures, "__getitem__"):
-        return (structures[i] for i in range(len(structures)))
-    return structures
-
-
 def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
     """The structures of ``batch`` with the model's energy/forces/stress as labels."""
     from nvalchemi.data.neighbors import compute_neighbors
@@ -290,7 +269,7 @@ def _write_store(structures: list[Any], path: Path) -> None:
     if tmp.exists():  # our own half-written store of an interrupted run
         shutil.rmtree(tmp)
     AtomicDataZarrWriter(str(tmp)).write([_without_edges(d) for d in structures])
-    tmp.rename(path)
+    replace_dir(tmp, path)
 
 
 def _without_edges(data: Any) -> Any:

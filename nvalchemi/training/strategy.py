@@ -1,8 +1,9 @@
 """``TrainingStrategy``: the owner of one training job, and ``default_training_fn``.
 
-A strategy holds the model(s), the loss, optimizer configs, the duration, devices,
-validation, hooks and the runtime counters, and runs the loop (see
-:mod:`nvalchemi.training._loop` for the per-batch path and the hook-frequency rules).
+A strategy holds the configuration (model(s), loss, optimizer configs, duration, devices,
+validation, hooks) and what outlives one run (counters, optimizers and schedulers); each
+``run()`` builds a private run object that owns the loop (see :mod:`nvalchemi.training._run`
+for the per-batch path and the hook-frequency rules).
 
 Example:
     >>> import torch
@@ -17,17 +18,23 @@ Example:
     ... )
     >>> strategy.run(train_batches)  # doctest: +SKIP
 
-Extension seams used by checkpointing and DDP hooks: :meth:`runtime_state` /
-:meth:`load_runtime_state`, :meth:`ensure_optimizers` with the ``_optimizers`` and
-``_lr_schedulers`` lists, :meth:`iter_checkpointable_hooks`, :meth:`trainable_models`,
-:meth:`unwrapped_models`, :meth:`check_nonfinite`, :meth:`request_stop`, and
-``prepare_strategy(strategy)`` on hooks (called before device placement).
+What hooks and checkpoints use (all public): :meth:`runtime_state` /
+:meth:`load_runtime_state`, :meth:`ensure_optimizers`, :meth:`iter_checkpointable_hooks`,
+:meth:`trainable_models`, :meth:`unwrapped_models`, :meth:`check_nonfinite`,
+:meth:`check_nonfinite_if_due`, :meth:`clear_unowned_gradients`, :meth:`request_stop`,
+:meth:`new_context`; the optional members a hook may define are listed in
+:mod:`nvalchemi.hooks.protocol`.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+import inspect
+import sys
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import Enum
 from typing import Any, ClassVar, Literal
 
@@ -35,23 +42,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi.hooks import protocol
+from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
-from nvalchemi.training._loop import _TrainingLoop, unwrapped
-from nvalchemi.training._nonfinite import _NonFiniteRecord
-from nvalchemi.training._strategy_checks import (
-    _check_call_shape,
-    _check_do_claims,
-    _check_unique,
-    _decode_rng_state,
-    _normalize_configs,
-    _resolve_dotted,
-    _validate_dependencies,
-)
-from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError
+from nvalchemi.training._first_batch import check_dataloader, check_first_batch
+from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, default_training_fn, detached
+from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.hooks.update import (
     _MULTIPLE_ORCHESTRATOR_MSG,
     TrainingUpdateOrchestrator,
     _fold_training_update_hooks,
+    _hook_claims_stage,
     is_update_hook,
 )
 from nvalchemi.training.losses.base import BaseLossFunction
@@ -60,47 +61,25 @@ from nvalchemi.training.losses.composition import (
     assemble_loss_targets,
     loss_target_keys,
 )
-from nvalchemi.training.optimizers import OptimizerConfig
+from nvalchemi.training.optimizers import (
+    OptimizerConfig,
+    _is_metric_scheduler_class,
+    iter_qualified_named_parameters,
+    setup_optimizers,
+)
+from nvalchemi.training.runtime import unwrap_model
 from nvalchemi.training.spec import BaseSpec
 from nvalchemi.training.stages import TrainingStage
 from nvalchemi.training.validation import ValidationConfig
 
 __all__ = ["NonFiniteLossError", "TrainingStalledError", "TrainingStrategy", "default_training_fn"]
 
+_DO_STAGES = (TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP)
+
 _COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
 
 
-def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
-    """Call ``model(batch)`` and return ``{"predicted_<key>": value}`` for every non-``None`` output.
-
-    ``model`` is one module, or a mapping holding ``"main"`` (or a single model).
-    Keys that already start with ``predicted_`` are kept as they are.
-
-    Example:
-        >>> import torch
-        >>> class Energy(torch.nn.Module):
-        ...     def forward(self, batch):
-        ...         return {"energy": batch["x"].sum().reshape(1, 1), "forces": None}
-        >>> default_training_fn(Energy(), {"x": torch.ones(2)})
-        {'predicted_energy': tensor([[2.]])}
-    """
-    if not isinstance(model, nn.Module) and isinstance(model, Mapping):
-        model = model["main"] if "main" in model or len(model) != 1 else next(iter(model.values()))
-    outputs = model(batch)
-    if type(outputs) is not dict and not isinstance(outputs, Mapping):
-        raise TypeError(
-            f"default_training_fn expects {type(model).__name__} to return a mapping of outputs "
-            f"(e.g. {{'energy': ...}}); got {type(outputs).__name__}. Write a training_fn that "
-            "returns {'predicted_energy': ...}."
-        )
-    return {
-        (k if k.startswith("predicted_") else f"predicted_{k}"): v
-        for k, v in outputs.items()
-        if v is not None
-    }
-
-
-class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
+class TrainingStrategy(HookRegistryMixin, BaseModel):
     """One training job: models, loss, optimizers, duration, devices, validation, hooks, counters.
 
     Args:
@@ -138,6 +117,20 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             in a row without an optimizer step (skipped or vetoed; batches that only
             accumulate gradients in an open accumulation window are not counted);
             ``None`` disables.
+        compile: train with the models' forward and backward compiled by
+            ``torch.compile`` (``dynamic=True`` unless ``compile_kwargs`` says otherwise);
+            the strategy's models stay eager for validation and checkpoints. Forces and
+            stress compile with the model when they come from
+            ``energy_and_derivatives`` (PaiNN, DemoModel); see
+            :mod:`nvalchemi.training._compiled` for what compiles and what does not.
+        compile_kwargs: keyword arguments of ``torch.compile`` (``mode``, ``backend``,
+            ``dynamic``, ``fullgraph``, ``options``, ``disable``).
+
+    A step that runs out of device memory (``torch.OutOfMemoryError``) is trained in
+    pieces with the update of the whole batch, and later batches above the size that
+    fitted are cut before their forward (see :mod:`nvalchemi.training._memory_split`).
+    Models that declare a ``NeighborConfig`` get their neighbour lists built on the
+    training device when the batches come without (see :meth:`neighbor_list_builders`).
 
     Counters ``step_count``, ``global_step_count``, ``batch_count``, ``epoch_count``
     (alias ``epoch``) and ``epoch_step_count`` may be given to resume.
@@ -184,6 +177,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
     nonfinite_loss: Literal["raise", "skip", "ignore"] = "raise"
     nonfinite_check_interval: int = Field(default=100, ge=1)
     max_consecutive_skips: int | None = Field(default=100, ge=1)
+    compile: bool = False
+    compile_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @model_validator(mode="before")
@@ -262,6 +257,13 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             raise ValueError(f"hooks must be a list of hooks; got {type(value).__name__}.")
         return _fold_training_update_hooks(list(value))
 
+    @field_validator("compile_kwargs", mode="before")
+    @classmethod
+    def _compile_kwargs(cls, value: Any) -> Any:
+        from nvalchemi.training._compiled import check_compile_kwargs
+
+        return check_compile_kwargs(value)
+
     @field_validator("devices", mode="before")
     @classmethod
     def _devices(cls, value: Any) -> Any:
@@ -328,17 +330,16 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         # Runs after every validation check passed, so a rejected configuration never
         # triggers a hook's on_register side effects.
         d = self.__dict__
+        d["_run"] = None  # the run object of the current run() or train_batch session
         d["_context_depth"] = 0
         d["_auto_session"] = False
-        d["_batch_session_ready"] = False
         d["_hooks_version"] = 0
         d["_optimizer_version"] = 0
         d["_optimizer_signature"] = None
         d["_optimizers"] = []
         d["_lr_schedulers"] = []
         d["_runtime_optimizers"] = []
-        d["_ctx"] = None
-        d["_plan"] = None
+        d["_unowned_params"] = ()
         d["_last_batch"] = None
         d["_last_loss"] = None
         d["_active_dataloader"] = None
@@ -346,9 +347,9 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         d["_running"] = False
         d["_validated_at"] = None
         d["_consecutive_skips"] = 0
-        d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
-        d["_epoch_length"] = None  # batches per epoch of the running loader (sized loaders)
         d["_epoch_record"] = None  # generator states the open epoch's order was drawn from
+        d["_compiled_graphs"] = []  # per epoch of the last run (compile=True)
+        d["_neighbor_builders"] = None  # (models key, builders), see neighbor_list_builders
         d["_resume_loader"] = None  # a restored loader position, applied at the next epoch
         d["_target_keys"] = loss_target_keys(self.loss_fn)
         hooks = list(self.hooks)
@@ -376,7 +377,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
                     "registration. Update hooks run at the update stages through the "
                     "orchestrator; register them without stage=."
                 )
-            existing = self._orchestrator()
+            existing = self.orchestrator()
             if existing is not None:
                 if isinstance(hook, TrainingUpdateOrchestrator):
                     raise ValueError(_MULTIPLE_ORCHESTRATOR_MSG)
@@ -409,16 +410,17 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
     def _hooks_changed(self) -> None:
         self.__dict__["_hooks_version"] += 1
 
-    def _orchestrator(self) -> TrainingUpdateOrchestrator | None:
+    def orchestrator(self) -> TrainingUpdateOrchestrator | None:
+        """The update-hook orchestrator (gradient accumulation, mixed precision, ...), if any."""
         for hook in self.hooks:
             if isinstance(hook, TrainingUpdateOrchestrator):
                 return hook
         return None
 
-    def _all_hooks(self) -> list[Any]:
+    def all_hooks(self) -> list[Any]:
         """Top-level hooks followed by the orchestrator's children."""
         out = list(self.hooks)
-        orchestrator = self._orchestrator()
+        orchestrator = self.orchestrator()
         if orchestrator is not None:
             out.extend(orchestrator.iter_hooks())
         return out
@@ -434,10 +436,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             if isinstance(hook, TrainingUpdateOrchestrator):
                 if not hook.checkpointable_children():
                     continue
-            elif not (
-                callable(getattr(hook, "state_dict", None))
-                and callable(getattr(hook, "load_state_dict", None))
-            ):
+            elif not protocol.is_checkpointable(hook):
                 continue
             name = type(hook).__name__
             n = counts.get(name, 0)
@@ -470,7 +469,7 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         ``True`` between the batches of a gradient-accumulation window; checkpoints are
         only exact outside one (``CheckpointHook`` defers its saves to the window's end).
         """
-        orchestrator = self._orchestrator()
+        orchestrator = self.orchestrator()
         return orchestrator is not None and orchestrator.window_open
 
     @property
@@ -479,9 +478,47 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         return self.__dict__["_running"]
 
     @property
+    def stop_reason(self) -> str | None:
+        """Why the last (or current) run was asked to stop, or ``None``."""
+        return self.__dict__["_stop_reason"]
+
+    @property
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called during the current run."""
         return self.__dict__["_stop_reason"] is not None
+
+    @property
+    def compiled_graphs(self) -> list[int]:
+        """Graphs ``torch.compile`` built in each epoch of the last ``run()`` (``compile=True``).
+
+        Read from ``torch._dynamo``'s counters (process-wide). The first epoch holds the
+        initial compilation; with ``dynamic=True`` later epochs stay near 0 even when
+        every batch has another size.
+        """
+        return list(self.__dict__["_compiled_graphs"])
+
+    def neighbor_list_builders(self) -> tuple[Any, ...]:
+        """Builders of the neighbour lists the models need, for batches that come without.
+
+        One per list format the models' ``NeighborConfig`` ask for, at the largest of
+        their cutoffs; each is a ``BEFORE_FORWARD`` hook that builds the lists of a batch
+        lacking them on the batch's device (:func:`nvalchemi.data.neighbors.compute_neighbors`).
+        ``run()`` and ``train_batch`` use them when the first batch has no lists,
+        validation for every batch without. Empty when no model declares a
+        ``NeighborConfig``, or when a ``NeighborListHook`` is registered (then it owns
+        the lists).
+        """
+        from nvalchemi.hooks.neighbor_list import NeighborListHook
+        from nvalchemi.training._neighbor_lists import builders_for
+
+        if any(isinstance(hook, NeighborListHook) for hook in self.all_hooks()):
+            return ()
+        d = self.__dict__
+        key = tuple(id(model) for model in self.models.values())
+        cached = d["_neighbor_builders"]
+        if cached is None or cached[0] != key:
+            cached = d["_neighbor_builders"] = (key, builders_for(self.models.values()))
+        return cached[1]
 
     def trainable_models(self) -> dict[str, nn.Module]:
         """The models that have optimizer configs (as stored, possibly DDP-wrapped)."""
@@ -489,16 +526,334 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
 
     def unwrapped_models(self) -> dict[str, nn.Module]:
         """All models with DDP/DataParallel wrappers stripped (for saving and validation)."""
-        return unwrapped(self.models)
+        return {k: unwrap_model(m) for k, m in self.models.items()}
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> TrainingStrategy:
+        d = self.__dict__
+        if d["_context_depth"] == 0:
+            entered: list[Any] = []
+            try:
+                for hook in self.hooks:
+                    enter = protocol.member(hook, "__enter__")
+                    if enter is not None:
+                        enter()
+                        entered.append(hook)
+            except BaseException as exc:
+                _exit_hooks(entered, type(exc), exc, exc.__traceback__)
+                raise
+        d["_context_depth"] += 1
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        d = self.__dict__
+        if d["_context_depth"] <= 0:
+            return
+        d["_context_depth"] -= 1
+        if d["_context_depth"] == 0:
+            d["_auto_session"] = False
+            run, d["_run"] = d["_run"], None
+            if exc_type is None and run is not None and run.record.losses:
+                # The final pending check: a NaN in the last steps is never silent.
+                try:
+                    run.check_nonfinite()
+                except NonFiniteLossError as error:
+                    _exit_hooks(list(self.hooks), type(error), error, error.__traceback__)
+                    raise
+            _exit_hooks(list(self.hooks), exc_type, exc, tb)
+
+    def close(self) -> None:
+        """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts).
+
+        Runs the final non-finite check first (``nonfinite_loss="raise"``), so a NaN in
+        the session's last batches raises here at the latest.
+        """
+        if self.__dict__["_auto_session"]:
+            self.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ training
+    def run(self, dataloader: Any) -> None:
+        """Train until ``num_steps`` optimizer steps (or ``num_epochs`` epochs) are done.
+
+        ``dataloader`` is any re-iterable of batches (a sized one for ``num_epochs``).
+        Lifecycle: ``SETUP`` → ``BEFORE_TRAINING`` → per epoch ``BEFORE_EPOCH``, the batch
+        stages, ``AFTER_EPOCH`` (+ scheduled validation) → ``AFTER_TRAINING`` → a final
+        validation unless one just ran at the final step. A :meth:`request_stop` ends the
+        run after the current batch, or after the current gradient-accumulation window
+        (``AFTER_EPOCH`` only if the epoch completed).
+
+        Raises:
+            ValueError: a metric-driven scheduler (``ReduceLROnPlateau``) without a
+                ``validation_config`` (it would never step).
+        """
+        check_dataloader(dataloader)
+        d = self.__dict__
+        self.close()
+        d["_stop_reason"] = None
+        d["_compiled_graphs"] = []
+        _check_metric_schedulers(self)
+        with self:
+            d["_running"] = True
+            try:
+                with self._parameter_flags():  # fine-tuning filters, undone on exit
+                    d["_run"] = run = _Run(self, dataloader)
+                    run.train()
+            finally:
+                d["_running"] = False
+
+    def train_batch(self, batch: Any) -> torch.Tensor:
+        """Train on one batch (all per-batch stages, counters advance); return the detached loss.
+
+        Setup (``prepare_strategy``, device placement, ``SETUP`` hooks, optimizers) runs
+        once per session: the first call opens one that later calls reuse, so hooks such
+        as DDP wrap the model once. Inside ``with strategy:`` the session ends with the
+        block; otherwise call :meth:`close` when done. Does not fire epoch/training
+        stages, check targets or validate. Under ``nonfinite_loss="raise"`` every call
+        checks its loss before the optimizer step (one device sync per call) and raises
+        :class:`NonFiniteLossError` for a non-finite one, leaving the weights untouched.
+        """
+        d = self.__dict__
+        if d["_context_depth"] == 0:
+            self.__enter__()
+            d["_auto_session"] = True
+        with self._parameter_flags():  # fine-tuning filters, undone on return
+            run = d["_run"]
+            first = run is None
+            if first:
+                default = self.training_fn is default_training_fn
+                check_first_batch(batch, self.models, default_training_fn=default)
+                d["_run"] = run = _Run(self, None, strict=True)
+            else:
+                self.ensure_optimizers()
+                run.refresh()
+            run.set_epoch_length(None)  # no epochs here: accumulation windows stay full
+            with run._modes():
+                batch = run.to_device(batch)
+                if first:
+                    run.plan_neighbor_lists(batch)
+                run.step(batch)
+        ctx = run.ctx
+        loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
+        return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+    def validate(self, config: Any = None) -> dict[str, Any]:
+        """Run one validation pass now; return (and store in ``last_validation``) the summary.
+
+        Checks the non-finite record first, fires ``AFTER_VALIDATION`` hooks with
+        ``ctx.validation`` set. Does not step metric schedulers.
+        """
+        from nvalchemi.training.validation import ValidationLoop
+
+        if config is None and self.validation_config is None:
+            raise RuntimeError("TrainingStrategy.validate() requires a validation_config.")
+        self.check_nonfinite()
+        loop = ValidationLoop.from_training_strategy(self, config)
+        with loop:
+            summary = loop.execute()
+        d = self.__dict__
+        d["last_validation"] = summary
+        d["_validated_at"] = (d["step_count"], d["batch_count"])
+        hooks = self.hooks_for(TrainingStage.AFTER_VALIDATION)
+        if hooks:
+            run = d["_run"]
+            ctx = (
+                run._synced_ctx() if run is not None and run.ctx is not None else self.new_context()
+            )
+            ctx.validation = summary
+            # The last training batch's loss, never a live graph (no sync: detach only).
+            if isinstance(ctx.loss, torch.Tensor):
+                ctx.loss = ctx.loss.detach()
+            if isinstance(ctx.losses, Mapping):
+                ctx.losses = detached(ctx.losses)
+            for hook in hooks:
+                try:
+                    hook(ctx, TrainingStage.AFTER_VALIDATION)
+                except Exception as exc:
+                    add_note(exc, f"raised by hook {type(hook).__name__} at stage AFTER_VALIDATION")
+                    raise
+        return summary
+
+    def request_stop(self, reason: str) -> None:
+        """Ask ``run()`` to stop after the current batch (idempotent; the first reason wins).
+
+        Inside a gradient-accumulation window the run goes on until the window's
+        optimizer step (or the epoch end, which closes it), so it never ends with
+        accumulated gradients that a checkpoint could not hold. The run then fires
+        ``AFTER_EPOCH`` only if the epoch completed, then ``AFTER_TRAINING`` and the final
+        validation; counters stay consistent.
+        """
+        d = self.__dict__
+        if d["_stop_reason"] is None:
+            d["_stop_reason"] = str(reason)
+
+    def new_context(self, batch: Any = None) -> TrainContext:
+        """A ``TrainContext`` filled from the strategy (models, optimizers, counters, rank)."""
+        from nvalchemi.distributed.runtime import get_rank
+
+        d = self.__dict__
+        return TrainContext(
+            batch=batch, workflow=self, models=self.models, model=self.models.get("main"),
+            optimizers=d["_optimizers"], lr_schedulers=d["_lr_schedulers"],
+            global_rank=get_rank(self.distributed_manager), validation=d["last_validation"],
+            step_count=d["step_count"], global_step_count=d["global_step_count"],
+            batch_count=d["batch_count"], epoch_step_count=d["epoch_step_count"],
+            epoch=d["epoch_count"],
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ non-finite losses
+    def check_nonfinite(self) -> None:
+        """Raise :class:`NonFiniteLossError` if a loss since the last check was NaN/inf.
+
+        One device sync. The loop calls it once ``nonfinite_check_interval`` losses are
+        recorded (after backward, before that batch's optimizer step), before validation,
+        before ``AFTER_EPOCH``/``AFTER_TRAINING`` hooks, at the end of ``run()`` and when a
+        ``train_batch`` session closes; ``train_batch`` calls it before every step;
+        checkpoint hooks call it before saving. With the default interval, optimizer steps
+        taken between the non-finite loss and the check have already used its gradients;
+        the error says how many. Under ``torch.distributed`` (more than one process) the
+        verdict is agreed across ranks, so every rank raises together: call it on every
+        rank at the same point.
+        """
+        run = self.__dict__["_run"]
+        if run is None:
+            run = _Run.idle(self)  # nothing recorded: still take part in a distributed vote
+        run.check_nonfinite()
+
+    def check_nonfinite_if_due(self) -> None:
+        """Run :meth:`check_nonfinite` if enough losses are recorded (right before a step).
+
+        The update orchestrator calls it after its vetoes and before stepping, so a
+        non-finite loss raises before its gradients reach the weights.
+        """
+        run = self.__dict__["_run"]
+        if run is not None and run.nonfinite == NONFINITE_MODES["raise"] and run.check_due():
+            try:
+                run.check_nonfinite()
+            except Exception as exc:
+                run.annotate(exc, "the non-finite loss check before the optimizer step")
+                raise
+
+    def discard_recent_losses(self, count: int) -> None:
+        """Tell the non-finite check that the last ``count`` batches' losses were discarded.
+
+        Update hooks that veto a step AND drop its gradients (e.g. ``LossSpikeSkipHook``
+        skipping a NaN window) call this, so a deliberately skipped non-finite loss does
+        not raise at the next check of ``nonfinite_loss="raise"``.
+        """
+        run = self.__dict__["_run"]
+        if run is not None:
+            run.record.forget_last(int(count))
+
+    # ------------------------------------------------------------------ optimizers
+    @property
+    def optimizers_built(self) -> bool:
+        """Whether the optimizers exist (hooks that add parameters must come before)."""
+        return bool(self.__dict__["_optimizers"])
 
     def ensure_optimizers(self) -> tuple[list[Any], list[Any]]:
-        """Build the optimizers/schedulers if needed; return ``(_optimizers, _lr_schedulers)``.
+        """Build the optimizers/schedulers if needed; return ``(optimizers, schedulers)``.
 
-        Checkpoint loading calls this, then loads state into the returned objects;
-        later runs keep them while the trainable parameters stay the same.
+        Kept across ``run()``/``train_batch()`` calls (Adam moments and schedule position
+        survive); rebuilt when the configs, the parameter filters or the set of trainable
+        parameters change. Wrappers such as DDP share their module's parameters, so
+        wrapping keeps them. Checkpoint loading calls this, then loads state into the
+        returned lists (live: they are mutated in place when rebuilt).
         """
-        self._ensure_optimizers()
-        return self._optimizers, self._lr_schedulers
+        d = self.__dict__
+        with self._parameter_flags():  # optimizers see the flags the run trains with
+            key = self._optimizer_key()
+            if key == d["_optimizer_signature"]:
+                return d["_optimizers"], d["_lr_schedulers"]
+            allowed = d.get("_optimizer_parameter_names")
+            try:
+                pairs = setup_optimizers(
+                    self.models, self.optimizer_configs, allowed_parameter_names=allowed
+                )
+            except Exception as exc:
+                annotate(exc, d, "building optimizers")
+                raise
+            optimizers, schedulers, records = [], [], []
+            for model_key, configs in self.optimizer_configs.items():
+                for i, (config, (optimizer, scheduler)) in enumerate(
+                    zip(configs, pairs[model_key])
+                ):
+                    optimizers.append(optimizer)
+                    schedulers.append(scheduler)
+                    label = f"optimizer_configs[{model_key!r}][{i}]"
+                    records.append((optimizer, scheduler, config.scheduler_metric_adapter, label))
+            d["_unowned_params"] = () if allowed is None else _unowned(self, optimizers)
+        # Mutate in place: contexts and hooks hold these list objects.
+        d["_optimizers"][:] = optimizers
+        d["_lr_schedulers"][:] = schedulers
+        d["_runtime_optimizers"] = records
+        d["_optimizer_signature"] = key
+        d["_optimizer_version"] += 1
+        return d["_optimizers"], d["_lr_schedulers"]
+
+    def _optimizer_key(self) -> tuple[Any, ...]:
+        d = self.__dict__
+        parts: list[Any] = [
+            id(d.get(name))
+            for name in (
+                "_optimizer_parameter_names",
+                "_trainable_parameter_names",
+                "_force_trainable_parameter_names",
+            )
+        ]
+        for key, configs in self.optimizer_configs.items():
+            model = self.models.get(key)
+            params = () if model is None else model.parameters()
+            parts.append(
+                (key, tuple(map(id, configs)), tuple(id(p) for p in params if p.requires_grad))
+            )
+        return tuple(parts)
+
+    # ------------------------------------------------------------------ parameter filters
+    def set_optimizer_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """Let only these parameters enter optimizers (``None``: no filter).
+
+        Names are qualified ``"<model key>.<parameter name>"`` without wrapper prefixes
+        (``"main.model.projection.weight"``), so a filter set before ``DDPHook`` wraps
+        a model still matches afterwards. Optimizers are rebuilt at their next use.
+        Trainable parameters left out still receive gradients (unless also frozen by
+        :meth:`set_trainable_parameter_filter`); those are cleared at every zeroing
+        point so they never accumulate.
+        """
+        self.__dict__["_optimizer_parameter_names"] = _name_set(names, "optimizer")
+
+    def set_trainable_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """During ``run``/``train_batch`` set ``requires_grad=False`` on every other parameter.
+
+        Applied before ``prepare_strategy`` and ``SETUP`` hooks (so DDP registers only
+        the trainable parameters) and undone when the call returns, also after an error.
+        """
+        self.__dict__["_trainable_parameter_names"] = _name_set(names, "trainable")
+
+    def set_force_trainable_parameter_filter(self, names: Iterable[str] | None) -> None:
+        """During ``run``/``train_batch`` set ``requires_grad=True`` on these parameters.
+
+        Wins over the trainable filter and over a model's own frozen flags; undone when
+        the call returns.
+        """
+        self.__dict__["_force_trainable_parameter_names"] = _name_set(names, "force-trainable")
+
+    def _parameter_flags(self) -> Any:
+        """Context applying the trainable/force filters to ``requires_grad`` (then restoring)."""
+        d = self.__dict__
+        trainable = d.get("_trainable_parameter_names")
+        force = d.get("_force_trainable_parameter_names")
+        if trainable is None and force is None:
+            return contextlib.nullcontext()
+        return _filtered_requires_grad(self.models, trainable, force)
+
+    def clear_unowned_gradients(self) -> None:
+        """Clear gradients of trainable parameters that no optimizer owns.
+
+        Called wherever optimizers zero theirs (the loop, the update orchestrator), so a
+        parameter left out by :meth:`set_optimizer_parameter_filter` never accumulates.
+        """
+        for param in self.__dict__["_unowned_params"]:
+            param.grad = None
 
     def set_inference_model(self, module: nn.Module, *, model_key: str | None = None) -> None:
         """Publish an inference model (e.g. EMA weights) used by validation per ``use_ema``."""
@@ -566,7 +921,8 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
         d["_consecutive_skips"] = int(state.get("consecutive_skips", 0))
         validated = state.get("validated_at")
         d["_validated_at"] = tuple(int(v) for v in validated) if validated else None
-        d["_nonfinite_record"] = _NonFiniteRecord(self.nonfinite_check_interval)
+        if d["_run"] is not None:
+            d["_run"].record.__init__()
         record = loader_position.decode(state.get("loader_position"))
         legacy = _decode_rng_state(state.get("epoch_rng_state"))  # written before 0.2
         if record is None and legacy is not None:
@@ -578,20 +934,16 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             }
         d["_resume_loader"], d["_epoch_record"] = record, None
 
-    def _inference_autocast(
+    def validation_autocast(
         self, device: torch.device, mode: str = "auto"
     ) -> tuple[Callable[[], Any], str]:
         """Autocast factory and precision label for validation (from a mixed-precision hook)."""
-        import contextlib
-
         if mode == "never":
             return contextlib.nullcontext, "float32"
-        for hook in self._all_hooks():
-            autocast = getattr(hook, "inference_autocast", None)
-            if callable(autocast):
-                label = getattr(hook, "precision_name", None) or str(
-                    getattr(hook, "dtype", "mixed")
-                ).replace("torch.", "")
+        for hook in self.all_hooks():
+            autocast = protocol.member(hook, "inference_autocast")
+            if autocast is not None:
+                label = protocol.member(hook, "precision_name") or "mixed"
                 return functools.partial(autocast, device), label
         if mode == "always":
             raise RuntimeError(
@@ -684,3 +1036,259 @@ class TrainingStrategy(_TrainingLoop, HookRegistryMixin, BaseModel):
             yield name, getattr(self, name)
         yield "models", {k: type(m).__name__ for k, m in self.models.items()}
         yield "hooks", [type(h).__name__ for h in self.hooks]
+
+
+# ---------------------------------------------------------------------------- helpers
+def _exit_hooks(hooks: list[Any], exc_type: Any, exc: Any, tb: Any) -> None:
+    first_error: BaseException | None = None
+    for hook in reversed(hooks):
+        try:
+            exit_ = protocol.member(hook, "__exit__")
+            if exit_ is not None:
+                exit_(exc_type, exc, tb)
+            else:
+                close = protocol.member(hook, "close")
+                if close is not None:
+                    close()
+        except Exception as error:  # exit every hook; report the first failure
+            first_error = first_error or error
+    if first_error is not None and exc is None:
+        raise first_error
+
+
+def _distributed(strategy: Any) -> bool:
+    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
+
+    manager = strategy.distributed_manager
+    return is_distributed_initialized(manager) and get_world_size(manager) > 1
+
+
+def _check_metric_schedulers(self: Any) -> None:
+    """A metric-driven scheduler needs validation summaries, or it would never step."""
+    if self.validation_config is not None:
+        return
+    for key, configs in self.optimizer_configs.items():
+        for i, config in enumerate(configs):
+            if _is_metric_scheduler_class(config.scheduler_cls):
+                name = getattr(config.scheduler_cls, "__name__", config.scheduler_cls)
+                raise ValueError(
+                    f"optimizer_configs[{key!r}][{i}] uses the metric-driven scheduler "
+                    f"{name}, which steps on validation summaries, but the strategy has no "
+                    "validation_config, so it would never step. Add "
+                    "validation_config=ValidationConfig(validation_data=..., "
+                    "every_n_epochs=1) (or every_n_steps=...), or use a time-based "
+                    "scheduler (e.g. StepLR, CosineAnnealingLR)."
+                )
+
+
+def _name_set(names: Iterable[str] | None, what: str) -> frozenset[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise TypeError(
+            f"The {what} parameter filter takes an iterable of qualified names, not one string "
+            f"({names!r}); wrap it in a list."
+        )
+    values = frozenset(names)
+    bad = sorted(repr(n) for n in values if not isinstance(n, str))
+    if bad:
+        raise TypeError(f"The {what} parameter filter must contain str names; got {bad[:5]}.")
+    return values
+
+
+@contextlib.contextmanager
+def _filtered_requires_grad(
+    models: Mapping[str, Any], trainable: frozenset[str] | None, force: frozenset[str] | None
+) -> Iterator[None]:
+    changed: list[tuple[Any, bool]] = []
+    try:
+        for name, param in iter_qualified_named_parameters(models):
+            wanted = param.requires_grad
+            if trainable is not None and name not in trainable:
+                wanted = False
+            if force is not None and name in force:
+                wanted = True
+            if wanted != param.requires_grad:
+                changed.append((param, param.requires_grad))
+                param.requires_grad_(wanted)
+        yield
+    finally:
+        for param, flag in reversed(changed):
+            param.requires_grad_(flag)
+
+
+def _unowned(strategy: Any, optimizers: list[Any]) -> tuple[Any, ...]:
+    owned = {id(p) for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]}
+    configured = {k: m for k, m in strategy.models.items() if k in strategy.optimizer_configs}
+    seen: set[int] = set()
+    out = []
+    for _, param in iter_qualified_named_parameters(configured):
+        if param.requires_grad and id(param) not in owned and id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return tuple(out)
+
+
+def _decode_rng_state(value: Any) -> torch.Tensor | None:
+    """The torch RNG state of a ``runtime_state["epoch_rng_state"]`` (written before 0.2)."""
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (TypeError, ValueError):
+        raw = b""
+    if not raw:
+        raise ValueError(
+            "runtime_state['epoch_rng_state'] must be the base64 string runtime_state() "
+            f"wrote; got {str(value)[:40]!r}. Remove the entry to resume without it."
+        )
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _normalize_configs(configs: Any, single: bool) -> Any:
+    if configs is None:
+        return {}
+    if isinstance(configs, (OptimizerConfig, list, tuple)):
+        if not single:
+            raise ValueError(
+                "Unkeyed optimizer_configs require single-model input; key them by model name, "
+                "e.g. optimizer_configs={'student': [OptimizerConfig(...)]}."
+            )
+        configs = {"main": configs}
+    if isinstance(configs, Mapping):
+        out = {}
+        for key, value in configs.items():
+            key = "main" if key == 0 else key
+            out[key] = [value] if isinstance(value, OptimizerConfig) else value
+        return out
+    return configs
+
+
+def _resolve_dotted(path: str) -> Any:
+    import importlib.util
+
+    from nvalchemi._serialization import UnsafeImportError, import_path
+
+    if "." not in path:
+        raise ValueError(f"training_fn {path!r}: expected 'module.attribute'.")
+    top = path.split(".")[0]
+    if top not in sys.modules and importlib.util.find_spec(top) is None:
+        raise ValueError(f"training_fn {path!r}: module {top!r} not found.")
+    try:
+        return import_path(path)  # the trust rule: a string never imports a new module
+    except UnsafeImportError as exc:
+        raise ValueError(f"training_fn {path!r}: {exc} Or pass the function itself.") from None
+    except (AttributeError, ImportError, ValueError) as exc:
+        raise ValueError(
+            f"training_fn {path!r} has no attribute or cannot be imported: {exc}"
+        ) from None
+
+
+def _check_call_shape(fn: Any, single: bool) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError:
+        raise ValueError(
+            "training_fn must accept exactly the two arguments (model_or_models, batch); "
+            f"{getattr(fn, '__name__', fn)!r} has signature {signature}."
+        ) from None
+    params = list(signature.parameters.values())
+    if not params or params[0].kind not in (
+        params[0].POSITIONAL_ONLY,
+        params[0].POSITIONAL_OR_KEYWORD,
+    ):
+        return
+    annotation = _first_annotation(fn, params[0])
+    kind = _annotation_kind(annotation)
+    name = getattr(fn, "__name__", repr(fn))
+    if single and kind == "mapping":
+        raise ValueError(
+            f"training_fn {name!r} annotates its first parameter as a mapping of models, but "
+            "this is a single-model strategy (models=model passes one module). Pass "
+            "models={'name': model} or annotate the parameter as a module."
+        )
+    if not single and kind == "module":
+        raise ValueError(
+            f"training_fn {name!r} annotates its first parameter as a single model, but this "
+            "strategy has named models (a dict is passed). Pass models=model for single-model "
+            "training, or annotate the parameter as a mapping (dict[str, nn.Module])."
+        )
+
+
+def _first_annotation(fn: Any, param: inspect.Parameter) -> Any:
+    try:
+        hints = typing.get_type_hints(fn)
+        if param.name in hints:
+            return hints[param.name]
+    except Exception:
+        pass
+    return param.annotation
+
+
+def _annotation_kind(annotation: Any) -> str | None:
+    if annotation is inspect.Parameter.empty or annotation is Any or isinstance(annotation, str):
+        return None
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or type(annotation).__name__ == "UnionType":
+        kinds = {_annotation_kind(a) for a in typing.get_args(annotation) if a is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else None
+    target = origin or annotation
+    if not isinstance(target, type):
+        return None
+    if issubclass(target, (Mapping, nn.ModuleDict)) or target is dict:
+        return "mapping"
+    if issubclass(target, nn.Module) or _is_model_mixin(target):
+        return "module"
+    return None
+
+
+def _is_model_mixin(target: type) -> bool:
+    """Whether ``target`` is ``BaseModelMixin`` or a subclass (a model type, not a mapping)."""
+    from nvalchemi.models.base import BaseModelMixin  # models is a lower layer
+
+    return issubclass(target, BaseModelMixin)
+
+
+def _check_unique(hooks: list[Any]) -> None:
+    seen: set[int] = set()
+    duplicates = []
+    for hook in hooks:
+        if id(hook) in seen:
+            duplicates.append(type(hook).__name__)
+        seen.add(id(hook))
+    if duplicates:
+        raise ValueError(
+            f"hooks must not contain duplicate hook instances; repeated: {duplicates}. Create "
+            "a separate instance for each registration."
+        )
+
+
+def _check_do_claims(hooks: list[Any], candidate: Any = None, stage: Any = None) -> None:
+    for do_stage in _DO_STAGES:
+        claimants = [
+            h
+            for h in hooks
+            if (h is candidate and stage is not None and stage == do_stage)
+            or _hook_claims_stage(h, do_stage)
+        ]
+        if len(claimants) > 1:
+            names = ", ".join(type(h).__name__ for h in claimants)
+            hint = (
+                " Implement the plain hook as a TrainingUpdateHook so the orchestrator runs it."
+                if any(isinstance(h, TrainingUpdateOrchestrator) for h in claimants)
+                else " Keep one replacement hook per slot."
+            )
+            raise ValueError(
+                f"At most one hook may claim {do_stage.name}; got {len(claimants)}: {names}.{hint}"
+            )
+
+
+def _validate_dependencies(hooks: list[Any]) -> None:
+    for hook in hooks:
+        check = protocol.member(hook, "_validate_registered_hooks")
+        if check is not None:
+            check(list(hooks))

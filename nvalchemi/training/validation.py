@@ -269,7 +269,7 @@ class ValidationLoop:
                 f"key; missing: {missing}."
             )
         device = strategy.devices[0]
-        autocast, precision = strategy._inference_autocast(device, config.use_mixed_precision)
+        autocast, precision = strategy.validation_autocast(device, config.use_mixed_precision)
         loop = cls.__new__(cls)
         loop._setup(
             data=config.validation_data,
@@ -376,7 +376,7 @@ class ValidationLoop:
             (strategy.step_count, strategy.epoch_count) if strategy is not None else self._counters
         )
         before, after = self._forward_hooks()
-        ctx = strategy._validation_context() if (before or after) else None
+        ctx = strategy.new_context() if (before or after) else None
         totals = _Totals(self.loss_fn.component_names, self.device, self.loss_fn.components)
         workflow = strategy if strategy is not None else self
         callback = self.config.batch_callback
@@ -448,7 +448,10 @@ class ValidationLoop:
     def _forward_hooks(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         if self._strategy is None:
             return (), ()
-        return self._strategy.hooks_for(_BEFORE_FORWARD), self._strategy.hooks_for(_AFTER_FORWARD)
+        strategy = self._strategy
+        # neighbour lists for batches that come without (the builders skip the others)
+        before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
+        return before, strategy.hooks_for(_AFTER_FORWARD)
 
 
 # --------------------------------------------------------------------------- accumulation

@@ -27,7 +27,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def assert_png(path: Path) -> None:
     data = Path(path).read_bytes()
     assert data[:8] == PNG_SIGNATURE and len(data) > 2000
-    assert not list(Path(path).parent.glob(".*.tmp"))  # no temporary file left behind
+    assert not list(Path(path).parent.glob(".tmp-*"))  # no temporary file left behind
 
 
 def write_metrics(run: Path, steps: int = 30) -> Path:

@@ -318,8 +318,8 @@ _WORKER = textwrap.dedent(
         hook(ctx, "AFTER_OPTIMIZER_STEP")
     out["rich"] = console.file.getvalue()
     out["tb"] = writer.calls
-    teardown()
     report(**out)
+    teardown()
     """
 )
 

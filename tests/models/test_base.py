@@ -328,6 +328,26 @@ def test_make_neighbor_hooks():
     assert Quadratic(config).make_neighbor_hooks()[0].stage is None
 
 
+def test_make_neighbor_hooks_builds_the_hook_without_importing_the_hooks_package():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from nvalchemi.models.base import ModelConfig, NeighborConfig\n"
+        "from nvalchemi.models.demo import DemoModel, DemoModelWrapper\n"
+        "model = DemoModelWrapper(DemoModel(hidden_dim=4))\n"
+        "model.model_config = ModelConfig(neighbor_config=NeighborConfig(cutoff=3.0))\n"
+        "(hook,) = model.make_neighbor_hooks()\n"
+        "assert hook.cutoff == 3.0\n"
+        "assert not [m for m in sys.modules if m.startswith(('nvalchemi.hooks', "
+        "'nvalchemi.training'))], sorted(m for m in sys.modules if m.startswith('nvalchemi'))\n"
+        "from nvalchemi.hooks.neighbor_list import NeighborListHook\n"
+        "assert type(hook) is NeighborListHook  # the documented path names the same class\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # --------------------------------------------------------------- exporting
 def test_add_output_head_is_not_supported_by_default():
     with pytest.raises(NotImplementedError):

@@ -65,8 +65,8 @@ def main() -> None:
         raised = {"step": exc.step, "components": exc.components}
     skipping = strategy(rank, "skip")
     skipping.run(batches())
-    teardown()
     report(rank=rank, raised=raised, skip_counts=[skipping.step_count, skipping.batch_count])
+    teardown()
 
 
 if __name__ == "__main__":

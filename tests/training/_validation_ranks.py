@@ -89,8 +89,8 @@ def main() -> None:
     uneven = data[:3] if rank == 0 else data[3:]
     empty_rank = data if rank == 0 else []
     result = {"uneven": floats(summary(uneven)), "empty_rank": floats(summary(empty_rank))}
-    teardown()
     report(**result)
+    teardown()
 
 
 if __name__ == "__main__":

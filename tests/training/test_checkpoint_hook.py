@@ -242,10 +242,10 @@ def test_update_hook_states_grad_scaler_spike_statistics_and_accumulation_round_
     strategy = C.strategy(num_steps=3, hooks=first)
     strategy.run(C.batches(7))
     strategy.save_checkpoint(tmp_path)
-    saved = _flat(strategy._orchestrator().state_dict())
+    saved = _flat(strategy.orchestrator().state_dict())
     assert saved["MixedPrecisionHook"]["grad_scaler"] is not None
     assert saved["LossSpikeSkipHook"]["accepted"] == 3
 
     second = hooks()
     loaded = TrainingStrategy.load_checkpoint(tmp_path, hooks=second)
-    assert _flat(loaded._orchestrator().state_dict()) == saved
+    assert _flat(loaded.orchestrator().state_dict()) == saved

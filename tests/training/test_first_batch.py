@@ -60,14 +60,13 @@ def test_a_float64_batch_for_a_float32_model_says_which_to_change():
 
 def test_nvalchemi_models_cast_their_inputs_and_are_not_refused():
     from nvalchemi.training._first_batch import check_first_batch
-    from nvalchemi.training.strategy import default_training_fn
 
     batch = make_batch().to(dtype=torch.float64)
     model = DemoModelWrapper(DemoModel(hidden_dim=8))  # float32; BaseModelMixin casts inputs
-    check_first_batch(batch, {"main": model}, default_training_fn)
+    check_first_batch(batch, {"main": model}, default_training_fn=True)
     with pytest.raises(TypeError, match="float64 positions"):
-        check_first_batch(batch, {"main": TinyModel()}, default_training_fn)
-    check_first_batch(batch, {"main": TinyModel()}, lambda m, b: {})  # a custom training_fn
+        check_first_batch(batch, {"main": TinyModel()}, default_training_fn=True)
+    check_first_batch(batch, {"main": TinyModel()}, default_training_fn=False)  # a custom one
 
 
 def test_a_loader_of_batches_passes_unchanged():

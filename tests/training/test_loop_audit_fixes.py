@@ -160,7 +160,9 @@ def test_closing_a_session_runs_the_pending_check_and_still_exits_hooks():
     strategy = C.strategy(hooks=[Exits()])
     strategy.train_batch(C.batches(1)[0])
     # A loss recorded but not yet checked, as the batched periodic check leaves them.
-    strategy._record_loss(torch.tensor(float("nan")), {})
+    record = strategy.__dict__["_run"].record
+    record.losses.append(torch.tensor(float("nan")))
+    record.meta.append((1, 0, 1, 1, []))
     with pytest.raises(NonFiniteLossError):
         strategy.close()
     assert exits == [NonFiniteLossError]
@@ -298,7 +300,7 @@ def test_checkpoint_hook_defers_a_save_due_inside_a_window_to_the_window_end(tmp
         loaded = TrainingStrategy.load_checkpoint(
             tmp_path, checkpoint_index=index, hooks=[GradientAccumulationHook(3)]
         )
-        assert loaded._orchestrator().state_dict()["GradientAccumulationHook"]["micro_step"] == 0
+        assert loaded.orchestrator().state_dict()["GradientAccumulationHook"]["micro_step"] == 0
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -427,6 +427,22 @@ def test_custom_schedule_round_trips_from_the_users_imported_module():
     assert ser.is_import_allowed("nvalchemi.training.losses.composition._ProductWeight")
 
 
+def test_specs_naming_the_composition_module_still_build():
+    # Specs and job files written before the classes moved name them by these paths.
+    loss_fn = 3.0 * (LinearWeight(start=0.0, end=1.0, num_steps=10) * EnergyMSELoss())
+    loss_fn = loss_fn + ForceMSELoss()
+    text = json.dumps(loss_fn.to_spec().model_dump())
+    for old, new in (
+        ("nvalchemi.training.losses.composition.", "nvalchemi.training.losses.base."),
+        ("nvalchemi.training.losses.composition._", "nvalchemi.training.losses.schedules._"),
+    ):
+        assert new in text
+        text = text.replace(new, old)
+    rebuilt = create_model_spec_from_json(json.loads(text)).build()
+    assert type(rebuilt) is ComposedLossFunction and isinstance(rebuilt.weights[0], _ProductWeight)
+    assert rebuilt.current_weight(step=5) == loss_fn.current_weight(step=5)
+
+
 # ------------------------------------------------------------------------------ properties
 
 weights_st = st.floats(min_value=0.01, max_value=100.0, allow_nan=False)

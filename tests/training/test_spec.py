@@ -285,6 +285,7 @@ def test_strings_resolved_while_building_follow_the_spec_trust():
     [
         "nvalchemi._serialization",
         "nvalchemi.spec",
+        "nvalchemi.training.losses.base",
         "nvalchemi.training.losses.terms",
         "nvalchemi.training.losses.reductions",
         "nvalchemi.training.losses.composition",

@@ -223,10 +223,15 @@ def test_loss_is_live_then_detached_and_predictions_are_exposed():
     assert set(by_stage["AFTER_FORWARD"]["predictions"]) == {"predicted_energy", "predicted_forces"}
 
 
-def test_without_hooks_no_context_is_built():
+def test_without_hooks_no_context_is_built(monkeypatch):
+    import nvalchemi.training.strategy as module
+
+    built = []
+    real = module.TrainContext
+    monkeypatch.setattr(module, "TrainContext", lambda **kw: built.append(kw) or real(**kw))
     s = strategy(num_epochs=2)
     s.run(make_batches(2))
-    assert s.__dict__["_ctx"] is None
+    assert s.step_count == 4 and built == []
 
 
 def test_one_context_object_serves_the_whole_run():
@@ -604,7 +609,7 @@ def _nan_batches():
 
 
 def test_raise_policy_names_step_epoch_batch_and_component_without_syncing_each_step(monkeypatch):
-    from nvalchemi.training._nonfinite import _NonFiniteRecord
+    from nvalchemi.training._run import NonFiniteRecord as _NonFiniteRecord
 
     checks = []
     original = _NonFiniteRecord.first_bad

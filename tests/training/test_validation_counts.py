@@ -199,9 +199,9 @@ def rank_main() -> None:
     batches = make_batches()
     shard = [batches[0], batches[2]] if rank == 0 else [batches[1]]
     summary = summarize(shard)
-    teardown()
     report(
         distributed_reduced=summary["distributed_reduced"],
         count=summary["per_component_sample_count"],
         sample={k: float(v) for k, v in summary["per_component_sample"].items()},
     )
+    teardown()

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import hashlib
 import io
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nvalchemi._fileio import atomic_path, write_atomic
 from nvalchemi.data._ase_convert import valid_calculator_results
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.datapipes.reader import Reader
@@ -78,11 +80,7 @@ def _file_key(path: Path) -> str:
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as handle:
-            np.save(handle, array)
-        os.replace(tmp, path)
+        write_atomic(path, lambda handle: np.save(handle, array))
     except OSError as exc:  # a read-only cache only costs a rescan next time
         _log.debug("Could not cache %s: %s", path, exc)
 
@@ -184,17 +182,13 @@ class _ExtxyzSource:
         target = target_dir / f"{path.stem}.{_file_key(path)}.extxyz"
         if not target.exists():
             _log.info("Decompressing %s to %s (once) for random access.", path, target)
-            target_dir.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             try:
-                with opener(path, "rb") as src, open(tmp, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 22)
+                with opener(path, "rb") as src:
+                    write_atomic(target, functools.partial(shutil.copyfileobj, src, length=1 << 22))
             except (OSError, EOFError, lzma.LZMAError) as exc:
-                tmp.unlink(missing_ok=True)
                 raise ValueError(
                     f"{path}: cannot decompress ({exc}); the file is corrupt."
                 ) from exc
-            os.replace(tmp, target)
         return target
 
     def _index(self, cache_dir: Path | None) -> tuple[np.ndarray, np.ndarray]:
@@ -549,13 +543,8 @@ def write_extxyz(path: str | os.PathLike, data_list: Any, *, append: bool = Fals
     frames = [d.to_atoms() for d in data_list]
     if not frames:
         raise ValueError(f"write_extxyz({path}): nothing to write (empty data list).")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
+    with atomic_path(path) as tmp:
         if append and path.exists():
             shutil.copyfile(path, tmp)
         write(tmp, frames, format="extxyz", append=append)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

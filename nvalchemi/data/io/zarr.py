@@ -63,13 +63,13 @@ import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nvalchemi._fileio import replace_dir, temporary_sibling
 from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
     FORMAT,
@@ -696,15 +696,12 @@ class AtomicDataZarrWriter:
 
         zarr = zarr_module()
         if isinstance(self.store, (str, os.PathLike)):
-            path = Path(self.store)
-            tmp = path.with_name(path.name + ".defrag-tmp")
-            old = path.with_name(path.name + ".defrag-old")
-            shutil.rmtree(tmp, ignore_errors=True)
-            build(zarr.open_group(zarr.storage.LocalStore(str(tmp)), mode="w"))
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            tmp = temporary_sibling(self.store, "defragmenting")
+            try:
+                build(zarr.open_group(zarr.storage.LocalStore(str(tmp)), mode="w"))
+                replace_dir(tmp, self.store)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # ours; gone once swapped in
             self._zstore = open_store(self.store)
         else:
             build(zarr.open_group(self._zstore, mode="w"))

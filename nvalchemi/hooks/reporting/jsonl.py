@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from nvalchemi._fileio import sync_file
 from nvalchemi.hooks.reporting._base import ClosesOnExit
 from nvalchemi.hooks.reporting._events import event_position, is_validation_stage
 from nvalchemi.hooks.reporting.scalars import (
@@ -173,8 +174,7 @@ class JSONLinesReporter(ClosesOnExit):
         if handle is None:
             return
         try:
-            handle.flush()
-            os.fsync(handle.fileno())
+            sync_file(handle)
         finally:
             handle.close()
             self._unflushed = 0

@@ -9,13 +9,13 @@ headless jobs. Files are written atomically (temporary file, then rename).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nvalchemi._fileio import write_atomic
 from nvalchemi._optional import OptionalDependency
 from nvalchemi.hooks.reporting.jsonl import metric_units, read_metrics
 from nvalchemi.hooks.reporting.units import key_unit, metric_label
@@ -41,13 +41,7 @@ def _figure(width: float, height: float) -> Any:
 
 def _save(figure: Any, out_png: str | Path) -> Path:
     out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        figure.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(out, lambda handle: figure.savefig(handle, format="png", dpi=120))
     return out
 
 

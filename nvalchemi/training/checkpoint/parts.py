@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from nvalchemi._serialization import encode_value
+from nvalchemi.hooks import protocol
 from nvalchemi.training.checkpoint.rng import capture_rng, preserved_rng, restore_rng
 from nvalchemi.training.checkpoint.store import (
     EntryFiles,
@@ -414,8 +415,8 @@ def _restore_hooks(r: _Restore) -> None:
     live = dict(r.strategy.iter_checkpointable_hooks())
     children: dict[str, Any] = {}
     for hook in live.values():
-        lister = getattr(hook, "checkpointable_children", None)
-        if callable(lister):
+        lister = protocol.member(hook, "checkpointable_children")
+        if lister is not None:
             children.update(dict(lister()))
     dropped = []
     for key, state in saved.items():
@@ -448,8 +449,8 @@ def _reference_hook_keys(saved: Mapping[str, Any]) -> dict[str, Any]:
 
 def _load_hook(hook: Any, state: Any) -> list[str]:
     """Load ``state`` into ``hook`` (an orchestrator: into its children); return what was dropped."""
-    lister = getattr(hook, "checkpointable_children", None)
-    if not (callable(lister) and isinstance(state, Mapping)):
+    lister = protocol.member(hook, "checkpointable_children")
+    if not (lister is not None and isinstance(state, Mapping)):
         hook.load_state_dict(state)
         return []
     children = dict(lister())
@@ -561,8 +562,8 @@ def hook_types(hooks: list[Any]) -> list[str]:
     """Class names of ``hooks`` and of an orchestrator's children."""
     out = []
     for hook in hooks:
-        children = getattr(hook, "iter_hooks", None)
-        out.extend(type(h).__name__ for h in (children() if callable(children) else [hook]))
+        children = protocol.member(hook, "iter_hooks")
+        out.extend(type(h).__name__ for h in (children() if children is not None else [hook]))
     return out
 
 

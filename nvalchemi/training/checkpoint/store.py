@@ -864,7 +864,8 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 def _write_folder(tmp: Path, files: Mapping[str, Any]) -> dict[str, int]:
     """Write ``files`` (and the marker, first) into ``tmp``; fsync everything."""
-    write_durable(tmp / MARKER, b"")
+    tmp.mkdir(parents=True)
+    (tmp / MARKER).touch()  # no fsync of its own: a lost marker only keeps a leftover on disk
     sizes: dict[str, int] = {}
     for relative, content in files.items():
         path = _safe_relative(tmp, relative, "checkpoint file")

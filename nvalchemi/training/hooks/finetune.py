@@ -149,7 +149,7 @@ class ModulePatchHook(BaseModel):
         }
         if not pending:
             return  # already applied by this hook: never replace trained modules
-        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+        if getattr(workflow, "optimizers_built", False):
             raise RuntimeError(
                 "ModulePatchHook must be registered before optimizers are built; the new "
                 "modules would not be optimized. Pass it in hooks=[...] when constructing the "
@@ -468,7 +468,7 @@ class TrainableParameterHook(BaseModel):
 
     def on_register(self, workflow: Any) -> None:
         """Resolve the patterns against the workflow's parameters and set its filters."""
-        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+        if getattr(workflow, "optimizers_built", False):
             warnings.warn(
                 "TrainableParameterHook registered after optimizers were built; they will be "
                 "rebuilt with the new parameter filter (their state, e.g. Adam moments, is "
@@ -604,7 +604,7 @@ class AddHeadHook(BaseModel):
             pending.append((model, head, copy_from))
         if not pending:
             return
-        if getattr(workflow, "_optimizers", None) or getattr(workflow, "_flat_opts", None):
+        if getattr(workflow, "optimizers_built", False):
             raise RuntimeError(
                 "AddHeadHook must be registered before optimizers are built; the new heads "
                 "would not be optimized. Use FineTuningStrategy(new_heads=...)."

@@ -24,7 +24,7 @@ A hook whose class sets ``_veto_defers_step = True`` (gradient accumulation) onl
 postpones the step; when it is the only one vetoing, :attr:`~TrainingUpdateOrchestrator.step_deferred`
 is set and the strategy does not count the batch as a skipped step. Just before stepping,
 the orchestrator lets the strategy run its due non-finite loss check
-(``workflow._check_nonfinite_before_step()``), so a non-finite loss raises before its
+(``workflow.check_nonfinite_if_due()``), so a non-finite loss raises before its
 gradients reach the weights.
 Canonical priorities: 10 gradient accumulation, 20 mixed precision, 30 clipping,
 40 spike skipping, 50 default/EMA.
@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from nvalchemi.hooks import protocol
 from nvalchemi.training.optimizers import step_lr_schedulers, step_optimizers, zero_gradients
 from nvalchemi.training.stages import TrainingStage
 
@@ -100,8 +101,8 @@ def is_update_hook(hook: Any) -> bool:
 
 def _hook_claims_stage(hook: Any, stage: Any) -> bool:
     """Whether ``hook`` runs at ``stage`` (``_runs_on_stage`` wins over ``stage ==``)."""
-    runs_on_stage = getattr(hook, "_runs_on_stage", None)
-    if callable(runs_on_stage):
+    runs_on_stage = protocol.member(hook, "_runs_on_stage")
+    if runs_on_stage is not None:
         return bool(runs_on_stage(stage))
     return getattr(hook, "stage", None) == stage
 
@@ -199,12 +200,12 @@ class TrainingUpdateOrchestrator:
     @property
     def window_open(self) -> bool:
         """Whether a child holds accumulated gradients that wait for a later optimizer step."""
-        return any(getattr(hook, "window_open", False) for hook in self._hooks)
+        return any(protocol.member(hook, "window_open", False) for hook in self._hooks)
 
     @property
     def batches_per_step(self) -> int:
         """Batches per optimizer step of a full accumulation window (1 without accumulation)."""
-        return max((int(getattr(h, "batches_per_step", 1)) for h in self._hooks), default=1)
+        return max((int(protocol.member(h, "batches_per_step", 1)) for h in self._hooks), default=1)
 
     def iter_hooks(self) -> Iterator[Any]:
         """The child hooks in dispatch (priority) order."""
@@ -229,8 +230,8 @@ class TrainingUpdateOrchestrator:
 
     def _validate_registered_hooks(self, hooks: list[Any]) -> None:
         for child in self._hooks:
-            check = getattr(child, "_validate_registered_hooks", None)
-            if callable(check):
+            check = protocol.member(child, "_validate_registered_hooks")
+            if check is not None:
                 check(hooks)
 
     def _runs_on_stage(self, stage: Any) -> bool:
@@ -243,14 +244,14 @@ class TrainingUpdateOrchestrator:
         elif stage is _BEFORE_BATCH:
             if self._run_gated(ctx, stage):
                 zero_gradients(ctx.optimizers)
-                clear = getattr(ctx.workflow, "_zero_optimizer_filtered_gradients", None)
+                clear = getattr(ctx.workflow, "clear_unowned_gradients", None)
                 if clear is not None:
-                    clear(ctx.optimizers)
+                    clear()
         elif stage is _DO_OPTIMIZER_STEP:
             proceed = self._run_gated(ctx, stage)
             self._step_deferred = not proceed and self._veto_deferred
             if proceed:
-                check = getattr(ctx.workflow, "_check_nonfinite_before_step", None)
+                check = getattr(ctx.workflow, "check_nonfinite_if_due", None)
                 if check is not None:
                     check()  # a due non-finite check raises before the step, not after
             ran = proceed and self._step_optimizers_with_context(ctx)
@@ -270,7 +271,7 @@ class TrainingUpdateOrchestrator:
             result = hook(ctx, stage, will_skip) if takes_skip else hook(ctx, stage)
             if not _check_veto(hook, stage, result):
                 will_skip = True
-                if deferred and not getattr(hook, "_veto_defers_step", False):
+                if deferred and not protocol.member(hook, "_veto_defers_step", False):
                     deferred = False
         self._veto_deferred = will_skip and deferred
         return not will_skip
@@ -331,26 +332,26 @@ class TrainingUpdateOrchestrator:
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> TrainingUpdateOrchestrator:
         for hook in self._hooks:
-            enter = getattr(hook, "__enter__", None)
-            if callable(enter):
+            enter = protocol.member(hook, "__enter__")
+            if enter is not None:
                 enter()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         for hook in reversed(self._hooks):
-            exit_ = getattr(hook, "__exit__", None)
-            if callable(exit_):
+            exit_ = protocol.member(hook, "__exit__")
+            if exit_ is not None:
                 exit_(exc_type, exc, tb)
             else:
-                close = getattr(hook, "close", None)
-                if callable(close):
+                close = protocol.member(hook, "close")
+                if close is not None:
                     close()
 
     def close(self) -> None:
         """Close every child (reverse order) that defines ``close()``."""
         for hook in reversed(self._hooks):
-            close = getattr(hook, "close", None)
-            if callable(close):
+            close = protocol.member(hook, "close")
+            if close is not None:
                 close()
 
     # ----------------------------------------------------------------- checkpoints
@@ -400,13 +401,13 @@ class TrainingUpdateOrchestrator:
 
 
 def _by_priority(hooks: Iterable[Any]) -> list[Any]:
-    return sorted(hooks, key=lambda h: getattr(h, "priority", 50))  # stable: ties keep order
+    return sorted(hooks, key=lambda h: protocol.member(h, "priority", 50))  # stable: ties keep order
 
 
 def _check_exclusive(hooks: list[Any]) -> None:
     seen: dict[str, Any] = {}
     for hook in hooks:
-        key = getattr(hook, "_exclusive_update_key", None)
+        key = protocol.member(hook, "_exclusive_update_key")
         if key is None:
             continue
         if key in seen:
@@ -427,9 +428,7 @@ def _call_on_register(hook: Any, workflow: Any) -> None:
 
 
 def _is_checkpointable(hook: Any) -> bool:
-    return callable(getattr(hook, "state_dict", None)) and callable(
-        getattr(hook, "load_state_dict", None)
-    )
+    return protocol.is_checkpointable(hook)
 
 
 def _stable_keys(hooks: Iterable[Any]) -> list[tuple[str, Any]]:

@@ -1,8 +1,22 @@
-"""The leaf-loss contract: :class:`BaseLossFunction` and its template ``forward``.
+"""Loss functions: the leaf contract and weighted sums of leaves.
 
-A leaf loss maps ``(prediction, target, **metadata)`` to a scalar. ``forward`` runs
-``align_dtypes -> validate -> normalize -> mask -> compute_residual -> reduce``; subclasses
-implement ``compute_residual`` and override the other steps when they need to.
+A **leaf** (:class:`BaseLossFunction`) maps ``(prediction, target, **metadata)`` to a
+scalar. A **composition** (:class:`ComposedLossFunction`) is a flat list of leaves with a
+weight each (a float or a :class:`~nvalchemi.training.losses.LossWeightSchedule`); ``+``
+and ``*`` on leaves and compositions build one, so the two classes are one algebra and
+live in one module:
+
+>>> from nvalchemi.training.losses import EnergyMSELoss, ForceMSELoss, LinearWeight
+>>> loss_fn = 1.0 * EnergyMSELoss() + LinearWeight(start=0.0, end=10.0, num_steps=100) * ForceMSELoss()
+>>> loss_fn.weight_factors(step=50)
+{'EnergyMSELoss': 0.1666..., 'ForceMSELoss': 0.8333...}
+
+By default (``normalize_weights=True``) the resolved weights are divided by their sum at
+every call, so only their ratios matter.
+
+A leaf's ``forward`` runs ``align_dtypes -> validate -> normalize -> mask ->
+compute_residual -> reduce``; subclasses implement ``compute_residual`` and override the
+other steps when they need to.
 
 Which entries count:
 
@@ -34,17 +48,34 @@ nothing extra is computed.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
+import math
+import numbers
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, TypedDict, get_args
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from nvalchemi.training.losses.composition import ComposedLossFunction
-    from nvalchemi.training.spec import BaseSpec
+from nvalchemi._serialization import init_kwargs_from_attrs
+from nvalchemi.training.losses.schedules import (
+    Weight,
+    check_weight,
+    is_weight,
+    resolve_weight,
+    scale_weight,
+)
+from nvalchemi.training.spec import BaseSpec, create_model_spec
 
-__all__ = ["BaseLossFunction", "DTypePolicy", "ReductionContext", "assert_same_shape"]
+__all__ = [
+    "BaseLossFunction",
+    "ComposedLossFunction",
+    "ComposedLossOutput",
+    "DTypePolicy",
+    "ReductionContext",
+    "assert_same_shape",
+    "loss_component_to_spec",
+]
 
 DTypePolicy = Literal["strict", "prediction_to_target", "target_to_prediction"]
 """How a loss treats a prediction/target dtype mismatch: raise, or cast one side."""
@@ -121,9 +152,7 @@ def missing_structures(loss: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | N
     From the ``missing_labels=`` keyword (a mapping of label name to mask, as
     ``Batch.missing_labels``, or the leaf's own mask), else from a ``batch=`` keyword.
     """
-    missing = kwargs.get("missing_labels")
-    if missing is None and kwargs.get("batch") is not None:
-        missing = getattr(kwargs["batch"], "missing_labels", None)
+    missing = metadata(loss, kwargs, "missing_labels", required=False)
     if missing is None or isinstance(missing, torch.Tensor):
         mask = missing
     elif isinstance(missing, Mapping):
@@ -504,12 +533,9 @@ class BaseLossFunction(nn.Module, abc.ABC):
     # -- algebra and serialization -------------------------------------------------------
 
     def __add__(self, other: Any) -> ComposedLossFunction:
-        from nvalchemi.training.losses.composition import ComposedLossFunction
-
         if isinstance(other, ComposedLossFunction):
             return ComposedLossFunction(
                 [self, other],
-                weights=[1.0, 1.0],
                 normalize_weights=other.normalize_weights,
                 dtype_policy=other.dtype_policy,
             )
@@ -518,13 +544,9 @@ class BaseLossFunction(nn.Module, abc.ABC):
         return NotImplemented
 
     def __radd__(self, other: Any) -> Any:
-        if isinstance(other, (int, float)) and not isinstance(other, bool) and other == 0:
-            return self  # lets sum([loss_a, loss_b]) start from 0
-        return NotImplemented
+        return _zero_plus(self, other)
 
     def __mul__(self, other: Any) -> ComposedLossFunction:
-        from nvalchemi.training.losses.composition import ComposedLossFunction, is_weight
-
         if not is_weight(other):
             return NotImplemented
         return ComposedLossFunction([self], weights=[other])
@@ -532,14 +554,403 @@ class BaseLossFunction(nn.Module, abc.ABC):
     __rmul__ = __mul__
 
     def to_spec(self) -> BaseSpec:
-        """Spec that rebuilds this leaf (see ``loss_component_to_spec``)."""
-        from nvalchemi.training.losses.composition import loss_component_to_spec
-
+        """Spec that rebuilds this leaf (see :func:`loss_component_to_spec`)."""
         return loss_component_to_spec(self)
 
     def extra_repr(self) -> str:
-        from nvalchemi._serialization import init_kwargs_from_attrs
-
         kwargs = init_kwargs_from_attrs(self)
         kwargs["dtype_policy"] = self._dtype_policy
         return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+
+
+def _zero_plus(loss: Any, other: Any) -> Any:
+    """``0 + loss`` is ``loss``, so ``sum([loss_a, loss_b])`` works."""
+    if isinstance(other, numbers.Real) and not isinstance(other, bool) and other == 0:
+        return loss
+    return NotImplemented
+
+
+# ------------------------------------------------------------------------ compositions
+def _unique_names(components: Sequence[nn.Module]) -> list[str]:
+    names = [type(c).__name__ for c in components]
+    counts, seen = Counter(names), Counter()
+    out = []
+    for name in names:
+        if counts[name] > 1:
+            out.append(f"{name}_{seen[name]}")
+            seen[name] += 1
+        else:
+            out.append(name)
+    return out
+
+
+class ComposedLossOutput(TypedDict):
+    """Result of a :class:`ComposedLossFunction` call (all five keys always present)."""
+
+    total_loss: torch.Tensor
+    per_component_unweighted: dict[str, torch.Tensor]
+    per_component_weight: dict[str, float]  # effective (after normalization)
+    per_component_raw_weight: dict[str, float]  # before normalization
+    # effective weight * per-structure values; NaN for a structure without a label. Detached,
+    # and computed when first read (a training step nobody reports on does no per-sample work)
+    per_component_sample: dict[str, torch.Tensor]
+
+
+class ComposedLossFunction(nn.Module):
+    """Weighted sum of leaf losses.
+
+    Args:
+        components: leaves or compositions; nested compositions are flattened (their
+            weights multiplied by the parent's; their own flags dropped).
+        weights: one float or schedule per component (``None`` entries and ``weights=None``
+            mean 1.0).
+        normalize_weights: divide the resolved weights by their sum at every call.
+        dtype_policy: policy for leaves that did not set their own (``None`` = strict).
+
+    >>> from nvalchemi.training.losses import EnergyMSELoss, ForceMSELoss
+    >>> loss_fn = ComposedLossFunction([EnergyMSELoss(), ForceMSELoss()], weights=[1.0, 10.0],
+    ...                                normalize_weights=False)
+    """
+
+    def __init__(
+        self,
+        components: Sequence[BaseLossFunction | ComposedLossFunction],
+        *,
+        weights: Sequence[Weight | None] | None = None,
+        normalize_weights: bool = True,
+        dtype_policy: DTypePolicy | None = None,
+    ) -> None:
+        super().__init__()
+        components = list(components)
+        if not components:
+            raise ValueError("components must contain at least one loss term")
+        if weights is None:
+            weights = [1.0] * len(components)
+        if len(weights) != len(components):
+            raise ValueError(
+                f"weights has length {len(weights)} but components has length "
+                f"{len(components)}; lengths must match."
+            )
+        leaves, flat = [], []
+        for i, (component, weight) in enumerate(zip(components, weights)):
+            weight = check_weight(i, weight)
+            if isinstance(component, ComposedLossFunction):
+                leaves.extend(component.components)
+                flat.extend(scale_weight(w, weight) for w in component._weights)
+            elif isinstance(component, BaseLossFunction):
+                leaves.append(component)
+                flat.append(weight)
+            else:
+                raise TypeError(
+                    f"components[{i}] must be a BaseLossFunction or ComposedLossFunction, "
+                    f"got {type(component).__name__}"
+                )
+        self.components = nn.ModuleList(leaves)
+        self._weights: list[Any] = flat
+        self._names = _unique_names(leaves)
+        self.normalize_weights = bool(normalize_weights)
+        self._dtype_policy = check_dtype_policy(dtype_policy)
+
+    @property
+    def dtype_policy(self) -> str | None:
+        """Policy applied to leaves without their own (``None``: strict)."""
+        return self._dtype_policy
+
+    @dtype_policy.setter
+    def dtype_policy(self, value: DTypePolicy | None) -> None:
+        self._dtype_policy = check_dtype_policy(value)
+
+    @property
+    def component_names(self) -> list[str]:
+        """Names used in outputs: class names, suffixed ``_0``, ``_1``, ... when repeated."""
+        return list(self._names)
+
+    @property
+    def weights(self) -> list[Any]:
+        """The (unresolved) weight of each component: floats and schedules."""
+        return list(self._weights)
+
+    def requires_eval_grad(self) -> bool:
+        """Whether evaluating this loss needs autograd (any leaf declares True).
+
+        Raises ``ValueError`` when no leaf declares True and some leaf leaves it undeclared.
+        """
+        flags = [getattr(c, "requires_eval_grad", None) for c in self.components]
+        if any(f is True for f in flags):
+            return True
+        unknown = [n for n, f in zip(self._names, flags) if f is None]
+        if unknown:
+            raise ValueError(
+                "Cannot infer whether evaluating this loss requires gradients for component(s): "
+                f"{unknown}. Set the class attribute requires_eval_grad = True/False on them."
+            )
+        return False
+
+    # -- weights -------------------------------------------------------------------------
+
+    def _resolved_weights(self, step: int, epoch: int | None) -> tuple[list[float], list[float]]:
+        raw = [
+            w if type(w) is float else resolve_weight(n, w, step, epoch)
+            for n, w in zip(self._names, self._weights)
+        ]
+        if not self.normalize_weights:
+            return raw, raw
+        total = sum(raw)
+        if not (math.isfinite(total) and total > 0):
+            raise ValueError(
+                "ComposedLossFunction: cannot normalize weights whose sum is not strictly positive "
+                f"(sum={total}). Resolved weights at step={step}, epoch={epoch}: "
+                f"{dict(zip(self._names, raw))}. Use positive weights or normalize_weights=False."
+            )
+        return raw, [w / total for w in raw]
+
+    def _weight_dicts(
+        self, step: int, epoch: int | None
+    ) -> tuple[list[float], dict[str, float], dict[str, float]]:
+        """Effective weights, ``{name: effective}`` and ``{name: raw}`` at ``(step, epoch)``.
+
+        Constant (float) weights are resolved once and reused while they and
+        ``normalize_weights`` stay the same.
+        """
+        cache = self.__dict__.get("_constant_weights")
+        if cache is not None and cache[0] == self.normalize_weights and cache[1] == self._weights:
+            return cache[2], cache[3].copy(), cache[4].copy()
+        raw, effective = self._resolved_weights(step, epoch)
+        out = effective, dict(zip(self._names, effective)), dict(zip(self._names, raw))
+        if all(type(w) is float for w in self._weights):
+            self.__dict__["_constant_weights"] = (self.normalize_weights, list(self._weights), *out)
+            return out[0], out[1].copy(), out[2].copy()
+        return out
+
+    def current_weight(self, step: int = 0, epoch: int | None = None) -> list[float]:
+        """Effective weight of each component at ``(step, epoch)``."""
+        return self._resolved_weights(step, epoch)[1]
+
+    def weight_factors(self, step: int = 0, epoch: int | None = None) -> dict[str, float]:
+        """``{component name: effective weight}`` at ``(step, epoch)``."""
+        return dict(zip(self._names, self.current_weight(step, epoch)))
+
+    # -- forward -------------------------------------------------------------------------
+
+    def forward(
+        self,
+        predictions: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        *,
+        step: int = 0,
+        epoch: int | None = None,
+        **kwargs: Any,
+    ) -> ComposedLossOutput:
+        """Evaluate every component on ``predictions[prediction_key]`` vs ``targets[target_key]``.
+
+        ``kwargs`` (``batch_idx``, ``num_graphs``, ``num_nodes_per_graph``,
+        ``missing_labels``, ``loss_weight``, ...) go to leaves. ``per_component_sample`` is
+        computed when first read.
+        """
+        effective, effective_by_name, raw_by_name = self._weight_dicts(step, epoch)
+        policy = self._dtype_policy
+        unweighted: dict[str, torch.Tensor] = {}
+        samples: list[tuple[str, Any, Any, float]] = []
+        total = None
+        for name, leaf, weight in zip(self._names, self._modules["components"], effective):
+            try:
+                pred = predictions[leaf.prediction_key]
+                target = targets[leaf.target_key]
+            except (AttributeError, KeyError, TypeError):
+                pred, target = self._inputs(name, leaf, predictions, targets)
+            if type(pred) is not torch.Tensor or type(target) is not torch.Tensor:
+                pred, target = self._inputs(name, leaf, predictions, targets)
+            if policy is not None and leaf._dtype_policy is None:
+                pred, target = cast_for_policy(pred, target, policy)
+            state = leaf.__dict__
+            state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
+            value = leaf(pred, target, **kwargs)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must return a torch.Tensor, got {type(value).__name__}")
+            unweighted[name] = value
+            source = state.get("_per_sample_source")
+            if source is not None:  # recorded by the leaf, computed when first read
+                samples.append((name, source, state.get("_per_sample_valid"), weight))
+            else:
+                sample = state.get("_per_sample")  # set directly (e.g. by a custom forward)
+                if sample is not None:
+                    if not isinstance(sample, torch.Tensor):
+                        raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
+                    _check_sample(name, sample)
+                    samples.append((name, sample, None, weight))
+            if total is None:
+                total = value if weight == 1.0 else value * weight
+            else:
+                total = torch.add(total, value, alpha=weight)
+        return {
+            "total_loss": total,
+            "per_component_unweighted": unweighted,
+            "per_component_weight": effective_by_name,
+            "per_component_raw_weight": raw_by_name,
+            "per_component_sample": _PerSampleValues(samples),
+        }
+
+    @staticmethod
+    def _inputs(name, leaf, predictions, targets) -> tuple[torch.Tensor, torch.Tensor]:
+        result = []
+        for kind, mapping in (("prediction", predictions), ("target", targets)):
+            key = getattr(leaf, f"{kind}_key", None)
+            if key is None:
+                raise AttributeError(
+                    f"{name} cannot be used in ComposedLossFunction without a {kind}_key attribute."
+                )
+            if key not in mapping:
+                raise KeyError(
+                    f"{name}: {kind} mapping is missing key {key!r} (its {kind}_key); available "
+                    f"{kind} keys: {sorted(mapping)}."
+                )
+            value = mapping[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{name}: {kind} {key!r} must resolve to torch.Tensor, got "
+                    f"{type(value).__name__}."
+                )
+            result.append(value)
+        return result[0], result[1]
+
+    # -- algebra -------------------------------------------------------------------------
+
+    def __mul__(self, other: Any) -> ComposedLossFunction:
+        if not is_weight(other):
+            return NotImplemented
+        return ComposedLossFunction(
+            [self],
+            weights=[other],
+            normalize_weights=self.normalize_weights,
+            dtype_policy=self._dtype_policy,
+        )
+
+    __rmul__ = __mul__
+
+    def __add__(self, other: Any) -> ComposedLossFunction:
+        if not isinstance(other, (BaseLossFunction, ComposedLossFunction)):
+            return NotImplemented
+        policy = self._dtype_policy
+        if isinstance(other, ComposedLossFunction):
+            if other.normalize_weights != self.normalize_weights:
+                raise ValueError(
+                    "Cannot add ComposedLossFunctions with mismatched normalize_weights "
+                    f"({self.normalize_weights} and {other.normalize_weights}); set the same "
+                    "value on both first."
+                )
+            policy = policy if policy is not None else other._dtype_policy
+        return ComposedLossFunction(
+            [self, other], normalize_weights=self.normalize_weights, dtype_policy=policy
+        )
+
+    def __radd__(self, other: Any) -> Any:
+        return _zero_plus(self, other)
+
+    # -- serialization -------------------------------------------------------------------
+
+    def to_spec(self) -> BaseSpec:
+        """Spec with leaf specs, weights (floats/schedule specs), flags; rebuilds exactly."""
+        return create_model_spec(
+            ComposedLossFunction,
+            components=[loss_component_to_spec(c) for c in self.components],
+            weights=list(self._weights),
+            normalize_weights=self.normalize_weights,
+            dtype_policy=self._dtype_policy,
+        )
+
+    def extra_repr(self) -> str:
+        return f"num_components={len(self.components)}, normalize_weights={self.normalize_weights}"
+
+
+def _check_sample(name: str, sample: torch.Tensor) -> None:
+    if sample.ndim != 1:
+        raise ValueError(
+            f"{name}.per_sample_loss must be a 1-D tensor of shape (B,), got {tuple(sample.shape)}"
+        )
+
+
+class _PerSampleValues(dict):
+    """``{component: effective weight * per-structure values}``, computed on first use.
+
+    A plain ``dict`` to its readers; the values are only computed when something reads them
+    (a reporter, validation), so a training step that nobody reports on does no per-sample
+    work. Pickles and copies as a plain ``dict``.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, pending: list[tuple[str, Any, Any, float]]) -> None:
+        self._pending = pending or None  # (dict.__new__ made the empty dict)
+
+    def _fill(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        for name, source, valid, weight in pending:
+            sample = per_sample_values(source, valid)
+            _check_sample(name, sample)
+            dict.__setitem__(self, name, sample if weight == 1.0 else weight * sample)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        self._fill()
+        return dict, (dict(self.items()),)
+
+
+def _filling(method: Any) -> Any:
+    def wrapper(self: _PerSampleValues, *args: Any, **kwargs: Any) -> Any:
+        self._fill()
+        return method(self, *args, **kwargs)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+for _method in (
+    "__contains__",
+    "__delitem__",
+    "__eq__",
+    "__getitem__",
+    "__ior__",
+    "__iter__",
+    "__len__",
+    "__ne__",
+    "__or__",
+    "__repr__",
+    "__reversed__",
+    "__ror__",
+    "__setitem__",
+    "clear",
+    "copy",
+    "get",
+    "items",
+    "keys",
+    "pop",
+    "popitem",
+    "setdefault",
+    "update",
+    "values",
+):
+    setattr(_PerSampleValues, _method, _filling(getattr(dict, _method)))
+_PerSampleValues.__reduce_ex__ = lambda self, protocol: self.__reduce__()  # type: ignore[method-assign]
+del _method
+
+
+def loss_component_to_spec(leaf: BaseLossFunction) -> BaseSpec:
+    """Spec of one leaf loss from its same-named constructor attributes."""
+    if isinstance(leaf, ComposedLossFunction):
+        raise TypeError(
+            "loss_component_to_spec accepts only leaf BaseLossFunction objects; use "
+            "ComposedLossFunction spec serialization (loss_fn.to_spec()) for compositions."
+        )
+    if not isinstance(leaf, BaseLossFunction):
+        raise TypeError(
+            f"loss_component_to_spec expects a BaseLossFunction, got {type(leaf).__name__}"
+        )
+    kwargs = init_kwargs_from_attrs(leaf)
+    if "dtype_policy" in kwargs:  # store only an explicit policy, so the default stays "unset"
+        kwargs["dtype_policy"] = leaf._dtype_policy
+        if leaf._dtype_policy is None:
+            del kwargs["dtype_policy"]
+    return create_model_spec(type(leaf), **kwargs)

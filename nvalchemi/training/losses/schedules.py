@@ -1,4 +1,4 @@
-"""Loss-weight schedules: ``weight = schedule(step, epoch)``.
+"""Loss weights: numbers and schedules, ``weight = schedule(step, epoch)``.
 
 Multiply a leaf loss by a schedule to get a scheduled component:
 
@@ -10,18 +10,23 @@ Multiply a leaf loss by a schedule to get a scheduled component:
 Schedules are frozen pydantic models (hashable, unknown keywords rejected) and round-trip
 through specs. Any object with ``per_epoch``, ``__call__(step, epoch) -> float`` and
 ``to_spec()`` satisfies :class:`LossWeightSchedule` and can be used the same way.
+
+A composition's weights are checked, scaled (a nested composition's weights times its
+weight: a schedule times a number stays a lazy product) and resolved at each call by the
+functions at the end of this module.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+import numbers
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
-if TYPE_CHECKING:
-    from nvalchemi.training.spec import BaseSpec
+from nvalchemi.training.spec import BaseSpec, create_model_spec
 
 __all__ = [
     "ConstantWeight",
@@ -67,8 +72,6 @@ class _BaseWeightSchedule(BaseModel):
 
     def to_spec(self) -> BaseSpec:
         """Spec that rebuilds this schedule."""
-        from nvalchemi.training.spec import create_model_spec
-
         return create_model_spec(type(self), **self.model_dump())
 
 
@@ -131,3 +134,90 @@ class PiecewiseWeight(_BaseWeightSchedule):
 
     def value_at(self, index: int) -> float:
         return self.values[bisect.bisect_right(self.boundaries, index)]
+
+
+# --------------------------------------------------------------- weights of a composition
+Weight = float | LossWeightSchedule
+
+
+def is_weight(value: Any) -> bool:
+    """A number (not a bool) or a :class:`LossWeightSchedule`."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (numbers.Real, LossWeightSchedule))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProductWeight:
+    """Lazy product of two weights (a schedule scaled by a number or by another schedule)."""
+
+    left: Any
+    right: Any
+
+    @property
+    def per_epoch(self) -> bool:
+        return any(getattr(w, "per_epoch", False) for w in (self.left, self.right))
+
+    def __call__(self, step: int, epoch: int) -> float:
+        def value(w: Any) -> float:
+            return float(w) if isinstance(w, numbers.Real) else w(step, epoch)
+
+        return value(self.left) * value(self.right)
+
+    def to_spec(self) -> BaseSpec:
+        return create_model_spec(_ProductWeight, left=self.left, right=self.right)
+
+
+def scale_weight(weight: Any, factor: Any) -> Any:
+    """``weight * factor``: a float for two numbers, else a lazy :class:`_ProductWeight`."""
+    if isinstance(factor, numbers.Real) and factor == 1.0:
+        return weight
+    if isinstance(weight, numbers.Real) and weight == 1.0:
+        return float(factor) if isinstance(factor, numbers.Real) else factor
+    if isinstance(weight, numbers.Real) and isinstance(factor, numbers.Real):
+        return float(weight) * float(factor)
+    return _ProductWeight(weight, factor)
+
+
+def check_weight(index: int, weight: Any) -> Any:
+    """``weights[index]`` of a composition as stored: ``None`` is 1.0, numbers are floats."""
+    if weight is None:
+        return 1.0
+    if not is_weight(weight):
+        raise TypeError(
+            f"weights[{index}] must be a float or LossWeightSchedule (per_epoch, "
+            f"__call__(step, epoch), to_spec()), got {type(weight).__name__}."
+        )
+    if isinstance(weight, numbers.Real):
+        if not math.isfinite(weight):
+            raise ValueError(
+                f"weights[{index}]: weight {weight} is not finite; use a finite number."
+            )
+        return float(weight)
+    return weight
+
+
+def resolve_weight(name: str, weight: Any, step: int, epoch: int | None) -> float:
+    """The value of component ``name``'s weight at ``(step, epoch)``, checked."""
+    if isinstance(weight, float):
+        return weight
+    if weight.per_epoch and epoch is None:
+        raise ValueError(
+            f"epoch must be provided when the {name} loss weight schedule has per_epoch=True. "
+            "Pass epoch=... to the loss call."
+        )
+    try:
+        value = weight(step, 0 if epoch is None else epoch)
+    except TypeError as exc:
+        raise TypeError(
+            f"{name}: weight schedule {type(weight).__name__} does not satisfy the "
+            f"LossWeightSchedule contract __call__(step, epoch) -> float: {exc}"
+        ) from exc
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name}: weight schedule {type(weight).__name__} returned "
+            f"{type(value).__name__}; LossWeightSchedule.__call__ must return float."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: weight schedule returned {value}, which is not finite.")
+    return float(value)

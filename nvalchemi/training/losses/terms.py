@@ -7,16 +7,8 @@ reductions take ``batch_idx``/``num_graphs``/``num_nodes_per_graph`` keyword met
 fallback source). Padded forces need ``num_nodes_per_graph``: atom counts ``(B,)`` or a node
 mask ``(B, N_max)``; every force loss gives the same value in both layouts.
 
-Which entries count (see :mod:`nvalchemi.training.losses.base`): structures without the label
-(``missing_labels=``, from collation) are left out of every mean, their ``per_sample_loss``
-is NaN; a NaN target propagates to a NaN loss unless ``ignore_nonfinite=True``, which masks
-non-finite targets (a structure with every entry masked counts as 0 in a mean over
-structures).
-
-Per-structure loss weights: a ``loss_weight=`` keyword (the batch's ``loss_weight`` field,
-``(B,)`` or ``(B, 1)``) multiplies each structure's term, and each atom's force term by its
-structure's weight, inside the same mean (not renormalised by the weights' sum): weight 2
-counts a structure twice, 0 drops it.
+Which entries count (missing labels, ``ignore_nonfinite``) and how a per-structure
+``loss_weight`` enters every mean: see :mod:`nvalchemi.training.losses.base`.
 
 >>> import torch
 >>> loss = EnergyMSELoss()
