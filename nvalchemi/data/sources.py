@@ -95,7 +95,13 @@ class SubsetReader(Reader):
         return self.read(index)[0]
 
     def get_metadata(self, index: int) -> Any:
-        return self.reader.get_metadata(self._parent(int(index)))
+        """``(num_atoms, num_edges)``: the parent's when it knows them, else read."""
+        getter = getattr(self.reader, "get_metadata", None)
+        if callable(getter):
+            return getter(self._parent(int(index)))
+        sample = self._load_sample(index)
+        edges = sample.get("edge_index")
+        return len(sample["atomic_numbers"]), 0 if edges is None else int(edges.shape[-1])
 
     @property
     def field_levels(self) -> dict[str, str]:

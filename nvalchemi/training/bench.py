@@ -4,10 +4,11 @@
 structures/s, steps/s, atoms/s, the peak memory (CUDA: ``max_memory_allocated``; CPU:
 the process's peak resident set size), and the share of each step spent waiting for the
 data loader (above 20 % the model is starved: use loader workers, ``in_memory`` data or
-stored neighbour lists). Each precision candidate (``"bf16"``, ``"fp16"``) then trains
-the same batches from the same initial weights under a ``MixedPrecisionHook``; its loss
-and gradient norm are compared step by step with the float32 eager baseline (relative
-errors) and its speed is reported too. Every number is in :class:`BenchResult`
+stored neighbour lists). Each candidate then trains the same batches from the same
+initial weights: a precision (``"bf16"``, ``"fp16"``) under a ``MixedPrecisionHook``, and
+``"compile"`` with ``TrainingStrategy(compile=True)`` (its first steps, the warm-up,
+compile the graphs); its loss and gradient norm are compared step by step with the
+float32 eager baseline (relative errors) and its speed is reported too. Every number is in :class:`BenchResult`
 (``to_dict()`` for JSON).
 
 Example:
@@ -24,7 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["STARVED_SHARE", "BenchResult", "CandidateResult", "benchmark"]
+__all__ = ["PRECISIONS", "STARVED_SHARE", "BenchResult", "CandidateResult", "benchmark"]
+
+PRECISIONS = ("bf16", "fp16")
+"""Mixed-precision candidates; ``"compile"`` is the other one."""
 
 STARVED_SHARE = 0.2
 """A loader share of the step time above this is reported as starvation."""
@@ -32,7 +36,7 @@ STARVED_SHARE = 0.2
 
 @dataclass
 class CandidateResult:
-    """A precision candidate against the float32 eager baseline over the same steps."""
+    """A candidate (a precision or ``"compile"``) against the float32 eager baseline."""
 
     name: str
     steps_per_s: float
@@ -129,12 +133,16 @@ def _relative(values: list[float], reference: list[float]) -> tuple[float, float
     return (max(errors), sum(errors) / len(errors)) if errors else (math.nan, math.nan)
 
 
-def _strategy(make: Callable[[list[Any]], Any], hooks: list[Any]) -> tuple[Any, _Recorder]:
-    from nvalchemi.training.hooks import GradientClipHook
+def _strategy(make: Callable[[list[Any]], Any], candidate: str | None) -> tuple[Any, _Recorder]:
+    from nvalchemi.training.hooks import GradientClipHook, MixedPrecisionHook
 
     recorder = _Recorder()
+    hooks = [MixedPrecisionHook(candidate)] if candidate in PRECISIONS else []
     # A clip that never clips: it computes the gradient norm (after fp16 unscaling).
-    return make([*hooks, GradientClipHook(max_norm=1e30), recorder]), recorder
+    strategy = make([*hooks, GradientClipHook(max_norm=1e30), recorder])
+    if candidate == "compile":
+        strategy.compile = True  # read when the first batch builds the run
+    return strategy, recorder
 
 
 def benchmark(
@@ -143,10 +151,10 @@ def benchmark(
     *,
     steps: int = 50,
     warmup: int = 5,
-    precisions: Sequence[str] = (),
+    candidates: Sequence[str] = (),
     name: str = "",
 ) -> BenchResult:
-    """Train ``warmup + steps`` batches of ``loader``; time them; compare precisions.
+    """Train ``warmup + steps`` batches of ``loader``; time them; compare candidates.
 
     Args:
         make_strategy: ``hooks -> strategy``: a fresh strategy with the same initial
@@ -154,12 +162,20 @@ def benchmark(
             ``hooks`` added to its own.
         loader: the training batches (iterated once, for ``warmup + steps`` batches).
         steps: timed steps; ``warmup``: untimed steps before them.
-        precisions: candidates for ``MixedPrecisionHook`` (``"bf16"``, ``"fp16"``).
+        candidates: ``"bf16"``, ``"fp16"`` (``MixedPrecisionHook``) or ``"compile"``
+            (``TrainingStrategy(compile=True)``).
 
     Raises:
-        ValueError: the loader has fewer than ``warmup + steps`` batches.
+        ValueError: the loader has fewer than ``warmup + steps`` batches, or a candidate
+            is unknown.
     """
     import torch
+
+    for candidate in candidates:
+        if candidate not in (*PRECISIONS, "compile"):
+            raise ValueError(
+                f"unknown candidate {candidate!r}: use one of {(*PRECISIONS, 'compile')}"
+            )
 
     strategy = make_strategy([])
     device = torch.device(strategy.devices[0])
@@ -197,28 +213,25 @@ def benchmark(
         step_ms_median=1000 * sorted(step_s)[len(step_s) // 2], loader_share=wait_s / total,
         peak_memory_mib=peak, memory_kind=kind,
     )  # fmt: skip
-    if not precisions:
+    if not candidates:
         return result
-    reference, losses_s = _replay(make_strategy, [], batches, warmup, device)
-    for precision in precisions:
-        from nvalchemi.training.hooks import MixedPrecisionHook
-
-        trial, trial_s = _replay(make_strategy, [MixedPrecisionHook(precision)], batches,
-                                 warmup, device)  # fmt: skip
+    reference, losses_s = _replay(make_strategy, None, batches, warmup, device)
+    for candidate in candidates:
+        trial, trial_s = _replay(make_strategy, candidate, batches, warmup, device)
         loss_max, loss_mean = _relative(trial[0], reference[0])
         grad_max, grad_mean = _relative(trial[1], reference[1])
         result.candidates.append(CandidateResult(
-            name=precision, steps_per_s=steps / trial_s, structures_per_s=structures / trial_s,
+            name=candidate, steps_per_s=steps / trial_s, structures_per_s=structures / trial_s,
             speedup=losses_s / trial_s, loss_rel_error_max=loss_max, loss_rel_error_mean=loss_mean,
             grad_norm_rel_error_max=grad_max, grad_norm_rel_error_mean=grad_mean,
         ))  # fmt: skip
     return result
 
 
-def _replay(make: Callable[[list[Any]], Any], hooks: list[Any], batches: list[Any], warmup: int,
-            device: Any) -> tuple[tuple[list[float], list[float]], float]:  # fmt: skip
+def _replay(make: Callable[[list[Any]], Any], candidate: str | None, batches: list[Any],
+            warmup: int, device: Any) -> tuple[tuple[list[float], list[float]], float]:  # fmt: skip
     """``((losses, grad norms) of the timed steps, their seconds)`` from fresh weights."""
-    strategy, recorder = _strategy(make, hooks)
+    strategy, recorder = _strategy(make, candidate)
     try:
         _train(strategy, batches[:warmup], device)
         losses, seconds = _train(strategy, batches[warmup:], device)

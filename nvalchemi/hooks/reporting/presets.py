@@ -53,12 +53,10 @@ def run_reporting(
     show as the time left and the run's planned end.
     """
     from nvalchemi._optional import OptionalDependency
-    from nvalchemi.hooks.reporting import (
-        JSONLinesReporter,
-        ReportingOrchestrator,
-        RichReporter,
-        TensorBoardReporter,
-    )
+    from nvalchemi.hooks.reporting.jsonl import JSONLinesReporter
+    from nvalchemi.hooks.reporting.orchestrator import ReportingOrchestrator
+    from nvalchemi.hooks.reporting.rich_reporter import RichReporter
+    from nvalchemi.hooks.reporting.tensorboard import TensorBoardReporter
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ import click
 
 from nvalchemi.training.cli._app import debug_option, main
 from nvalchemi.training.cli._console import err_console, print_table
-from nvalchemi.training.cli._errors import CLIError
 
 __all__ = ["bench"]
 
@@ -24,7 +23,7 @@ def _named_model(model: str, datasets: tuple[str, ...], batch_size: int, device:
     from nvalchemi.data.bundled import bundled_split_path
     from nvalchemi.data.datapipes.dataloader import DataLoader
     from nvalchemi.data.sources import make_dataset, open_reader
-    from nvalchemi.models import DemoModel, PaiNN
+    from nvalchemi.models import DemoModel, DemoModelWrapper, PaiNN
     from nvalchemi.training.jobs.recipe import QUICKSTART
     from nvalchemi.training.strategy import TrainingStrategy
 
@@ -37,7 +36,7 @@ def _named_model(model: str, datasets: tuple[str, ...], batch_size: int, device:
         template = PaiNN.from_data(DataLoader(data, batch_size=64), **QUICKSTART.model_kwargs())
     else:
         data = make_dataset(readers, in_memory=True)
-        template = DemoModel()
+        template = DemoModelWrapper(DemoModel())
     loader = DataLoader(data, batch_size=batch_size, shuffle=True, seed=0)
 
     def make(hooks: list[Any]) -> Any:
@@ -93,7 +92,8 @@ Examples:
 @click.option("--device", help="cpu, cuda, cuda:N (default: a JOB's device, else auto).")
 @click.option("--precision", "precisions", multiple=True, type=click.Choice(["bf16", "fp16"]),
               help="A mixed-precision candidate, compared with float32 eager (repeatable).")
-@click.option("--compile", "compile_", is_flag=True, help="A compiled candidate (torch.compile).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="A compiled candidate: TrainingStrategy(compile=True); its warm-up compiles.")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
@@ -104,19 +104,11 @@ def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures
           precisions: tuple[str, ...], compile_: bool, threads: int, as_json: bool,
           trust: bool) -> None:  # fmt: skip
     """Measure training on this machine: structures/s, steps/s, peak memory, the loader's
-    share of the step, and the loss / gradient-norm error of precision candidates."""
+    share of the step, and the loss / gradient-norm error of precision and compile candidates."""
     import torch
 
     from nvalchemi.training.bench import STARVED_SHARE, benchmark
     from nvalchemi.training.devices import check_device, resolve_device
-    from nvalchemi.training.strategy import TrainingStrategy
-
-    if compile_ and "compile" not in TrainingStrategy.model_fields:
-        raise CLIError(
-            "compiled training steps are not available yet in this build (TrainingStrategy "
-            "has no compile option)", field="--compile",
-            fix="drop --compile; --precision candidates work",
-        )  # fmt: skip
     torch.set_num_threads(threads)
     if device is not None:
         check_device(device, field="--device", fix="use --device cpu (or a GPU present here)")
@@ -127,7 +119,8 @@ def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures
         make, loader = _named_model(model, datasets, batch_size, resolve_device(device or "auto"),
                                     max_structures)  # fmt: skip
         name = f"{model} (batch {batch_size})"
-    result = benchmark(make, loader, steps=steps, warmup=warmup, precisions=precisions, name=name)
+    candidates = [*precisions, *(["compile"] if compile_ else [])]
+    result = benchmark(make, loader, steps=steps, warmup=warmup, candidates=candidates, name=name)
     console = err_console()
     rows = [("device", result.device), ("timed steps", f"{result.steps} (after {result.warmup_steps})"),
             ("structures/s", f"{result.structures_per_s:,.1f}"), ("steps/s", f"{result.steps_per_s:,.2f}"),
@@ -142,7 +135,7 @@ def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures
             "in_memory data or neighbour lists stored with `data convert --cutoff`"
         )
     if result.candidates:
-        print_table(console, "Precision candidates against float32 eager (same batches, same start)",
+        print_table(console, "Candidates against float32 eager (same batches, same start)",
                     ["candidate", "steps/s", "speedup", "loss rel. err. max", "mean",
                      "grad-norm rel. err. max", "mean"],
                     [(c.name, f"{c.steps_per_s:.2f}", f"{c.speedup:.2f}x",

@@ -203,10 +203,9 @@ def train() -> None:
 
 @train.command("init", epilog="""\b
 Examples:
-  nvalchemi-training train init --dataset data/train.extxyz --val-fraction 0.1 \\
-      --output-dir runs/my --out job.yaml              # PaiNN, 10 min, stress when labelled
   nvalchemi-training train init --dataset a.extxyz --validation-dataset b.extxyz \\
       --minutes 30 --stress --output-dir runs/my --out job.yaml
+  nvalchemi-training train init --dataset data/train.extxyz --val-fraction 0.1 --output-dir runs/my
 """)
 @_common_options(default_lr=QUICKSTART.lr)
 @click.option("--model", "model_kind", type=click.Choice(["painn", "custom"]), default="painn",
