@@ -3,7 +3,7 @@
 Prints JSON lines:
 
 * ``store_size``: bytes on disk of stores written by ``data convert``'s library function
-  (:func:`~nvalchemi.training.cli.data_tools.convert_to_zarr`) from the bundled EMT data
+  (:func:`~nvalchemi.data.convert.convert_to_zarr`) from the bundled EMT data
   (train + validation + test, 3,000 structures) and from a ~6 KB extxyz (the first two
   structures), and of the same data written in one ``write`` call;
 * ``store_read``: structures/s reading those stores (median and best of ``--repeats``):
@@ -49,7 +49,7 @@ def store_bytes(path: Path) -> int:
 
 
 def convert(inputs: list[Path], output: Path) -> None:
-    from nvalchemi.training.cli.data_tools import convert_to_zarr, open_inputs
+    from nvalchemi.data.convert import convert_to_zarr, open_inputs
 
     convert_to_zarr(open_inputs([str(p) for p in inputs]), output)
 

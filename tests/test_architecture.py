@@ -33,6 +33,7 @@ BOTTOM = frozenset(
     {
         "nvalchemi",
         "nvalchemi._serialization",
+        "nvalchemi._errors",
         "nvalchemi._fileio",
         "nvalchemi._lazy",
         "nvalchemi._optional",

@@ -51,6 +51,8 @@ _EXPORTS = {
     "DDPHook": ".hooks.ddp",
     "EMAHook": ".hooks.ema",
     "EarlyStoppingHook": ".hooks.early_stopping",
+    "TimeBudgetHook": ".time_budget",
+    "WarmupCosineLR": ".time_budget",
     # strategy and friends
     "TrainingStage": ".stages",
     "TrainingStrategy": ".strategy",

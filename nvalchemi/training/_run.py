@@ -129,8 +129,9 @@ class _Run:
         self._piece_gate = 0
         self.vote: DistributedVote | None = None
         self._resolve()
-        if self.world_size > 1 and _distributed(s):
-            self.vote = DistributedVote(s.distributed_manager)  # a collective: every rank
+        if self.world_size > 1 and _distributed(s) and torch.distributed.is_initialized():
+            # a collective on every rank; a manager without a torch process group has no vote
+            self.vote = DistributedVote(s.distributed_manager)
 
     @classmethod
     def idle(cls, strategy: Any) -> _Run:

@@ -99,6 +99,8 @@ def tiny_job(
     ]
     if not any(str(a).startswith("--val") for a in init_args):
         args += ["--val-fraction", 0.25]
+    if not any(str(a) in ("--stress", "--no-stress") for a in init_args):
+        args.append("--no-stress")  # the bundled data has stress: keep the tiny runs small
     result = invoke(*args, *init_args)  # fmt: skip
     assert result.exit_code == 0, result.output
     job = json.loads(out.read_text())

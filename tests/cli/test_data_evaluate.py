@@ -9,7 +9,7 @@ import pytest
 from ase.io import read
 
 from nvalchemi.data.io.zarr import AtomicDataZarrReader
-from nvalchemi.training.cli.evaluation import Evaluation
+from nvalchemi.training.evaluation import Evaluation
 
 from ._support import TEST, VAL, assert_user_error, invoke, is_png
 
@@ -85,8 +85,11 @@ def test_evaluate_prints_metrics_writes_parity_plots_and_json(tmp_path, trained_
     assert sum(v["atoms"] for v in report["per_element"].values()) == metrics["num_atoms"]
     for name in ("parity_energy_per_atom.png", "parity_forces.png"):
         assert is_png(out / name)
-    for title in ("Evaluation: 8 structures", "energy per atom", "Force errors per element"):
+    for title in ("Evaluation: 8 structures", "energy per atom", "Errors per element",
+                  "Errors per structure type (config_type)", "Force errors by reference force"):
         assert title in result.stderr
+    assert sum(g["structures"] for g in report["by_group"].values()) == 8
+    assert report["units"]["forces"] == "eV/Å"
 
 
 def test_evaluation_metrics_ignore_missing_labels():

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from _ranks import free_port, run_ranks
 
+from nvalchemi._errors import FieldError
 from nvalchemi.training.checkpoint import read_strategy_metadata
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.runner import distributed_enabled
+from nvalchemi.training.jobs.run import distributed_enabled
 
 from ._support import tiny_job, write_job
 
@@ -24,7 +24,7 @@ def test_distributed_defaults_to_the_launchers_world_size():
     assert not distributed_enabled(None, {})
     assert not distributed_enabled(False, slurm)  # --no-distributed wins
     assert distributed_enabled(True, {})  # --distributed forces it
-    with pytest.raises(CLIError, match="NVALCHEMI_DIST_METHOD=single"):
+    with pytest.raises(FieldError, match="NVALCHEMI_DIST_METHOD=single"):
         distributed_enabled(None, {"RANK": "3", "WORLD_SIZE": "2"})
 
 

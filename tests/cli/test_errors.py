@@ -39,7 +39,7 @@ def test_an_out_of_range_value_is_named(tmp_path):
     job = tiny_job(tmp_path)
     job["dataset"]["batch_size"] = 0
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "dataset.batch_size", "greater than or equal to 1", "(got 0)",
+    assert_user_error(result, "dataset.batch_size", "must be >= 1", "(got 0)",
                       fix="correct the field")  # fmt: skip
 
 

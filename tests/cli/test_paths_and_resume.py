@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 
+from nvalchemi._errors import FieldError
 from nvalchemi.training.checkpoint import CheckpointManifest, read_strategy_metadata
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli._load import load_job
-from nvalchemi.training.cli.schedule_checks import check_horizons
+from nvalchemi.training.jobs.checks import check_horizons
+from nvalchemi.training.jobs.resolve import load_job
 
 from ._support import TRAIN, VAL, assert_user_error, invoke, tiny_job, write_job
 
@@ -24,7 +24,7 @@ def test_job_paths_are_relative_to_the_job_file_and_options_to_the_cwd(tmp_path,
     elsewhere.mkdir()
     shutil.copy(TRAIN, jobs / "data" / "train.extxyz")
     shutil.copy(VAL, elsewhere / "val.extxyz")
-    job = tiny_job(tmp_path, num_steps=1, structures=8)  # T_max = 1
+    job = tiny_job(tmp_path, num_steps=1, structures=8)  # total_steps = 1
     job["dataset"].update({"path": "data/train.extxyz"})
     job["output"].update({"run_dir": "run", "checkpoint_dir": "run/checkpoints"})
     job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = "run/checkpoints"
@@ -40,9 +40,9 @@ def test_job_paths_are_relative_to_the_job_file_and_options_to_the_cwd(tmp_path,
     assert "data: 8 training / 8 validation structures" in result.stderr  # val.extxyz from CWD
     ran = json.loads((jobs / "run" / "job.json").read_text())
     assert ran["dataset"]["path"] == str(jobs / "data" / "train.extxyz")  # absolute, re-runnable
-    # --num-steps 2 outlives the job's cosine schedule (T_max = 1): a warning says so.
-    warning = next(line for line in result.stderr.splitlines() if "T_max = 1" in line)
-    assert "CosineAnnealingLR" in warning and "--num-steps 2" in warning
+    # --num-steps 2 outlives the job's schedule (total_steps = 1): a warning says so.
+    warning = next(line for line in result.stderr.splitlines() if "total_steps = 1" in line)
+    assert "WarmupCosineLR" in warning and "--num-steps 2" in warning
 
 
 def test_init_out_writes_paths_relative_to_the_job_file(tmp_path, monkeypatch):
@@ -67,7 +67,7 @@ def test_schedule_horizons():
         check_horizons(configs, 20)
     one_cycle = {"main": [{"scheduler_cls": "torch.optim.lr_scheduler.OneCycleLR",
                            "scheduler_kwargs": {"max_lr": 1e-3, "total_steps": 10}}]}  # fmt: skip
-    with pytest.raises(CLIError, match=r"scheduler_kwargs\.total_steps.*Fix: set"):
+    with pytest.raises(FieldError, match=r"scheduler_kwargs\.total_steps.*Fix: set"):
         check_horizons(one_cycle, 11)
 
 
@@ -102,7 +102,7 @@ def test_resume_num_steps_extends_a_finished_run(tmp_path, trained_run):
     assert result.exit_code == 0, result.output
     meta = read_strategy_metadata(root)
     assert meta["runtime_state"]["step_count"] == 5 and meta["num_steps"] == 5
-    warning = next(line for line in result.stderr.splitlines() if "T_max = 4" in line)
+    warning = next(line for line in result.stderr.splitlines() if "total_steps = 4" in line)
     assert "--num-steps 5" in warning and "a resumed run keeps the schedule" in warning
 
 

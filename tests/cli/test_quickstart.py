@@ -17,9 +17,9 @@ def test_quickstart_quick_end_to_end(tmp_path):
     result = run_cli("quickstart", "--quick", "--run-dir", run)
     assert result.returncode == 0, result.stderr
     text = result.stderr
-    for fragment in ("Test metrics", "energy per atom", "Force errors per element",
-                     "final checkpoint:", "NvalchemiCalculator.from_checkpoint",
-                     "PaiNN energy"):  # fmt: skip
+    for fragment in ("Test metrics", "energy per atom", "Errors per element",
+                     "Errors per structure type (config_type)", "final checkpoint:",
+                     "NvalchemiCalculator.from_checkpoint", "PaiNN energy"):  # fmt: skip
         assert fragment in text, fragment
     assert "Traceback" not in text
     metrics = json.loads((run / "test_metrics.json").read_text())["metrics"]
@@ -66,19 +66,24 @@ def test_time_budget_stops_cleanly_and_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, equal_nan=True)
 
 
-def test_calibration_fits_epochs_to_the_budget_without_touching_the_model():
-    from nvalchemi.training.cli import quickstart_run as qs
-    from nvalchemi.training.cli.recipe import QUICK
+def test_without_epochs_the_quickstart_is_fitted_to_its_budget(tmp_path):
+    """The quickstart uses spec run's mechanism: a fitting TimeBudgetHook and WarmupCosineLR."""
+    from nvalchemi.training.jobs import quickstart as qs
+    from nvalchemi.training.time_budget import TimeBudgetHook, WarmupCosineLR
 
-    splits = qs.load_splits(QUICK)
-    train, val, _ = qs.loaders(splits, QUICK)
-    model = qs.build_model(splits, QUICK, "cpu")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    many, step_s = qs.calibrate_epochs(model, train, val, QUICK, 1e9, "cpu")
-    few, _ = qs.calibrate_epochs(model, train, val, QUICK, 1e-6, "cpu")
-    assert (many, few) == (200, 1) and step_s > 0
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True)
+    plan = qs.prepare_run(tmp_path / "qs", resume=False, overwrite=False, quick=True,
+                          epochs=None, minutes=None, device="cpu")  # fmt: skip
+    assert not plan.fitted  # --quick trains a fixed 2 epochs
+    plan.recipe = type(plan.recipe)(**{**plan.recipe.to_dict(), "epochs": None})
+    plan.budget_s = 60.0
+    assert plan.fitted
+    splits = qs.load_splits(plan.recipe)
+    train, val, _ = qs.loaders(splits, plan.recipe)
+    strategy = qs.build_strategy(plan, qs.build_model(splits, plan.recipe, "cpu"), train, val)
+    budget = [h for h in strategy.hooks if isinstance(h, TimeBudgetHook)]
+    assert len(budget) == 1 and budget[0].fit and budget[0].seconds == 60.0
+    _, schedulers = strategy.ensure_optimizers()
+    assert isinstance(schedulers[0], WarmupCosineLR)
 
 
 def test_calculator_snippet_quotes_the_checkpoint_path_as_data():

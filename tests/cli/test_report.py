@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nvalchemi.training.cli.lr_preview import lr_preview
+from nvalchemi.training.jobs.lr_preview import lr_preview
 from nvalchemi.training.optimizers import OptimizerConfig
 
 from ._support import TRAIN, assert_user_error, invoke, tiny_job, write_job
@@ -24,10 +24,11 @@ def test_report_renders_every_section_and_the_dtype_policy(tmp_path):
     result = _report(tmp_path, job)
     assert result.exit_code == 0, result.output
     text = result.stderr
-    for title in ("Training report: train-from-scratch", "Training Intent", "Hook Firing Order",
+    for title in ("Training report: train-painn", "Training Intent", "Hook Firing Order",
                   "Warnings", "TrainingStrategy", "Optimizers", "Notes",
-                  "Learning-rate preview: main[0] AdamW + CosineAnnealingLR"):  # fmt: skip
+                  "Learning-rate preview: main[0] AdamW + WarmupCosineLR"):  # fmt: skip
         assert title in text, title
+    assert "main: PaiNN (built-in, nvalchemi.models.painn)" in text  # the model by name
     assert "prediction_to_target" in text
     assert "a note for the reader" in text
     assert result.stdout == ""  # reports go to stderr
@@ -54,7 +55,10 @@ def test_report_warns_about_missing_paths_validation_lr_and_devices(tmp_path):
                   "No adaptation boundary"):  # fmt: skip
         assert check in text, check
     if not torch.cuda.is_available():
-        assert "Device selection" in text and "not available here" in text
+        assert "Device selection: strategy.devices: devices ['cuda:0'] ask for CUDA" in text
+    # Every warning names its field and the fix, on one line.
+    line = next(x for x in text.splitlines() if "Missing local path" in x)
+    assert "dataset.path:" in line and "missing.extxyz does not exist" in line and "Fix: " in line
 
 
 def test_report_warns_when_a_checkpoint_dir_has_no_hook_and_a_train_job_has_no_model(tmp_path):

@@ -33,19 +33,20 @@ def test_run_writes_checkpoints_metrics_and_plots(trained_run):
     run = trained_run["run_dir"]
     assert (trained_run["checkpoints"] / "manifest.json").is_file()
     assert "data: 12 training / 4 validation structures" in trained_run["output"]
-    assert "validation force MAE (meV/Å)" in trained_run["output"]
+    assert "Final model (EMA weights) on the validation data" in trained_run["output"]
     rows = read_metrics(run / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     validation = [r for r in rows if r["kind"] == "validation"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(isinstance(r["loss/total"], float) for r in train)
-    assert validation and "validation/forces_mae" in validation[-1]
+    assert validation and "validation/forces_mae_eV_per_A" in validation[-1]
     assert is_png(run / "learning_curves.png")
     # Parity plots of the final (EMA) model on the validation split, listed in the summary.
     for name in ("parity_energy_per_atom.png", "parity_forces.png"):
         assert is_png(run / name), name
         assert f"plot:          {run / name}" in trained_run["output"]
-    assert "parity plots:  EMA weights on the 4 validation structures" in trained_run["output"]
+    final = json.loads((run / "final_evaluation.json").read_text())
+    assert final["weights"] == "ema" and final["metrics"]["num_structures"] == 4
     assert json.loads((run / "job.json").read_text())["workflow"] == "train"
     meta = read_strategy_metadata(trained_run["checkpoints"])
     assert meta["runtime_state"]["step_count"] == 4

@@ -126,7 +126,7 @@ def test_the_calculator_refuses_the_structure():
 
 
 def test_data_convert_stops_at_the_frame(extxyz_with_a_tiny_frame, tmp_path):
-    from nvalchemi.training.cli.data_tools import convert_to_zarr
+    from nvalchemi.data.convert import convert_to_zarr
 
     reader = ASEReader(extxyz_with_a_tiny_frame, cache_dir=tmp_path)
     with pytest.raises(ValueError) as caught:

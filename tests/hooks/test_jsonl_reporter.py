@@ -68,7 +68,8 @@ def test_rows_for_steps_and_validations(tmp_path):
     assert "throughput/structures_per_s" in rows[1]  # measured from the second event on
     validation = rows[2]
     assert validation["validation/loss/total"] == pytest.approx(0.5)
-    assert validation["validation/forces_mae"] == pytest.approx(0.05)
+    assert validation["validation/forces_mae_eV_per_A"] == pytest.approx(0.05)
+    assert validation["units"]["validation/forces_mae_eV_per_A"] == "eV/Å"  # the first row with it
     assert not any(key.startswith("loss/") for key in validation)
     assert validation["epoch"] == 0 and validation["batch_count"] == 2
 

@@ -63,13 +63,17 @@ def test_learning_curves_panels_cover_components_metrics_and_lr(tmp_path, monkey
     visible = [axes for axes in figures[0].axes if axes.get_visible()]
     titles = [axes.get_title() for axes in visible]
     assert titles == [
-        "total loss",
-        "EnergyMSELoss (unweighted)",
+        "total loss [weighted sum]",
+        "EnergyMSELoss (unweighted)",  # the test context's loss has no unit to tell
         "ForceMSELoss (unweighted)",
-        "validation metrics",
+        "validation errors [meV/Å]",  # one axis per unit, in meV
+        "validation metrics",  # metrics without a unit on their own axis
         "learning rate",
     ]
-    assert all(axes.get_yscale() == "log" for axes in visible[:4])
+    assert all(axes.get_yscale() == "log" for axes in visible[:5])
+    force_labels = [t.get_text() for t in visible[3].get_legend().get_texts()]
+    assert force_labels == ["forces MAE", "forces RMSE"]
+    assert visible[3].get_ylabel() == "meV/Å"
     labels = [text.get_text() for text in visible[0].get_legend().get_texts()]
     assert labels == ["train (smoothed)", "validation"]
 

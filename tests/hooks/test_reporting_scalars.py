@@ -196,7 +196,7 @@ def test_validation_stage_reports_the_summary_not_the_last_batch():
     assert not any(k.startswith("loss/") for k in scalars) and "grad_norm" not in scalars
     assert scalars["validation/loss/total"] == pytest.approx(0.4)
     assert scalars["validation/loss/EnergyMSELoss/unweighted"] == pytest.approx(0.2)
-    assert scalars["validation/forces_mae"] == pytest.approx(0.05)
+    assert scalars["validation/forces_mae_eV_per_A"] == pytest.approx(0.05)  # unit in the key
     assert scalars["validation/num_batches"] == 3.0
     assert "validation/model_source" not in scalars
     assert "validation/distributed_reduced" not in scalars

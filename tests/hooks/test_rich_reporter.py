@@ -74,7 +74,7 @@ def test_non_terminal_output_is_plain_lines_without_escape_codes():
     validation = [line for line in lines if line.startswith("validation")]
     assert len(validation) == 2
     assert validation[0].startswith("validation epoch 1 step 4 loss 4.00e-01")
-    assert "EnergyMSELoss 2.00e-01" in validation[0] and "forces_mae 5.00e-02" in validation[0]
+    assert "EnergyMSELoss 2.00e-01" in validation[0] and "forces MAE 50 meV/Å" in validation[0]
     assert "energy_mae_per_atom 2.00e-03" in validation[0] and "model_source" not in validation[0]
 
 
@@ -114,7 +114,7 @@ def test_live_dashboard_in_a_terminal_draws_progress_and_validation():
     assert reporter._live is None
     output = reporter.console.file.getvalue()
     assert "\x1b[" in output  # a real terminal rendering
-    assert "Epoch 2/2" in output and "Validation" in output and "forces_mae" in output
+    assert "Epoch 2/2" in output and "Validation" in output and "forces MAE" in output
     assert not any(line.startswith("epoch ") for line in output.splitlines())
 
 
@@ -124,7 +124,8 @@ def test_validation_table_renders_every_scalar_metric():
     run_epochs(lambda ctx, stage: reporter.report(ctx, stage, state))
     text = render_text(reporter)
     assert "Validation · epoch 2 · step 8" in text
-    for row in ("loss/EnergyMSELoss", "energy_mae_per_atom", "forces_mae", "forces_rmse"):
+    for row in ("loss/EnergyMSELoss", "energy_mae_per_atom", "forces MAE", "forces RMSE",
+                "25 meV/Å"):  # metrics with a unit are shown in meV, labelled
         assert row in text
     assert "▼ 50.0%" in text  # loss halved between the two validations
     assert "★ now" in text

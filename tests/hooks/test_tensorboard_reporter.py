@@ -59,7 +59,7 @@ def test_tag_prefix_flush_option_and_validation_tags():
     ctx.validation = support.validation_summary()
     reporter.report(ctx, TrainingStage.AFTER_VALIDATION, ReportingState())
     tags = {tag for tag, _, _ in writer.scalars}
-    assert "run1/validation/forces_mae" in tags and "run1/validation/loss/total" in tags
+    assert "run1/validation/forces_mae_eV_per_A" in tags and "run1/validation/loss/total" in tags
     assert not any(tag.startswith("run1/loss/") for tag in tags)
     assert writer.flushes == 0
 

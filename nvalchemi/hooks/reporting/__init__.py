@@ -33,6 +33,7 @@ _EXPORTS = {
     "TensorBoardWriter": ".tensorboard",
     "JSONLinesReporter": ".jsonl",
     "read_metrics": ".jsonl",
+    "metric_units": ".jsonl",
     "ScalarSnapshot": ".scalars",
     "ScalarCallback": ".scalars",
     "collect_scalars": ".scalars",
@@ -46,6 +47,10 @@ _EXPORTS = {
     "plot_learning_curves": ".plots",
     "plot_parity": ".plots",
     "parity_plots": ".plots",
+    "run_reporting": ".presets",
+    "learning_curves": ".presets",
+    "plots_available": ".presets",
+    "PLOTS_HINT": ".presets",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -6,9 +6,13 @@ Each line is a flat object::
      "elapsed_s": 61.2, "loss/total": 0.0123, "loss/EnergyMSELoss/unweighted": 0.011, ...}
 
 ``kind`` is ``"train"`` or ``"validation"`` (validation scalars are named
-``validation/loss/total``, ``validation/forces_mae``, ...); ``step`` counts
-completed optimizer steps, ``epoch`` is the strategy's completed-epoch
-counter, ``time`` is Unix time. Non-finite values are written as ``null``.
+``validation/loss/total``, ``validation/forces_mae_eV_per_A``, ...: error metrics carry
+their unit in the key); ``step`` counts completed optimizer steps, ``epoch`` is the
+strategy's completed-epoch counter, ``time`` is Unix time. Non-finite values are
+written as ``null``. The first row with a key that has a unit also holds ``"units":
+{"loss/ForceMSELoss/unweighted": "(eV/Å)²", "validation/forces_mae_eV_per_A": "eV/Å",
+...}``: what each key is measured in (loss terms included); :func:`metric_units`
+collects them.
 The file is appended to, so a resumed run continues it; :func:`read_metrics`
 keeps the latest rows when a resumed run repeats steps.
 """
@@ -31,11 +35,12 @@ from nvalchemi.hooks.reporting.scalars import (
     validate_custom_scalars,
 )
 from nvalchemi.hooks.reporting.state import ReportingState
+from nvalchemi.hooks.reporting.units import loss_units, units_of
 
-__all__ = ["METRICS_FILENAME", "JSONLinesReporter", "read_metrics"]
+__all__ = ["METRICS_FILENAME", "JSONLinesReporter", "metric_units", "read_metrics"]
 
 METRICS_FILENAME = "metrics.jsonl"
-_FIELDS = ("kind", "step", "epoch", "batch_count", "time", "elapsed_s")
+_FIELDS = ("kind", "step", "epoch", "batch_count", "time", "elapsed_s", "units")
 
 
 def _metrics_path(path: str | Path) -> Path:
@@ -91,6 +96,7 @@ class JSONLinesReporter(ClosesOnExit):
         self._file: IO[str] | None = None
         self._unflushed = 0
         self._last_train_step: int | None = None
+        self._units_written: set[str] = set()
 
     def report(self, ctx: Any, stage: Any, state: ReportingState) -> None:
         """Append one row for this event (training step or validation)."""
@@ -129,7 +135,17 @@ class JSONLinesReporter(ClosesOnExit):
                 )
             value = snapshot.scalars[key]
             row[key] = value if math.isfinite(value) else None
-        self._write(json.dumps(row, separators=(",", ":"), allow_nan=False))
+        new = self._new_units(ctx, snapshot.scalars)
+        if new:
+            row["units"] = new
+        self._write(json.dumps(row, separators=(",", ":"), allow_nan=False, ensure_ascii=False))
+
+    def _new_units(self, ctx: Any, scalars: Mapping[str, float]) -> dict[str, str]:
+        """Units of the keys whose unit no earlier row gave."""
+        loss = loss_units(getattr(getattr(ctx, "workflow", None), "loss_fn", None))
+        new = {k: u for k, u in units_of(list(scalars), loss).items() if k not in self._units_written}
+        self._units_written.update(new)
+        return new
 
     def _open(self) -> IO[str]:
         if self._file is None:
@@ -202,3 +218,12 @@ def read_metrics(path: str | Path, *, latest_only: bool = True) -> list[dict[str
                 last_train = step
             rows.append(row)
     return rows
+
+
+def metric_units(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """``{key: unit}`` from the ``"units"`` entries of :func:`read_metrics` rows."""
+    out: dict[str, str] = {}
+    for row in rows:
+        if isinstance(row.get("units"), dict):
+            out.update(row["units"])
+    return out

@@ -17,9 +17,13 @@ import numpy as np
 
 from nvalchemi._fileio import write_atomic
 from nvalchemi._optional import OptionalDependency
-from nvalchemi.hooks.reporting.jsonl import read_metrics
+from nvalchemi.hooks.reporting.jsonl import metric_units, read_metrics
+from nvalchemi.hooks.reporting.units import key_unit, metric_label
 
 __all__ = ["parity_plots", "plot_learning_curves", "plot_parity"]
+
+EV_PER_A3_IN_GPA = 160.21766208
+"""1 eV/Å³ in GPa."""
 
 _TRAIN_COLOR = "#1f77b4"
 _VALIDATION_COLOR = "#d62728"
@@ -102,9 +106,10 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
     """Plot train and validation loss per component against the step (log scale).
 
     One panel for the total loss and one per loss component (train rows as a
-    line, validation rows as markers), plus validation metrics (MAE/RMSE...)
-    and the learning rate when the file has them. Non-positive values are left
-    out of the log-scale panels.
+    line, validation rows as markers; the unit of each in its title), plus one panel of
+    validation metrics per unit (energy per atom, forces, stress, total energy, in meV)
+    and the learning rate when the file has them. Non-positive values are left out of
+    the log-scale panels.
 
     Example:
         >>> plot_learning_curves("runs/demo/metrics.jsonl", "runs/demo/learning_curves.png")  # doctest: +SKIP
@@ -122,17 +127,23 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
             f"{metrics_jsonl_path} has no loss values to plot (expected 'loss/total' or "
             "'validation/loss/total' entries written by JSONLinesReporter)."
         )
+    units = metric_units(rows)
     metric_keys = sorted(
         {
             k
             for row in validation
             for k in row
             if k.startswith("validation/") and not k.startswith("validation/loss/")
-            and not k.startswith("validation/num_")  # pass sizes, not metrics
+            and not k.startswith(("validation/num_", "validation/ema/"))  # not metrics
         }
     )  # fmt: skip
+    groups: dict[str, list[str]] = {}
+    for key in metric_keys:  # one axis per unit: never meV/atom next to meV/Å
+        groups.setdefault(key_unit(key) or "", []).append(key)
+    order = ["eV/atom", "eV/Å", "eV/Å³", "eV"]
+    groups = dict(sorted(groups.items(), key=lambda g: order.index(g[0]) if g[0] in order else 9))
     lr_key = next((k for k in ("scheduler/lr", "optimizer/lr") if _series(train, k)[0]), None)
-    count = len(panels) + bool(metric_keys) + bool(lr_key)
+    count = len(panels) + len(groups) + bool(lr_key)
     columns = min(3, count)
     rows_needed = math.ceil(count / columns)
     figure = _figure(4.8 * columns, 3.4 * rows_needed)
@@ -158,20 +169,24 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
         if drawn:
             axes.set_yscale("log")
             axes.legend(fontsize="small")
-        axes.set_title(title)
+        unit = units.get(train_key) or units.get(validation_key)
+        axes.set_title(f"{title} [{unit}]" if unit else title)
         axes.set_xlabel("optimizer step")
         axes.grid(True, which="both", alpha=0.3)
     index = len(panels)
-    if metric_keys:
+    cycle = [f"C{i}" for i in range(10)]
+    for unit, keys in groups.items():
         axes = grid[index]
         index += 1
-        cycle = [f"C{i}" for i in range(10)]
-        for i, key in enumerate(metric_keys):
-            _plot_curve(
-                axes, *_series(validation, key), color=cycle[i % 10], label=key[11:], marker=True
-            )
+        scale = 1000.0 if unit else 1.0
+        for i, key in enumerate(keys):
+            steps, values = _series(validation, key)
+            _plot_curve(axes, steps, [scale * v for v in values], color=cycle[i % 10],
+                        label=metric_label(key) or key[11:], marker=True)  # fmt: skip
         axes.set_yscale("log")
-        axes.set_title("validation metrics")
+        axes.set_title(f"validation errors [m{unit}]" if unit else "validation metrics")
+        if unit:
+            axes.set_ylabel(f"m{unit}")
         axes.set_xlabel("optimizer step")
         axes.legend(fontsize="x-small")
         axes.grid(True, which="both", alpha=0.3)
@@ -265,18 +280,25 @@ def parity_plots(
     forces_pred: Any,
     forces_ref: Any,
     out_dir: str | Path,
+    *,
+    stress_pred: Any = None,
+    stress_ref: Any = None,
 ) -> list[Path]:
-    """Write ``parity_energy_per_atom.png`` and ``parity_forces.png`` (force components) to ``out_dir``.
+    """Write ``parity_energy_per_atom.png``, ``parity_forces.png`` (force components) and,
+    with stress, ``parity_stress.png`` (components, in GPa) to ``out_dir``.
 
-    Pass ``None`` for both values of a quantity the model does not predict.
-    Returns the paths written.
+    Values are in eV/atom, eV/Å and eV/Å³. Pass ``None`` for both values of a quantity
+    the model does not predict. Returns the paths written.
     """
     out_dir = Path(out_dir)
     written = []
+    to_gpa = None if stress_pred is None else _as_array(stress_pred, "stress_pred") * EV_PER_A3_IN_GPA
+    ref_gpa = None if stress_ref is None else _as_array(stress_ref, "stress_ref") * EV_PER_A3_IN_GPA
     plots = (
         ("energy per atom", energy_per_atom_pred, energy_per_atom_ref,
          "Energy per atom", "eV/atom", "parity_energy_per_atom.png"),
         ("forces", forces_pred, forces_ref, "Force components", "eV/Å", "parity_forces.png"),
+        ("stress", to_gpa, ref_gpa, "Stress components", "GPa", "parity_stress.png"),
     )  # fmt: skip
     for name, pred, ref, title, unit, filename in plots:
         if pred is None and ref is None:

@@ -25,6 +25,7 @@ from rich.text import Text
 from nvalchemi.hooks.reporting._charts import braille_chart, sparkline
 from nvalchemi.hooks.reporting.scalars import ScalarSnapshot
 from nvalchemi.hooks.reporting.state import ReporterMessage
+from nvalchemi.hooks.reporting.units import TOTAL_LOSS_LABEL, display
 
 __all__ = [
     "BaseRichLayout",
@@ -57,6 +58,9 @@ class ProgressView:
     batches_per_s: float | None = None
     structures_per_s: float | None = None
     atoms_per_s: float | None = None
+    remaining_s: float | None = None
+    """Time left of a time budget (``None`` without one)."""
+    budget_s: float | None = None
 
     @property
     def epoch_eta_s(self) -> float | None:
@@ -67,10 +71,18 @@ class ProgressView:
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds to the end of the run at the current step rate."""
+        """Seconds to the end of the run: the budget's time left, else at the step rate."""
+        if self.remaining_s is not None:
+            return self.remaining_s
         if self.steps_total is None or not self.steps_per_s:
             return None
         return max(self.steps_total - self.steps_done, 0) / self.steps_per_s
+
+    def eta_text(self) -> str:
+        """``"eta 00:45"``, or ``"03:20 left of 05:00"`` with a time budget."""
+        if self.remaining_s is not None and self.budget_s is not None:
+            return f"{format_duration(self.remaining_s)} left of {format_duration(self.budget_s)}"
+        return f"eta {format_duration(self.eta_s)}"
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,8 @@ class RichView:
     plot_keys: tuple[str, ...] | None = None
     max_plots: int = 3
     plot_height: int = 8
+    loss_units: Mapping[str, str] = field(default_factory=dict)
+    """Unit of each loss component's value (``{"ForceMSELoss": "(eV/Å)²"}``)."""
 
 
 @runtime_checkable
@@ -285,7 +299,10 @@ def _latest_table(view: RichView, preferred: Sequence[str], title: str) -> Table
     for key in keys[:limit]:
         values = [v for _, v in view.history.get(key, ())]
         trend = sparkline(values, width=10, log=_is_log_key(key)) if len(values) > 1 else ""
-        table.add_row(short_label(key), _num(snapshot.scalars[key], view.precision), trend)
+        component = key.split("/")[-2] if key.endswith("/unweighted") else None
+        unit = view.loss_units.get(component or "", TOTAL_LOSS_LABEL if key == "loss/total" else "")
+        label = short_label(key) + (f" [{unit}]" if unit else "")
+        table.add_row(label, _num(snapshot.scalars[key], view.precision), trend)
     if len(keys) > limit:
         table.add_row(Text(f"... {len(keys) - limit} omitted", style="dim"), "", "")
     table.caption = f"rank {snapshot.global_rank} · event {snapshot.event_count}"
@@ -295,8 +312,18 @@ def _latest_table(view: RichView, preferred: Sequence[str], title: str) -> Table
 def _validation_rows(values: Mapping[str, float]) -> list[str]:
     loss = [k for k in ("loss",) if k in values]
     components = sorted(k for k in values if k.startswith("loss:"))
-    others = sorted(k for k in values if k != "loss" and not k.startswith("loss:"))
+    others = sorted((k for k in values if k != "loss" and not k.startswith(("loss:", "ema/"))),
+                    key=_metric_order)  # fmt: skip
     return loss + components + others
+
+
+_QUANTITY_ORDER = ("energy_per_atom", "forces", "stress", "energy_")
+
+
+def _metric_order(key: str) -> tuple[int, str]:
+    """Per-atom energy, forces and stress errors first, total energy after, then the rest."""
+    rank = next((i for i, q in enumerate(_QUANTITY_ORDER) if key.startswith(q)), len(_QUANTITY_ORDER))
+    return rank, key
 
 
 def higher_is_better(metric: str) -> bool:
@@ -331,13 +358,24 @@ def _validation_table(view: RichView) -> Table | None:
                 style = "green" if improved else "red" if delta != 0 else "dim"
                 change = Text(f"{arrow} {abs(delta / previous) * 100:.1f}%", style=style)
         best_value, best_step = validation.best.get(key, (value, validation.step))
+        shown = display(key, value)
         if best_step == validation.step:
             best = Text("★ now", style="yellow")
         else:
-            best = Text(_num(best_value, 4))
+            best_shown = display(key, best_value)
+            best = Text(best_shown[1] if best_shown else _num(best_value, 4))
             best.append(f" @{best_step:,}", style="dim")
-        label = key.replace("loss:", "loss/", 1)
-        table.add_row(label, _num(value, view.precision), change, best)
+        if shown is not None:
+            label, text = shown
+        else:
+            component = key.split(":", 1)[1] if key.startswith("loss:") else None
+            unit = view.loss_units.get(component or "", TOTAL_LOSS_LABEL if key == "loss" else "")
+            label = key.replace("loss:", "loss/", 1) + (f" [{unit}]" if unit else "")
+            text = _num(value, view.precision)
+        table.add_row(label, text, change, best)
+    note = ema_note(validation.values)
+    if note:
+        table.caption = note
     return table
 
 
@@ -473,12 +511,17 @@ class TrainingRichLayout(BaseRichLayout):
             _count(progress.epoch_done, progress.epoch_total),
             f"eta {format_duration(progress.epoch_eta_s)}",
         )
-        if progress.steps_total is not None:
+        if progress.steps_total is not None or progress.remaining_s is not None:
+            total = progress.steps_total
+            if total is None:  # a budget still timing its first steps: show the time
+                total, done = progress.budget_s or 1.0, (progress.budget_s or 1.0) - progress.remaining_s
+            else:
+                done = progress.steps_done
             grid.add_row(
                 "Run",
-                ProgressBar(total=progress.steps_total, completed=progress.steps_done),
+                ProgressBar(total=total, completed=done),
                 _count(progress.steps_done, progress.steps_total),
-                f"eta {format_duration(progress.eta_s)}",
+                progress.eta_text(),
             )
         return Panel(Group(grid, self._rates(view)), box=box.ROUNDED, padding=(0, 1))
 
@@ -521,10 +564,10 @@ class TrainingRichLayout(BaseRichLayout):
         if snapshot is not None:
             scalars = snapshot.scalars
             if "loss/total" in scalars:
-                parts.append(f"loss {_sci(scalars['loss/total'])}")
+                parts.append(f"loss {_sci(scalars['loss/total'])} ({TOTAL_LOSS_LABEL})")
             components = _components(scalars)
             if components:
-                parts.append("[" + " ".join(f"{c} {_sci(v)}" for c, v in components) + "]")
+                parts.append(_component_text(components, view.loss_units))
             lr = _pick_lr(scalars)
             if lr is not None:
                 parts.append(f"lr {_sci(lr, 1)}")
@@ -536,7 +579,7 @@ class TrainingRichLayout(BaseRichLayout):
             if progress.atoms_per_s is not None:
                 parts.append(f"{_rate(progress.atoms_per_s)} atoms/s")
             if progress.eta_s is not None:
-                parts.append(f"eta {format_duration(progress.eta_s)}")
+                parts.append(progress.eta_text())
         return " ".join(parts)
 
 
@@ -554,15 +597,50 @@ class DynamicsRichLayout(BaseRichLayout):
     )
 
 
+def _component_text(components: Sequence[tuple[str, float]], units: Mapping[str, str]) -> str:
+    """``[EnergyMSELoss 1.10e-02 (eV/atom)², ForceMSELoss 3.2e-02 (eV/Å)²]``."""
+    items = [f"{c} {_sci(v)}" + (f" {units[c]}" if c in units else "") for c, v in components]
+    return "[" + ", ".join(items) + "]"
+
+
+def ema_note(values: Mapping[str, float]) -> str | None:
+    """``"EMA weights, warming up: 120 updates, 55% still the initial weights"`` (or ``None``)."""
+    share = values.get("ema/initial_share")
+    if share is None:
+        return None
+    updates = int(values.get("ema/updates", 0))
+    if share > EMA_WARM_SHARE:
+        return (f"EMA weights, warming up: {updates:,} updates, {share:.0%} of the average "
+                "is still the initial weights")  # fmt: skip
+    return f"EMA weights, {updates:,} updates"
+
+
+EMA_WARM_SHARE = 0.05
+"""The EMA counts as warmed up once the initial weights have less than this share."""
+
+
 def validation_plain_line(view: RichView) -> str:
-    """``validation epoch 3 step 1200 loss 1.20e-02 EnergyMSELoss 1.1e-02 forces_mae 3.4e-02``."""
+    """``validation epoch 3 step 1200 (EMA weights, ...) loss 1.20e-02 (weighted sum) [...]
+    energy/atom MAE 12.3 meV/atom ... forces MAE 34.1 meV/Å ...``."""
     validation = view.validation
     if validation is None:
         return ""
+    values = validation.values
     parts = [f"validation epoch {validation.epoch} step {validation.step}"]
-    for key in _validation_rows(validation.values):
-        label = key.split(":", 1)[1] if key.startswith("loss:") else key
-        parts.append(f"{label} {_sci(validation.values[key])}")
+    note = ema_note(values)
+    if note:
+        parts.append(f"({note})")
+    rows = _validation_rows(values)
+    if "loss" in values:
+        parts.append(f"loss {_sci(values['loss'])} ({TOTAL_LOSS_LABEL})")
+    components = [(k.split(":", 1)[1], values[k]) for k in rows if k.startswith("loss:")]
+    if components:
+        parts.append(_component_text(components, view.loss_units))
+    for key in rows:
+        if key == "loss" or key.startswith("loss:"):
+            continue
+        shown = display(key, values[key])
+        parts.append(f"{shown[0]} {shown[1]}" if shown else f"{key} {_sci(values[key])}")
     return " ".join(parts)
 
 
@@ -587,7 +665,7 @@ def validation_display_values(scalars: Mapping[str, float]) -> dict[str, float]:
         elif name.startswith("loss/"):
             if name.endswith("/unweighted"):
                 out["loss:" + name[len("loss/") : -len("/unweighted")]] = value
-        elif not name.startswith("num_"):  # pass sizes (num_batches, num_structures)
+        elif not name.startswith(("num_", "budget/")):  # pass sizes, the time budget
             out[name] = value
     return out
 

@@ -47,6 +47,7 @@ from nvalchemi.hooks.reporting.rich_layouts import (
 )
 from nvalchemi.hooks.reporting.scalars import ScalarCallback, ScalarSnapshot, training_plan
 from nvalchemi.hooks.reporting.state import ReportingState
+from nvalchemi.hooks.reporting.units import loss_units
 
 __all__ = ["RichReporter", "display_epoch"]
 
@@ -173,6 +174,7 @@ class RichReporter(ScalarReporterBase):
         self._latest: ScalarSnapshot | None = None
         self._progress: ProgressView | None = None
         self._validation: ValidationView | None = None
+        self._loss_units: dict[str, str] | None = None
         self._messages: tuple[Any, ...] = ()
         self._messages_printed = 0
         self._started_at = time.monotonic()
@@ -212,10 +214,12 @@ class RichReporter(ScalarReporterBase):
             return
         validating = is_validation_stage(stage)
         position = event_position(ctx, stage)
+        if self._loss_units is None:
+            self._loss_units = loss_units(getattr(getattr(ctx, "workflow", None), "loss_fn", None))
         with self._lock:
             self._record(snapshot, validating, position)
             if not validating and isinstance(layout, TrainingRichLayout):
-                self._progress = self._progress_view(ctx, position, state)
+                self._progress = self._progress_view(ctx, position, state, snapshot)
             if state is not None:
                 self._messages = tuple(state.messages[-3:])
                 self._elapsed_s = state.elapsed_s
@@ -272,9 +276,10 @@ class RichReporter(ScalarReporterBase):
 
     @staticmethod
     def _progress_view(
-        ctx: Any, position: EventPosition, state: ReportingState | None
+        ctx: Any, position: EventPosition, state: ReportingState | None, snapshot: Any = None
     ) -> ProgressView:
         plan = training_plan(getattr(ctx, "workflow", None))
+        scalars = snapshot.scalars if snapshot is not None else {}
         epoch = display_epoch(position)
         done = position.epoch_step
         if position.epoch_step == 0 and position.epoch > 0 and plan.batches_per_epoch:
@@ -286,7 +291,9 @@ class RichReporter(ScalarReporterBase):
             epoch_done=done,
             epoch_total=plan.batches_per_epoch,
             steps_done=position.step,
-            steps_total=plan.target_steps,
+            steps_total=_planned(scalars, plan.target_steps),
+            remaining_s=scalars.get("budget/remaining_s"),
+            budget_s=scalars.get("budget/seconds"),
             steps_per_s=rates.steps_per_s if rates else None,
             batches_per_s=rates.batches_per_s if rates else None,
             structures_per_s=rates.structures_per_s if rates else None,
@@ -340,6 +347,7 @@ class RichReporter(ScalarReporterBase):
                 plot_keys=self.plot_keys,
                 max_plots=self.max_plots,
                 plot_height=self.plot_height,
+                loss_units=dict(self._loss_units or {}),
             )
 
     def renderable(self) -> RenderableType:
@@ -477,3 +485,12 @@ class RichReporter(ScalarReporterBase):
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"RichReporter {name} must be an int >= {minimum}; got {value!r}.")
+
+
+def _planned(scalars: Any, target: int | None) -> int | None:
+    """The run's end: a time budget's planned step when there is one (else the target)."""
+    planned = scalars.get("budget/planned_steps")
+    if planned is None:
+        # A budget without a plan yet: the strategy's own target is only a cap.
+        return None if "budget/seconds" in scalars else target
+    return int(planned)

@@ -19,7 +19,13 @@ Key scheme (slash-separated):
   ``memory/rss_peak_mib``.
 * ``training/steps_per_s|batches_per_s|target_steps|remaining_steps|
   progress_fraction|eta_s|target_epochs|epoch_fraction`` (progress).
-* ``validation/loss/...`` and ``validation/<metric>`` at ``AFTER_VALIDATION``.
+* ``validation/loss/...`` and ``validation/<metric>`` at ``AFTER_VALIDATION``; error
+  metrics carry their unit (``validation/forces_mae_eV_per_A``, see
+  :mod:`nvalchemi.hooks.reporting.units`); on EMA weights also ``validation/ema/updates``
+  and ``validation/ema/initial_share`` (the weight the averaged copy still gives the
+  weights it started from: large while the EMA warms up).
+* ``budget/remaining_s|seconds|planned_steps`` with a time budget; progress then counts
+  towards the planned step and the ETA is the time left.
 * ``<name>`` or ``<name>/...`` for custom scalars.
 """
 
@@ -38,6 +44,7 @@ import torch
 
 from nvalchemi.hooks.reporting._events import event_position, is_validation_stage, stage_name
 from nvalchemi.hooks.reporting.state import ReporterMessage, ReportingState
+from nvalchemi.hooks.reporting.units import metric_key
 
 if TYPE_CHECKING:
     from nvalchemi.hooks.context import HookContext
@@ -254,7 +261,9 @@ def extract_loss_scalars(ctx: Any) -> dict[str, float]:
     return buffer.resolve()
 
 
-def _add_validation(buffer: _ScalarBuffer, summary: Any, prefix: str = "validation") -> None:
+def _add_validation(
+    buffer: _ScalarBuffer, summary: Any, prefix: str = "validation", workflow: Any = None
+) -> None:
     if not isinstance(summary, Mapping):
         return
     loss_entries = {k: v for k, v in summary.items() if k == "total_loss" or k in _COMPONENT_FIELDS}
@@ -262,7 +271,25 @@ def _add_validation(buffer: _ScalarBuffer, summary: Any, prefix: str = "validati
     for key, value in summary.items():
         if key in loss_entries or key in _VALIDATION_METADATA or not isinstance(key, str):
             continue
-        _add_if_scalar(buffer, f"{prefix}/{key}", value)
+        _add_if_scalar(buffer, f"{prefix}/{metric_key(key)}", value)
+    if summary.get("model_source") in ("ema", "mixed"):
+        ema = _ema_hook(workflow)
+        if ema is not None:
+            updates = int(ema.num_updates)
+            buffer.add(f"{prefix}/ema/updates", updates)
+            buffer.add(f"{prefix}/ema/initial_share", float(ema.decay) ** max(updates - 1, 0))
+
+
+def _ema_hook(workflow: Any) -> Any:
+    """The EMA hook of ``workflow`` (one with ``decay`` and ``num_updates``), if any."""
+    for hook in list(getattr(workflow, "hooks", None) or ()):
+        children = getattr(hook, "iter_hooks", None)
+        for candidate in (hook, *(children() if callable(children) else ())):
+            if isinstance(getattr(candidate, "num_updates", None), int) and isinstance(
+                getattr(candidate, "decay", None), float
+            ):
+                return candidate
+    return None
 
 
 def _add_if_scalar(buffer: _ScalarBuffer, key: str, value: Any) -> None:
@@ -458,6 +485,19 @@ def _add_progress(
         buffer.add("training/epoch_fraction", fraction)
 
 
+def _apply_budget(buffer: _ScalarBuffer, position: Any) -> None:
+    """With a time budget, progress counts towards its planned step; the ETA is the time left."""
+    values = buffer.values
+    planned = values.get("budget/planned_steps")
+    if isinstance(planned, float) and planned > 0:
+        values["training/target_steps"] = planned
+        values["training/remaining_steps"] = max(planned - position.step, 0.0)
+        values["training/progress_fraction"] = min(position.step / planned, 1.0)
+    remaining = values.get("budget/remaining_s")
+    if isinstance(remaining, float):
+        values["training/eta_s"] = remaining
+
+
 def _add_throughput(buffer: _ScalarBuffer, state: ReportingState | None) -> None:
     if state is None:
         return
@@ -561,7 +601,8 @@ def collect_scalars(
     if include_losses and not validating:
         _add_losses(buffer, getattr(ctx, "loss", None), getattr(ctx, "losses", None))
     if include_validation:
-        _add_validation(buffer, getattr(ctx, "validation", None))
+        _add_validation(buffer, getattr(ctx, "validation", None),
+                        workflow=getattr(ctx, "workflow", None))  # fmt: skip
     if include_optimizer_lrs:
         optimizers = getattr(ctx, "optimizers", None)
         _add_optimizer_lrs(buffer, optimizers)
@@ -579,6 +620,8 @@ def collect_scalars(
         _add_memory(buffer, ctx)
     _add_custom(buffer, ctx, stage, custom)
     position = event_position(ctx, stage)
+    if include_progress:
+        _apply_budget(buffer, position)
     rank = getattr(ctx, "global_rank", 0)
     return ScalarSnapshot(
         stage=stage_name(stage),

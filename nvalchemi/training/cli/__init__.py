@@ -8,13 +8,19 @@ Commands (``nvalchemi-training --help`` lists them; each has ``--help``):
 * ``spec report`` / ``spec run`` / ``spec resume``: explain, run and resume a job;
 * ``schema dump`` / ``schema template``: the job-spec JSON schema and a template;
 * ``data convert`` / ``data stats``: extxyz / ASE db -> zarr store; data statistics;
-* ``evaluate``: metrics, parity plots and per-element errors of a checkpoint.
+* ``evaluate``: errors overall, per structure type, element, file and force magnitude,
+  and parity plots of a checkpoint;
+* ``bench``: throughput, memory, loader share and precision candidates of a job or model.
 
 Also runnable as ``python -m nvalchemi.training.cli``. Importing this package loads
-click only; commands import torch and the rest when they run.
+click and pydantic only; commands import torch and the rest when they run. What a
+command computes is a library function: :mod:`nvalchemi.training.jobs` (job files, runs,
+the quickstart), :mod:`nvalchemi.training.evaluation`, :mod:`nvalchemi.training.time_budget`,
+:mod:`nvalchemi.data.sources`, :mod:`nvalchemi.data.convert`, :mod:`nvalchemi.data.inspect`.
 """
 
 from nvalchemi.training.cli import (  # noqa: F401  (registers the commands)
+    bench_cmd,
     data_cmds,
     evaluate_cmd,
     init_cmds,
@@ -22,5 +28,6 @@ from nvalchemi.training.cli import (  # noqa: F401  (registers the commands)
     spec_cmds,
 )
 from nvalchemi.training.cli._app import main
+from nvalchemi.training.jobs.spec import TrainingJobSpec
 
-__all__ = ["main"]
+__all__ = ["TrainingJobSpec", "main"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from nvalchemi._errors import FieldError
 from nvalchemi.training.cli._errors import CLIError, debug_enabled, enable_debug, user_message
 
 __all__ = ["debug_option", "main", "parse_checkpoint_index"]
@@ -27,10 +28,11 @@ Examples:
   nvalchemi-training train init --dataset data/train.extxyz --val-fraction 0.1 \\
       --output-dir runs/my --out job.yaml
   nvalchemi-training spec report job.yaml            # tables and warnings, loads no tensors
-  nvalchemi-training spec run job.yaml
+  nvalchemi-training spec run job.yaml --minutes 10  # length and schedule fitted to 10 min
   nvalchemi-training spec resume runs/my/checkpoints --spec job.yaml
   nvalchemi-training evaluate runs/my/checkpoints --dataset data/test.extxyz
   nvalchemi-training data convert data/train.extxyz data/train.zarr --cutoff 6
+  nvalchemi-training bench --model painn             # structures/s, steps/s, memory
 """
 
 
@@ -91,6 +93,10 @@ class _Main(click.Group):
                 if debug_enabled(ctx):
                     traceback.print_exc()
                 raise
+            except FieldError as exc:  # a library error that names the field and the fix
+                if debug_enabled(ctx):
+                    raise
+                raise CLIError(" ".join(str(exc).split())) from None
             except (click.exceptions.Exit, click.Abort, click.ClickException):
                 raise
             except KeyboardInterrupt:

@@ -60,8 +60,9 @@ def print_table(
     *,
     justify_numbers: bool = True,
 ) -> Table:
-    """Print a simple table; numbers are formatted with :func:`format_number`."""
-    table = Table(title=title, title_justify="left", show_lines=False)
+    """Print ``title`` on a line of its own, then a table; numbers via :func:`format_number`."""
+    console.print(title, style="italic", soft_wrap=True)
+    table = Table(show_lines=False)
     for i, name in enumerate(columns):
         table.add_column(name, justify="right" if justify_numbers and i > 0 else "left")
     for row in rows:

@@ -1,9 +1,11 @@
 """User-facing errors: one paragraph naming the field and the fix, never a traceback.
 
-Commands raise :class:`CLIError` for problems they detect themselves. Anything else
-that escapes a command (a ``ValueError`` from a spec, a pydantic ``ValidationError``
-from a job file, an ``UnsafeImportError`` from the import allow-list, a missing file)
-is turned into the same kind of message by :func:`user_message`. ``--debug`` (or
+Commands raise :class:`CLIError` for problems they detect themselves; the library
+functions behind them raise :class:`~nvalchemi._errors.FieldError`, whose text already
+names the field and the fix. Anything else that escapes a command (a ``ValueError`` from
+a spec, a pydantic ``ValidationError``, an ``UnsafeImportError`` from the import
+allow-list, a missing file) is turned into the same kind of message by
+:func:`user_message`. ``--debug`` (or
 ``NVALCHEMI_DEBUG=1``) re-raises instead, so the traceback is shown.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-from typing import Any
 
 import click
 
@@ -54,19 +55,6 @@ def debug_enabled(ctx: click.Context | None = None) -> bool:
     return bool(ctx is not None and ctx.find_root().meta.get("nvalchemi_debug"))
 
 
-def _validation_lines(exc: Any) -> list[str]:
-    lines = []
-    for error in exc.errors(include_url=False):
-        where = ".".join(str(part) for part in error.get("loc", ()) if part != "__root__")
-        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
-        value = error.get("input")
-        shown = ""
-        if error.get("type") not in ("missing", "model_type") and not isinstance(value, dict):
-            shown = f" (got {value!r})" if len(repr(value)) < 80 else ""
-        lines.append(f"{where}: {message}{shown}" if where else f"{message}{shown}")
-    return lines
-
-
 def _collective_failure(exc: BaseException) -> bool:
     from nvalchemi.distributed.stalls import is_collective_failure
 
@@ -92,12 +80,13 @@ def user_message(exc: BaseException) -> str:
     """One paragraph describing ``exc`` for a person at a terminal."""
     from pydantic import ValidationError
 
+    from nvalchemi._errors import validation_lines
     from nvalchemi.training.checkpoint.store import CheckpointLockError, CheckpointWriteError
 
     if isinstance(exc, (CheckpointLockError, CheckpointWriteError)):
         text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     elif isinstance(exc, ValidationError):
-        lines = _validation_lines(exc)
+        lines = validation_lines(exc)
         title = exc.title or "input"
         text = f"invalid {title}: " + "; ".join(lines)
     elif isinstance(exc, FileNotFoundError):

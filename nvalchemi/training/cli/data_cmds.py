@@ -56,7 +56,11 @@ def data() -> None:
     """Convert data sets, verify them and print their statistics."""
 
 
-@data.command("convert")
+@data.command("convert", epilog="""\b
+Examples:
+  nvalchemi-training data convert data/train.extxyz data/train.zarr --cutoff 5
+  nvalchemi-training data convert a.extxyz b.db data/all.zarr --label-key energy=REF_energy
+""")
 @click.argument("inputs", nargs=-1, required=True)
 @click.argument("output")
 @click.option(
@@ -99,7 +103,7 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     interrupted conversion leaves nothing half-written; --overwrite replaces only a
     zarr store (never an input, a directory holding one, or any other file).
     """
-    from nvalchemi.training.cli.data_tools import check_output, convert_to_zarr, open_inputs
+    from nvalchemi.data.convert import check_output, convert_to_zarr, open_inputs
 
     if options["half_list"] and options["cutoff"] is None:
         raise CLIError("--half-list needs --cutoff", fix="add --cutoff 5.0 (or drop --half-list)")
@@ -129,7 +133,11 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     console.print(text)
 
 
-@data.command("check")
+@data.command("check", epilog="""\b
+Examples:
+  nvalchemi-training data check data/train.zarr
+  nvalchemi-training data check data/*.extxyz --json > check.json
+""")
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--label-key",
@@ -146,8 +154,8 @@ def check(paths: tuple[str, ...], label_keys: tuple[str, ...], as_json: bool) ->
     chunk files) and every structure of any source (shapes, dtypes, finite values,
     atomic numbers). Exit status 1 when anything is wrong.
     """
-    from nvalchemi.training.cli.data_sources import open_reader
-    from nvalchemi.training.cli.data_tools import check_data
+    from nvalchemi.data.inspect import check_data
+    from nvalchemi.data.sources import open_reader
 
     keys = _label_keys(label_keys)
     console = err_console()
@@ -191,7 +199,11 @@ def _print_check(console: Any, path: str, report: dict[str, Any]) -> None:
         console.print(f"{path}: OK", markup=False)
 
 
-@data.command("stats")
+@data.command("stats", epilog="""\b
+Examples:
+  nvalchemi-training data stats data/train.extxyz
+  nvalchemi-training data stats data/train.zarr --max-structures 1000 --json
+""")
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--max-structures",
@@ -209,9 +221,11 @@ def _print_check(console: Any, path: str, report: dict[str, Any]) -> None:
 def stats(
     paths: tuple[str, ...], max_structures: int | None, label_keys: tuple[str, ...], as_json: bool
 ) -> None:
-    """Counts, elements, label statistics and suggested per-element reference energies."""
-    from nvalchemi.training.cli.data_sources import open_reader
-    from nvalchemi.training.cli.data_tools import absent_chunk_warning, data_statistics
+    """Counts, elements, label statistics and suggested per-element reference energies.
+
+    Says when the data has stress labels (``train init`` then adds the stress loss)."""
+    from nvalchemi.data.inspect import absent_chunk_warning, data_statistics
+    from nvalchemi.data.sources import open_reader
 
     keys = _label_keys(label_keys)
     readers = [
@@ -251,7 +265,8 @@ def _print_stats(result: dict[str, Any]) -> None:
         rows.append(("largest force (eV/Å)", result["forces"]["max_norm"]))
     if "stress" in result:
         s = result["stress"]
-        rows.append(("stress component (eV/Å³)", f"{s['mean']:.2e} ± {s['std']:.2e}"))
+        rows.append(("stress component (meV/Å³)",
+                     f"{1000 * s['mean']:.3g} ± {1000 * s['std']:.3g}"))  # fmt: skip
     print_table(console, "Data set", ["", "value"], rows)
     energies = result.get("reference_energies", {})
     print_table(
@@ -266,6 +281,11 @@ def _print_stats(result: dict[str, Any]) -> None:
     )  # fmt: skip
     if energies:
         console.print("E0: suggested per-element reference energies (least squares on the totals)")
+    if result["labels"]["stress"]:
+        console.print(
+            f"stress labels: {result['labels']['stress']:,} of {result['structures']:,} "
+            "structures (train init adds the stress loss and the model's stress output)"
+        )
     if result.get("residual_energy_per_atom"):
         r = result["residual_energy_per_atom"]
         console.print(

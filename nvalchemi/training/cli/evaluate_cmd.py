@@ -1,8 +1,11 @@
-"""``evaluate``: a checkpoint on a data set -> metrics table, parity plots, per-element errors."""
+"""``evaluate``: a checkpoint on data -> error tables (overall, per structure type, element,
+file, force magnitude) and parity plots; :func:`print_evaluation` prints them (also for
+``spec run`` and ``quickstart``)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,166 +13,135 @@ import click
 
 from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.training.cli._console import err_console, print_table
-from nvalchemi.training.cli._errors import CLIError
 
-__all__ = ["evaluate", "evaluate_checkpoint", "print_evaluation"]
+__all__ = ["evaluate", "print_evaluation"]
 
-
-def load_checkpoint_model(
-    checkpoint_dir: str | Path, *, index: Any, device: str, use_ema: bool, trust: bool
-) -> Any:
-    """The model of a checkpoint root (EMA weights when saved and ``use_ema``)."""
-    from nvalchemi.training.checkpoint import load_model_from_checkpoint
-
-    root = Path(checkpoint_dir)
-    if not (root / "manifest.json").is_file():
-        raise CLIError(
-            f"{root} is not an nvalchemi checkpoint directory (no manifest.json)",
-            field="CHECKPOINT_DIR",
-            fix="give the checkpoint root a CheckpointHook wrote, e.g. runs/quickstart/checkpoints",
-        )
-    return load_model_from_checkpoint(
-        root, map_location=device, use_ema=use_ema, checkpoint_index=index, trust=trust
-    )
+_ERROR_COLUMNS = ["E MAE", "E RMSE", "F MAE", "F RMSE", "S MAE", "S RMSE"]
+UNITS_NOTE = "E: energy per atom (meV/atom), F: force components (meV/Å), S: stress components (meV/Å³)"
 
 
-def evaluate_checkpoint(
-    model: Any,
-    paths: list[str],
-    *,
-    batch_size: int = 16,
-    device: str = "cpu",
-    max_structures: int | None = None,
-    head: str | None = None,
-) -> Any:
-    """:class:`~nvalchemi.training.cli.evaluation.Evaluation` of ``model`` on ``paths``."""
-    from nvalchemi.training.cli.data_sources import (
-        make_dataset,
-        make_loader,
-        neighbor_config_of,
-        open_reader,
-    )
-    from nvalchemi.training.cli.evaluation import predict
+def _overall_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    from nvalchemi.training.evaluation import DISPLAY, QUANTITIES
 
-    readers = [open_reader(p, field="--dataset", max_structures=max_structures) for p in paths]
-    try:
-        dataset = make_dataset(readers, neighbor_config=neighbor_config_of(model))
-        loader = make_loader(dataset, batch_size=batch_size)
-        return predict(model, loader, device=device, head=head)
-    finally:
-        for reader in readers:
-            reader.close()
+    labels = {"energy_per_atom": "energy per atom", "forces": "forces (components)",
+              "stress": "stress (components)"}  # fmt: skip
+    return [
+        (labels[q], f"{1000 * metrics[f'{q}_mae']:.2f}", f"{1000 * metrics[f'{q}_rmse']:.2f}",
+         DISPLAY[q])
+        for q in QUANTITIES if f"{q}_mae" in metrics
+    ]  # fmt: skip
 
 
-def print_evaluation(console: Any, evaluation: Any, title: str) -> dict[str, Any]:
-    """Print the metrics and per-element tables; return ``{"metrics", "per_element"}``."""
-    from nvalchemi.training.cli.evaluation import metrics_rows
+def _breakdown(console: Any, title: str, first: str, rows: dict[str, dict[str, Any]]) -> None:
+    from nvalchemi.training.evaluation import error_rows
 
-    metrics = evaluation.metrics()
+    if not rows or (len(rows) < 2 and first == "file"):
+        return  # one file is the overall table again
+    body = [(name, f"{v.get('structures', 0):,}", f"{v.get('atoms', 0):,}", *error_rows(v))
+            for name, v in rows.items()]  # fmt: skip
+    print_table(console, title, [first, "structures", "atoms", *_ERROR_COLUMNS], body)
+
+
+def _force_bins(console: Any, bins: list[dict[str, float]]) -> None:
+    if not bins:
+        return
+    rows = []
+    for b in bins:
+        high = "∞" if math.isinf(b["high"]) else f"{b['high']:g}"
+        rows.append((f"{b['low']:g} - {high}", f"{b['atoms']:,}", f"{1000 * b['forces_mae']:.2f}",
+                     f"{1000 * b['forces_rmse']:.2f}", f"{100 * b['relative_mae']:.1f}%"))  # fmt: skip
+    print_table(console, "Force errors by reference force magnitude |F| (eV/Å)",
+                ["|F| eV/Å", "atoms", "MAE meV/Å", "RMSE meV/Å", "MAE / mean |F|"], rows)  # fmt: skip
+
+
+def print_evaluation(console: Any, evaluation: Any, title: str, grouping: str = "") -> dict:
+    """Print every error table of ``evaluation``; return its JSON-ready report."""
+    report = evaluation.report()
+    metrics = report["metrics"]
     print_table(
         console,
         f"{title}: {metrics['num_structures']:,} structures, {metrics['num_atoms']:,} atoms",
         ["quantity", "MAE", "RMSE", "unit"],
-        metrics_rows(metrics),
+        _overall_rows(metrics),
     )
-    per_element = evaluation.per_element()
-    if per_element:
-        print_table(
-            console,
-            "Force errors per element",
-            ["element", "atoms", "MAE meV/Å", "RMSE meV/Å"],
-            [
-                (symbol, f"{v['atoms']:,}", f"{1000 * v['forces_mae']:.2f}",
-                 f"{1000 * v['forces_rmse']:.2f}")
-                for symbol, v in sorted(per_element.items())
-            ],
-        )  # fmt: skip
-    return {"metrics": metrics, "per_element": per_element}
+    by = {"config_type": "config_type", "atoms": "atom count", "": "group"}.get(grouping, grouping)
+    _breakdown(console, f"Errors per structure type ({by})", by, report["by_group"])
+    _breakdown(console, "Errors per element (forces: its atoms; E, S: structures with it)",
+               "element", report["per_element"])  # fmt: skip
+    _breakdown(console, "Errors per input file", "file", report["by_source"])
+    _force_bins(console, evaluation.force_bins())
+    console.print(UNITS_NOTE)
+    return {"grouping": grouping, **report}
 
 
-@main.command("evaluate")
+@main.command("evaluate", epilog="""\b
+Examples:
+  nvalchemi-training evaluate runs/my/checkpoints --dataset data/test.extxyz
+  nvalchemi-training evaluate runs/my/checkpoints --dataset test.extxyz --group-by material --json
+""")
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
-@click.option(
-    "--dataset",
-    "datasets",
-    multiple=True,
-    required=True,
-    help="Data to evaluate on (extxyz / ASE db / zarr; repeatable).",
-)
-@click.option(
-    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
-)
-@click.option(
-    "--ema/--no-ema",
-    default=True,
-    show_default=True,
-    help="Use the EMA weights when the checkpoint has them.",
-)
+@click.option("--dataset", "datasets", multiple=True, required=True,
+              help="Data to evaluate on (extxyz / ASE db / zarr; repeatable).")
+@click.option("--checkpoint-index", default="latest", show_default=True,
+              help="An index, 'latest' or 'best'.")
+@click.option("--ema/--no-ema", default=True, show_default=True,
+              help="Use the EMA weights when the checkpoint has them.")
+@click.option("--group-by", metavar="KEY",
+              help="extxyz/db info key that groups structures (default: config_type when "
+              "present, else atom-count ranges).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Evaluate only the first N structures of each file.",
-)
-@click.option(
-    "--out-dir",
-    type=click.Path(file_okay=False),
-    help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).",
-)
+@click.option("--max-structures", type=click.IntRange(min=1),
+              help="Evaluate only the first N structures of each file.")
+@click.option("--out-dir", type=click.Path(file_okay=False),
+              help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).")
 @click.option("--plots/--no-plots", default=True, show_default=True)
 @click.option("--head", help="Readout head of a multi-head model (default: its default head).")
-@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (eV units).")
 @click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
-@click.option(
-    "--allow-import",
-    "allow_imports",
-    multiple=True,
-    metavar="PKG",
-    help="Let the checkpoint name classes of this module of yours (repeatable).",
-)
+@click.option("--allow-import", "allow_imports", multiple=True, metavar="PKG",
+              help="Let the checkpoint name classes of this module of yours (repeatable).")
 @debug_option  # fmt: skip
-def evaluate(
-    checkpoint_dir: str,
-    datasets: tuple[str, ...],
-    checkpoint_index: str,
-    ema: bool,
-    batch_size: int,
-    device: str,
-    max_structures: int | None,
-    out_dir: str | None,
-    plots: bool,
-    head: str | None,
-    as_json: bool,
-    trust: bool,
-    allow_imports: tuple[str, ...],
-) -> None:
-    """Evaluate a checkpoint: energy/force/stress errors, per-element forces, parity plots."""
-    from nvalchemi.training.cli._load import allow_user_code
+def evaluate(checkpoint_dir: str, datasets: tuple[str, ...], checkpoint_index: str, ema: bool,
+             group_by: str | None, batch_size: int, device: str, max_structures: int | None,
+             out_dir: str | None, plots: bool, head: str | None, as_json: bool, trust: bool,
+             allow_imports: tuple[str, ...]) -> None:  # fmt: skip
+    """Evaluate a checkpoint: energy, force and stress errors overall, per structure type,
+    element, file and force magnitude, with parity plots."""
+    from nvalchemi._errors import FieldError
+    from nvalchemi.data.sources import open_reader
+    from nvalchemi.hooks.reporting.presets import PLOTS_HINT, plots_available
+    from nvalchemi.training.checkpoint import load_model_from_checkpoint
+    from nvalchemi.training.evaluation import evaluate_readers
+    from nvalchemi.training.jobs.resolve import allow_user_code
 
     allow_user_code(list(allow_imports), ".", field="--allow-import")
-    index = parse_checkpoint_index(checkpoint_index)
-    model = load_checkpoint_model(checkpoint_dir, index=index, device=device, use_ema=ema,
-                                  trust=trust)  # fmt: skip
+    root = Path(checkpoint_dir)
+    if not (root / "manifest.json").is_file():
+        raise FieldError(
+            f"{root} is not an nvalchemi checkpoint directory (no manifest.json)",
+            field="CHECKPOINT_DIR",
+            fix="give the checkpoint root a CheckpointHook wrote, e.g. runs/quickstart/checkpoints",
+        )
+    model = load_model_from_checkpoint(root, map_location=device, use_ema=ema, trust=trust,
+                                       checkpoint_index=parse_checkpoint_index(checkpoint_index))  # fmt: skip
     names = getattr(model, "head_names", None)
     if head is not None and (names is None or head not in names):
-        raise CLIError(
-            f"--head {head!r} is not a head of this model (heads: {list(names or [])})",
-            field="--head",
-            fix="name one of the model's heads, or drop --head",
-        )
-    evaluation = evaluate_checkpoint(
-        model, list(datasets), batch_size=batch_size, device=device,
-        max_structures=max_structures, head=head,
-    )  # fmt: skip
+        raise FieldError(f"--head {head!r} is not a head of this model (heads: {list(names or [])})",
+                         field="--head", fix="name one of the model's heads, or drop --head")  # fmt: skip
+    readers = [open_reader(p, field="--dataset", max_structures=max_structures) for p in datasets]
+    try:
+        evaluation, grouping = evaluate_readers(model, readers, batch_size=batch_size,
+                                                device=device, head=head, group_by=group_by)  # fmt: skip
+    finally:
+        for reader in readers:
+            reader.close()
     console = err_console()
-    result = print_evaluation(console, evaluation, "Evaluation")
-    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, plots_available
-
+    result = print_evaluation(console, evaluation, "Evaluation", grouping)
     if plots and not plots_available():
         console.print(PLOTS_HINT)
     elif plots:
-        target = Path(out_dir) if out_dir else Path(checkpoint_dir).resolve().parent / "evaluation"
+        target = Path(out_dir) if out_dir else root.resolve().parent / "evaluation"
         result["plots"] = [str(p) for p in evaluation.parity_plots(target)]
         for path in result["plots"]:
             console.print(f"plot: {path}")

@@ -19,8 +19,8 @@ import click
 
 from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
-from nvalchemi.training.cli.recipe import QUICKSTART
+from nvalchemi.training.jobs.recipe import QUICKSTART
+from nvalchemi.training.jobs.spec import TrainingJobSpec, dump_job
 
 __all__ = ["finetune", "schema", "train"]
 
@@ -40,10 +40,13 @@ def _common_options(default_lr: float, *, required: bool = True):
                          help="Write the spec here (.json or .yaml); default: stdout."),
             click.option("--lr", type=float, default=default_lr, show_default=True,
                          help="Peak learning rate (AdamW)."),
-            click.option("--num-steps", type=click.IntRange(min=1), default=1000,
-                         show_default=True, help="Training length in optimizer steps."),
+            click.option("--minutes", type=click.FloatRange(min=0, min_open=True),
+                         help="Time budget: the run's length and learning-rate schedule are "
+                              "fitted to it at run time (train init default: 10)."),
+            click.option("--num-steps", type=click.IntRange(min=1),
+                         help="A fixed length in optimizer steps (fine-tunes: default 1000)."),
             click.option("--num-epochs", type=click.IntRange(min=1),
-                         help="Training length in epochs (replaces --num-steps)."),
+                         help="A fixed length in epochs."),
             click.option("--device", default="auto", show_default=True,
                          help="cpu, cuda, cuda:N, or auto (cuda when available)."),
             click.option("--trainable-pattern", "trainable_patterns", multiple=True,
@@ -63,8 +66,17 @@ def _common_options(default_lr: float, *, required: bool = True):
                               "(seeded)."),
             click.option("--validation-every-epochs", type=click.IntRange(min=1)),
             click.option("--validation-every-steps", type=click.IntRange(min=1)),
-            click.option("--batch-size", type=click.IntRange(min=1),
-                         default=QUICKSTART.batch_size, show_default=True),
+            click.option("--batch-size", default=str(QUICKSTART.batch_size), show_default=True,
+                         callback=lambda c, p, v: _batch_size(v),
+                         help="Structures per batch, or auto (an atom budget found by "
+                              "probing the model's memory at run time)."),
+            click.option("--max-atoms", type=click.IntRange(min=1),
+                         help="Batches of at most this many atoms instead of a fixed count."),
+            click.option("--max-edges", type=click.IntRange(min=1),
+                         help="Batches of at most this many neighbour pairs."),
+            click.option("--in-memory/--no-in-memory", default=None,
+                         help="Load the data into memory once (default: when the files are "
+                              "under 1 GB)."),
             click.option("--name", help="Job name (shown in reports)."),
             debug_option,
         ]  # fmt: skip
@@ -75,16 +87,28 @@ def _common_options(default_lr: float, *, required: bool = True):
     return decorate
 
 
-def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _batch_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
+    return int(value)
 
 
 def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) -> TrainingJobSpec:
-    from nvalchemi.training.cli.scaffold import scaffold_job
+    from nvalchemi.training.devices import resolve_device
+    from nvalchemi.training.jobs.scaffold import scaffold_job
+
+    lengths = [k for k in ("minutes", "num_steps", "num_epochs") if options[k] is not None]
+    if len(lengths) > 1:
+        raise CLIError(
+            f"give one length: {' and '.join('--' + k.replace('_', '-') for k in lengths)} "
+            "contradict each other",
+            fix="a budget (--minutes) or a fixed length (--num-steps / --num-epochs)",
+        )
+    if options["batch_size"] == "auto" and (options["max_atoms"] or options["max_edges"]):
+        raise CLIError("--batch-size auto finds --max-atoms / --max-edges itself",
+                       fix="give one or the other")  # fmt: skip
 
     if options["validation_every_epochs"] and options["validation_every_steps"]:
         raise CLIError(
@@ -105,15 +129,16 @@ def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) 
             fix="add --validation-dataset PATH or --val-fraction 0.1",
         )
     trainable = tuple(extra.pop("trainable_patterns", options["trainable_patterns"]))
-    return scaffold_job(
+    data = scaffold_job(
         workflow,
         model,
         datasets=list(options["datasets"]),
         output_dir=options["output_dir"],
         lr=options["lr"],
+        minutes=options["minutes"],
         num_steps=options["num_steps"],
         num_epochs=options["num_epochs"],
-        device=_resolve_device(options["device"]),
+        device=resolve_device(options["device"]),
         dtype_policy=options["loss_dtype_policy"],
         trainable_patterns=trainable,
         freeze_patterns=tuple(options["freeze_patterns"]),
@@ -122,23 +147,52 @@ def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) 
         validation_every_epochs=options["validation_every_epochs"],
         validation_every_steps=options["validation_every_steps"],
         batch_size=options["batch_size"],
+        max_atoms=options["max_atoms"],
+        max_edges=options["max_edges"],
+        in_memory=options["in_memory"],
         name=options["name"],
         **extra,
     )
+    return TrainingJobSpec.model_validate(data)
+
+
+def _describe(job: TrainingJobSpec) -> str:
+    """``"trains PaiNN (built-in, nvalchemi.models.painn) on ..."`` for the init messages."""
+    spec = job.strategy.model_specs.get("main") or {}
+    path = spec.get("cls_path")
+    if job.workflow == "finetune":
+        what = f"fine-tunes a {job.source.model} model ({job.source.checkpoint_path or job.source.model_id})"
+    elif path:
+        module, name = str(path).rsplit(".", 1)
+        where = "built-in, " if module.startswith("nvalchemi.") else ""
+        what = f"trains {name} ({where}{module}) from scratch"
+    else:
+        what = "trains your model (fill strategy.model_specs.main)"
+    length = (f"fitted to {job.minutes:g} min" if job.minutes is not None and job.strategy.num_steps
+              is None and job.strategy.num_epochs is None else _fixed_length(job))  # fmt: skip
+    stress = " with stress" if "stress" in (spec.get("active_outputs") or []) else ""
+    return f"{what}{stress}, {length}"
+
+
+def _fixed_length(job: TrainingJobSpec) -> str:
+    if job.strategy.num_epochs is not None:
+        return f"{job.strategy.num_epochs} epochs"
+    return f"{job.strategy.num_steps:,} steps"
 
 
 def _emit(job: TrainingJobSpec, out: str | None) -> None:
     if out is None:
         click.echo(dump_job(job, only_set=True), nl=False)
+        click.echo(f"A job that {_describe(job)}", err=True)
         return
-    from nvalchemi.training.cli.job_paths import rebase_job_paths
+    from nvalchemi.training.jobs.paths import rebase_job_paths
 
     # Paths typed here are relative to the current directory; in the file they are
     # relative to the file's directory (as spec run reads them).
     data = job.model_dump(mode="json", exclude_none=True, exclude_unset=True)
     dump_job(rebase_job_paths(data, Path(out).parent), out)
     click.echo(f"Wrote {out}", err=True)
-    click.echo(f"Created {job.workflow} {job.source.model} training spec {out}", err=True)
+    click.echo(f"Created {out}: a job that {_describe(job)}", err=True)
 
 
 # ---------------------------------------------------------------------------- train
@@ -147,25 +201,67 @@ def train() -> None:
     """Scaffold a training-from-scratch job."""
 
 
-@train.command("init")
+@train.command("init", epilog="""\b
+Examples:
+  nvalchemi-training train init --dataset a.extxyz --validation-dataset b.extxyz \\
+      --minutes 30 --stress --output-dir runs/my --out job.yaml
+  nvalchemi-training train init --dataset data/train.extxyz --val-fraction 0.1 --output-dir runs/my
+""")
 @_common_options(default_lr=QUICKSTART.lr)
 @click.option("--model", "model_kind", type=click.Choice(["painn", "custom"]), default="painn",
               show_default=True,
               help="painn: the built-in PaiNN, fitted to the data at run time; custom: fill "
-                   "strategy.model_specs yourself.")  # fmt: skip
+                   "strategy.model_specs yourself.")
 @click.option("--cutoff", type=click.FloatRange(min=0, min_open=True),
-              help=f"PaiNN cutoff in Å (default {QUICKSTART.cutoff}).")  # fmt: skip
-def train_init(model_kind: str, cutoff: float | None, **options: Any) -> None:
-    """Scaffold a job that trains a model from scratch."""
+              help=f"PaiNN cutoff in Å (default {QUICKSTART.cutoff}).")
+@click.option("--stress/--no-stress", default=None,
+              help="Train on stress too: the stress loss (weight "
+                   f"{QUICKSTART.stress_weight:g}) and the model's stress output. Default: "
+                   "when the training data has stress labels.")  # fmt: skip
+def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **options: Any) -> None:
+    """Scaffold a job that trains a model from scratch: the quickstart recipe on your data."""
     extra: dict[str, Any] = {}
-    if model_kind == "painn":
-        from nvalchemi.training.cli.scaffold import painn_model_spec
-
-        extra["model_specs"] = {"main": painn_model_spec(cutoff)}
-        extra["source"] = {"fit_to_data": True}
-    elif cutoff is not None:
+    if model_kind == "custom" and cutoff is not None:
         raise CLIError("--cutoff applies to --model painn only", fix="drop --cutoff")
+    counts = _data_labels(options["datasets"])
+    if stress is None:
+        stress = bool(counts and counts["stress"])
+        if stress:
+            click.echo(
+                f"stress labels found in {counts['stress']:,} of the first {counts['scanned']:,} "
+                f"training structures: adding the stress loss (weight {QUICKSTART.stress_weight:g})"
+                " and the model's stress output (--no-stress to leave them out)", err=True,
+            )  # fmt: skip
+    extra["stress"] = stress
+    extra["structures"] = counts["structures"] if counts else None
+    if model_kind == "painn":
+        from nvalchemi.training.jobs.scaffold import painn_model_spec
+
+        extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
+        extra["source"] = {"fit_to_data": True}
+        if options["minutes"] is None and options["num_steps"] is None and not options["num_epochs"]:
+            options["minutes"] = DEFAULT_MINUTES
     _emit(_scaffold("train", "custom", options, **extra), options["out"])
+
+
+DEFAULT_MINUTES = 10.0
+"""The time budget ``train init`` writes when no length is given."""
+
+
+def _data_labels(paths: tuple[str, ...]) -> dict[str, int] | None:
+    """Label counts of the training files (``None`` when they cannot be read now)."""
+    from nvalchemi.data.inspect import label_counts
+    from nvalchemi.data.sources import open_reader
+
+    try:
+        readers = [open_reader(p, field="--dataset") for p in paths]
+    except ValueError:
+        return None  # spec report names a missing file; the job can be written first
+    try:
+        return label_counts(readers)
+    finally:
+        for reader in readers:
+            reader.close()
 
 
 # ---------------------------------------------------------------------------- finetune
@@ -300,7 +396,12 @@ def finetune() -> None:
     """Scaffold and check fine-tuning jobs."""
 
 
-@finetune.group("init", invoke_without_command=True)
+@finetune.group("init", invoke_without_command=True, epilog="""\b
+Examples:
+  nvalchemi-training finetune init --from runs/pre/checkpoints --dataset new.extxyz \\
+      --val-fraction 0.1 --trainable-pattern 'main.readout.*' --output-dir runs/ft --out ft.yaml
+  nvalchemi-training finetune init mace small.model --dataset new.extxyz --output-dir runs/ft
+""")
 @click.option("--from", "source", metavar="SOURCE",
               help="Checkpoint directory, MACE .model file or weights file to fine-tune.")  # fmt: skip
 @_common_options(default_lr=1e-5, required=False)
@@ -326,7 +427,11 @@ def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> Non
     _emit(job, options["out"])
 
 
-@finetune.command("check")
+@finetune.command("check", epilog="""\b
+Examples:
+  nvalchemi-training finetune check ft.yaml
+  nvalchemi-training finetune check ft.yaml --map-location cuda --trust
+""")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--map-location", help="Device to build and run the models on (default: cpu).")
 @click.option("--trust", is_flag=True, help="Trust the job file (pickled MACE models).")
@@ -334,8 +439,8 @@ def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> Non
 def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None:
     """Compare the job's fine-tune-ready model with its source (zero-step parity)."""
     from nvalchemi.training.cli._console import err_console
-    from nvalchemi.training.cli._load import load_job
-    from nvalchemi.training.cli.finetune_run import finetune_check, parity_note
+    from nvalchemi.training.jobs.finetune import finetune_check, parity_note
+    from nvalchemi.training.jobs.resolve import load_job
 
     job, _ = load_job(path, trust=trust)
     run = finetune_check(job, trust=trust, map_location=map_location or "cpu")
@@ -357,7 +462,11 @@ def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None
     click.echo(json.dumps(run.parity.to_dict()))
 
 
-@finetune_init.command("checkpoint")
+@finetune_init.command("checkpoint", epilog="""\b
+Examples:
+  nvalchemi-training finetune init checkpoint runs/pre/checkpoints --dataset new.extxyz \\
+      --use-original-loss --lr 1e-4 --num-steps 500 --output-dir runs/ft --out ft.yaml
+""")
 @click.argument("checkpoint_dir")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -397,7 +506,11 @@ def finetune_checkpoint(
     _emit(job, options["out"])
 
 
-@finetune_init.command("mace")
+@finetune_init.command("mace", epilog="""\b
+Examples:
+  nvalchemi-training finetune init mace models/small.model --dataset new.extxyz \\
+      --output-dir runs/ft --out ft.yaml
+""")
 @click.argument("model_or_checkpoint")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -414,7 +527,11 @@ def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
     _emit(job, options["out"])
 
 
-@finetune_init.command("custom")
+@finetune_init.command("custom", epilog="""\b
+Examples:
+  nvalchemi-training finetune init custom weights.pt --dataset new.extxyz \\
+      --output-dir runs/ft --out ft.yaml     # then fill strategy.model_specs.main
+""")
 @click.argument("checkpoint_path")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -439,48 +556,36 @@ def _write_text(text: str, out: str | None) -> None:
     click.echo(f"Wrote {out}", err=True)
 
 
-@schema.command("dump")
+@schema.command("dump", epilog="""\b
+Examples:
+  nvalchemi-training schema dump --out job.schema.json
+  nvalchemi-training schema dump | jq '.dataset.properties | keys'
+""")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the schema to this file.")
 @debug_option
 def schema_dump(out: str | None) -> None:
-    """Print the JSON schema of TrainingJobSpec."""
-    _write_text(json.dumps(TrainingJobSpec.model_json_schema(), indent=2) + "\n", out)
+    """Print the JSON schema of every section of a job file (one top-level entry each)."""
+    from nvalchemi.training.jobs.spec import section_schemas
+
+    _write_text(json.dumps(section_schemas(), indent=2) + "\n", out)
 
 
-@schema.command("template")
-@click.option("--workflow", type=click.Choice(["train", "finetune"]), default="finetune",
+@schema.command("template", epilog="""\b
+Examples:
+  nvalchemi-training schema template --out job.yaml
+  nvalchemi-training schema template --workflow finetune --model mace --out ft.yaml
+""")
+@click.option("--workflow", type=click.Choice(["train", "finetune"]), default="train",
               show_default=True)  # fmt: skip
 @click.option("--model", "model", type=click.Choice(["native-checkpoint", "mace", "custom"]),
-              default="native-checkpoint", show_default=True)  # fmt: skip
+              default="native-checkpoint", show_default=True,
+              help="The source of a fine-tune (--workflow finetune).")  # fmt: skip
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the template to this file.")
 @debug_option
 def schema_template(workflow: str, model: str, out: str | None) -> None:
-    """Print a complete template job to edit."""
-    from nvalchemi.training.cli.scaffold import painn_model_spec, scaffold_job
-
-    common = {"datasets": ["data/train.zarr"], "num_steps": 1000, "device": "cpu",
-              "validation_datasets": ("data/valid.zarr",)}  # fmt: skip
-    if workflow == "train":
-        job = scaffold_job(
-            "train", "custom", output_dir="runs/train", lr=1e-4,
-            model_specs={"main": painn_model_spec()}, source={"fit_to_data": True}, **common,
-        )  # fmt: skip
-    else:
-        source = {
-            "native-checkpoint": {"checkpoint_path": "runs/pretrain/checkpoints"},
-            "custom": {"checkpoint_path": "runs/pretrain/model.pt"},
-            "mace": {"checkpoint_path": "models/mace.model", "compile_model": False},
-        }[model]
-        patterns = {
-            "native-checkpoint": ("main.readout.*",),
-            "mace": ("main.model.readouts.*",),
-            "custom": (),
-        }[model]
-        job = scaffold_job(
-            "finetune", model, output_dir="runs/finetune", lr=1e-5, source=source,
-            trainable_patterns=patterns, **common,
-        )  # fmt: skip
-    text = dump_job(job, out, only_set=True) if out else dump_job(job, only_set=True)
+    """Print a complete template job to edit (TrainingJobSpec.template())."""
+    data = TrainingJobSpec.template(workflow, model)
+    text = dump_job(data, out) if out else dump_job(data)
     if out:
         click.echo(f"Wrote {out}", err=True)
     else:

@@ -6,8 +6,10 @@ a checkpoint every epoch with the last 3 and the best kept, live progress,
 split, writes learning-curve and parity PNGs, and shows -- by printing and running
 a short snippet -- how to use the checkpoint as an ASE calculator.
 
-The settings live in :mod:`nvalchemi.training.cli.recipe`; the pipeline in
-:mod:`nvalchemi.training.cli.quickstart_run`.
+The settings live in :mod:`nvalchemi.training.jobs.recipe`; the pipeline in
+:mod:`nvalchemi.training.jobs.quickstart`. Without ``--epochs`` the run's length and
+learning-rate schedule are fitted to ``--minutes`` (default 5) by a ``TimeBudgetHook``,
+as ``spec run --minutes`` does.
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ def _run_snippet(code: str) -> str:
     return out.getvalue()
 
 
-@main.command("quickstart")
+@main.command("quickstart", epilog="""\b
+Examples:
+  nvalchemi-training quickstart                      # about 5 minutes on 2 CPU cores
+  nvalchemi-training quickstart --minutes 15 --run-dir runs/qs15
+""")
 @click.option(
     "--run-dir",
     default="runs/quickstart",
@@ -69,8 +75,9 @@ def _run_snippet(code: str) -> str:
 @click.option(
     "--minutes",
     type=click.FloatRange(min=0, min_open=True),
-    help="Training time budget. Without --epochs the number of epochs is chosen to "
-    "fit it (default 5 min); training stops cleanly when it runs out.",
+    help="Training time budget (default 5 min). Without --epochs the run's length and "
+    "learning-rate schedule are fitted to it after timing the first steps; with --epochs "
+    "it is a cap. Training stops cleanly when it runs out.",
 )
 @click.option("--epochs", type=click.IntRange(min=1), help="Train exactly this many epochs.")
 @click.option(
@@ -101,7 +108,7 @@ def quickstart(
     """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""
     import torch
 
-    from nvalchemi.training.cli import quickstart_run as qs
+    from nvalchemi.training.jobs import quickstart as qs
 
     started = time.perf_counter()
     console = err_console()
@@ -120,46 +127,51 @@ def quickstart(
     train, val, test = qs.loaders(splits, plan.recipe)
     if plan.resume:
         strategy = qs.resume_strategy(plan, val)
+        target = (f"{plan.recipe.epochs} epochs" if plan.recipe.epochs
+                  else f"the run fitted to {plan.recipe.minutes:g} min")  # fmt: skip
         console.print(
-            f"resuming from step {strategy.step_count:,} (epoch {strategy.epoch_count}) of "
-            f"{plan.recipe.epochs} epochs"
+            f"resuming from step {strategy.step_count:,} (epoch {strategy.epoch_count}) of {target}"
         )
     else:
         model = qs.build_model(splits, plan.recipe, plan.device)
-        if plan.calibrate:
-            chosen, step_s = qs.calibrate_epochs(
-                model, train, val, plan.recipe, plan.budget_s, plan.device
-            )
-            plan.recipe = plan.recipe.replace(epochs=chosen)
-            console.print(
-                f"timing: {1000 * step_s:.0f} ms per step of {plan.recipe.batch_size} "
-                f"structures -> {chosen} epochs fit in {plan.budget_s / 60:.3g} min"
-            )
         qs.save_plan(plan)
         params = sum(p.numel() for p in model.parameters())
+        length = (f"{plan.recipe.epochs} epochs x {len(train)} steps" if not plan.fitted else
+                  f"as many {len(train)}-step epochs as fit in {plan.budget_s / 60:.3g} min "
+                  "(length and schedule fitted after timing the first steps)")  # fmt: skip
         console.print(
-            f"model: PaiNN, {params:,} parameters, cutoff {plan.recipe.cutoff} Å, "
-            f"{plan.recipe.epochs} epochs x {len(train)} steps on {plan.device}"
+            f"model: PaiNN (built-in), {params:,} parameters, cutoff {plan.recipe.cutoff} Å; "
+            f"{length} on {plan.device}"
         )
         strategy = qs.build_strategy(plan, model, train, val)
     strategy.run(train)
-    if strategy.stop_reason:
-        console.print(f"stopped early: {strategy.stop_reason} (continue with --resume)")
+    reason = strategy.stop_reason or ""
+    if reason and not reason.startswith("end of the run fitted"):
+        console.print(f"stopped early: {reason} (continue with --resume)")
+    elif reason:
+        console.print(f"{reason}: {strategy.step_count:,} steps, {strategy.epoch_count} epochs")
     _finish(console, plan, test, started)
 
 
 def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
+    from nvalchemi.data.bundled import bundled_split_path
+    from nvalchemi.data.sources import open_reader
+    from nvalchemi.hooks.reporting.presets import PLOTS_HINT, learning_curves, plots_available
     from nvalchemi.training.checkpoint import load_model_from_checkpoint
-    from nvalchemi.training.cli import quickstart_run as qs
     from nvalchemi.training.cli.evaluate_cmd import print_evaluation
-    from nvalchemi.training.cli.evaluation import predict
-    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, learning_curves, plots_available
+    from nvalchemi.training.evaluation import predict, structure_groups
+    from nvalchemi.training.jobs import quickstart as qs
 
     path, index, step = qs.final_checkpoint(plan)
     model = load_model_from_checkpoint(plan.checkpoint_dir, map_location=plan.device)
     evaluation = predict(model, test, device=plan.device)
+    reader = open_reader(bundled_split_path("test"), max_structures=plan.recipe.max_test)
+    try:
+        evaluation.groups, grouping = structure_groups([reader])
+    finally:
+        reader.close()
     console.rule("Test split (EMA weights of the final checkpoint)")
-    result = print_evaluation(console, evaluation, "Test metrics")
+    result = print_evaluation(console, evaluation, "Test metrics", grouping)
     (plan.run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
     if plots_available():
         for plot in [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]:
@@ -168,8 +180,9 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     else:
         console.print(PLOTS_HINT)
     console.print(f"metrics:          {plan.run_dir / 'metrics.jsonl'}")
-    console.print(f"final checkpoint: {path} (index {index}, step {step})")
-    console.print(f"checkpoint root:  {plan.checkpoint_dir} (load with 'latest' or 'best')")
+    console.print(f"checkpoint root:  {plan.checkpoint_dir} (manifest.json; load it with "
+                  "'latest' or 'best')")
+    console.print(f"final checkpoint: index {index} (step {step}), files in {path}")
     console.rule("Use the checkpoint as an ASE calculator")
     snippet = calculator_snippet(plan.checkpoint_dir, _demo_symbol(model))
     console.print(snippet, markup=False, highlight=False)

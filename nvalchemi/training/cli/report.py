@@ -3,7 +3,7 @@
 Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning (the
 ``finetune`` block, and the reference energies a run of the job wrote), Optimizers, Notes
 and a Learning-rate preview computed with the real scheduler
-(:mod:`nvalchemi.training.cli.lr_preview`).
+(:mod:`nvalchemi.training.jobs.lr_preview`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from nvalchemi.training.cli._console import format_number
-from nvalchemi.training.cli.job_spec import TrainingJobSpec
-from nvalchemi.training.cli.job_warnings import job_warnings
-from nvalchemi.training.cli.lr_preview import lr_preview, preview_steps
-from nvalchemi.training.cli.payload import ResolvedJob
+from nvalchemi.training.jobs.checks import job_warnings
+from nvalchemi.training.jobs.lr_preview import lr_preview, preview_steps
+from nvalchemi.training.jobs.resolve import ResolvedJob
+from nvalchemi.training.jobs.spec import TrainingJobSpec
 
-__all__ = ["render_report", "strategy_class_name"]
+__all__ = ["model_name", "render_report", "strategy_class_name"]
 
 _LEVEL_STYLE = {"danger": "bold red", "warning": "yellow", "info": "cyan", "ok": "green"}
 
@@ -67,19 +67,22 @@ def _loss_rows(resolved: ResolvedJob) -> list[tuple[str, str]]:
 def _intent(job: TrainingJobSpec, resolved: ResolvedJob) -> Table:
     table = _table("Training Intent", "setting", "value")
     source, data, payload = job.source, job.dataset, job.strategy
-    model = source.model
+    model = "trained from scratch" if job.workflow == "train" else source.model
     if source.checkpoint_path:
         model += f" from {source.checkpoint_path}"
         if source.model == "native-checkpoint":
             model += f" (checkpoint {source.checkpoint_index})"
     elif source.model_id:
         model += f" {source.model_id}"
-    classes = ", ".join(f"{k}: {c.__name__}" for k, c in resolved.model_classes.items())
     rows = [
         ("workflow", job.workflow),
         ("model source", model),
-        ("model spec", classes or "-"),
-    ]
+        ("model", ", ".join(f"{k}: {model_name(c)}" for k, c in resolved.model_classes.items())
+         or "-"),
+    ]  # fmt: skip
+    outputs = _outputs(job)
+    if outputs:
+        rows.append(("model outputs", outputs))
     if source.fit_to_data:
         rows.append(
             ("fit to data", "elements, reference energies and scale/shift from the training set")
@@ -100,21 +103,53 @@ def _intent(job: TrainingJobSpec, resolved: ResolvedJob) -> Table:
             else f"every {job.validation.every_n_epochs or 'end of'} epoch(s)"
         )
         rows.append(("validation cadence", cadence))
-    rows.append(("batch size", str(data.batch_size)))
-    duration = (
-        f"{payload['num_epochs']} epochs"
-        if payload.get("num_epochs") is not None
-        else f"{payload['num_steps']} steps"
-    )
-    rows.append(("duration", duration))
+    rows.append(("batches", _batches(data)))
+    if data.in_memory:
+        rows.append(("in memory", "every structure loaded once, neighbour lists built once"))
+    rows.append(("duration", _duration(job)))
     rows.append(("devices", ", ".join(str(d) for d in resolved.devices)))
     rows.extend(_loss_rows(resolved))
-    rows.append(("training_fn", str(payload.get("training_fn", "default_training_fn"))))
+    rows.append(("training_fn", payload.training_fn))
     rows.append(("run directory", job.output.run_dir))
     rows.append(("checkpoints", job.output.checkpoint_root))
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def model_name(cls: type) -> str:
+    """``"PaiNN (built-in, nvalchemi.models.painn)"`` or ``"MyModel (mypkg.models)"``."""
+    where = "built-in, " if cls.__module__.startswith("nvalchemi.") else ""
+    return f"{cls.__name__} ({where}{cls.__module__})"
+
+
+def _outputs(job: TrainingJobSpec) -> str:
+    spec = job.strategy.model_specs.get("main") or {}
+    outputs = spec.get("active_outputs") or job.source.active_outputs
+    return ", ".join(outputs) if outputs else ""
+
+
+def _batches(data: Any) -> str:
+    if data.batch_size == "auto":
+        return ("auto: an atom/edge budget found by probing the model's peak memory on the "
+                "training device at run time")  # fmt: skip
+    budgets = [f"{v:,} {what}" for v, what in ((data.max_atoms, "atoms"),
+                                                (data.max_edges, "neighbour pairs")) if v]  # fmt: skip
+    if budgets:
+        return "at most " + " and ".join(budgets) + " per batch (BudgetBatchSampler)"
+    return f"{data.batch_size} structures"
+
+
+def _duration(job: TrainingJobSpec) -> str:
+    payload = job.strategy
+    if payload.num_epochs is not None:
+        fixed = f"{payload.num_epochs} epochs"
+    elif payload.num_steps is not None:
+        fixed = f"{payload.num_steps:,} steps"
+    else:
+        return (f"fitted to {job.minutes:g} min: length and learning-rate schedule set after "
+                "timing the first steps (validation included)")  # fmt: skip
+    return fixed if job.minutes is None else f"{fixed} (capped at {job.minutes:g} min)"
 
 
 def _stages_of(hook: Any, stage: str | None) -> list[Any]:
@@ -157,24 +192,28 @@ def _hook_table(resolved: ResolvedJob) -> Table:
     return table
 
 
-def _warning_table(job: TrainingJobSpec) -> tuple[Table, list[Any]]:
-    table = _table("Warnings", "level", "check", "message")
+def _print_warnings(console: Console, job: TrainingJobSpec) -> list[Any]:
+    """One line per warning: level, check, the field it is about, what, and the fix."""
     found = job_warnings(job)
-    for warning in found:
-        style = _LEVEL_STYLE.get(warning.level, "")
-        table.add_row(Text(warning.level, style=style), warning.check, warning.message)
+    console.print("Warnings", style="italic")
+    for w in found:
+        line = Text(f"  {w.level:<7} ", style=_LEVEL_STYLE.get(w.level, ""))
+        where = f"{w.field}: " if w.field else ""
+        fix = f" Fix: {w.fix.rstrip('.')}." if w.fix else ""
+        line.append(f"{w.check}: {where}{w.message}.{fix}")
+        console.print(line, soft_wrap=True)
     if not found:
-        table.add_row(Text("ok", style=_LEVEL_STYLE["ok"]), "all checks", "no warnings")
-    return table, found
+        console.print(Text("  ok      all checks: no warnings", style=_LEVEL_STYLE["ok"]))
+    return found
 
 
 def _strategy_table(job: TrainingJobSpec) -> Table:
     table = _table(strategy_class_name(job), "setting", "value")
     freeze, trainable = job.patterns
-    patches = job.strategy.get("module_patches") or {}
+    patches = job.strategy.module_patches
     table.add_row("freeze_patterns", ", ".join(freeze) or "-")
     table.add_row("trainable_patterns", ", ".join(trainable) or "-")
-    table.add_row("freeze_mode", str(job.strategy.get("freeze_mode", "requires_grad")))
+    table.add_row("freeze_mode", job.strategy.freeze_mode)
     table.add_row("module_patches", ", ".join(patches) or "-")
     if job.source.model == "native-checkpoint":
         table.add_row("use_original_loss", str(job.source.use_original_loss))
@@ -236,12 +275,56 @@ def _optimizer_table(resolved: ResolvedJob) -> Table:
     return table
 
 
+def _batch_table(job: TrainingJobSpec) -> Table | None:
+    """The chosen atom budget and the batch-size distribution it gives (reads atom counts)."""
+    import json
+    from pathlib import Path
+
+    data = job.dataset
+    probe = Path(job.output.run_dir) / "batch_budget.json"
+    max_atoms = data.max_atoms
+    table = _table("Batches", "setting", "value")
+    if data.batch_size == "auto" and probe.is_file():
+        chosen = json.loads(probe.read_text())
+        max_atoms = chosen.get("max_atoms")
+        table.add_row("budget found by the last run", f"{max_atoms:,} atoms, "
+                      f"{chosen.get('max_edges') or '-'} pairs ({probe})")  # fmt: skip
+    elif data.batch_size == "auto":
+        table.add_row("budget", "probed at run time (written to <run_dir>/batch_budget.json)")
+    if max_atoms is None:
+        return table if data.batch_size == "auto" else None
+    from nvalchemi.data.datapipes import BudgetBatchSampler, count_atoms
+    from nvalchemi.data.sources import make_dataset
+
+    sources = data.open_sources()
+    try:
+        atoms = count_atoms(make_dataset(sources.train))
+    finally:
+        sources.close()
+    sampler = BudgetBatchSampler(atoms, max_atoms=max_atoms, seed=data.seed)
+    sizes = sorted(len(b) for b in sampler.plan(0))
+    loads = sorted(sum(atoms[i] for i in b) for b in sampler.plan(0))
+    table.add_row("atom budget", f"{max_atoms:,} atoms per batch"
+                  + (f" and {data.max_edges:,} neighbour pairs" if data.max_edges else ""))  # fmt: skip
+    table.add_row("batches per epoch", f"{len(sizes):,} (of {len(atoms):,} structures)")
+    table.add_row("structures per batch", _spread(sizes))
+    table.add_row("atoms per batch", _spread(loads) + f" (budget {max_atoms:,})")
+    return table
+
+
+def _spread(values: list[int]) -> str:
+    n = len(values)
+    return (f"min {values[0]:,}, median {values[n // 2]:,}, max {values[-1]:,}, "
+            f"mean {sum(values) / n:.1f}")  # fmt: skip
+
+
 def _lr_section(console: Console, job: TrainingJobSpec, resolved: ResolvedJob) -> None:
     from nvalchemi.hooks.reporting._charts import braille_chart
 
     for key, configs in resolved.optimizer_configs.items():
         for i, config in enumerate(configs):
-            steps, note = preview_steps(job.strategy, config)
+            steps, note = preview_steps(job.strategy.num_steps, config,
+                                        budget=job.minutes is not None)  # fmt: skip
             preview = lr_preview(config, steps)
             preview.note = preview.note or note
             title = f"Learning-rate preview: {key}[{i}] {preview.optimizer}"
@@ -269,13 +352,15 @@ def render_report(job: TrainingJobSpec, resolved: ResolvedJob, console: Console)
     console.print(Rule(f"Training report: {job.name}"))
     console.print(_intent(job, resolved))
     console.print(_hook_table(resolved))
-    warnings_table, found = _warning_table(job)
-    console.print(warnings_table)
+    found = _print_warnings(console, job)
     console.print(_strategy_table(job))
     finetune = _finetune_table(job)
     if finetune is not None:
         console.print(finetune)
     console.print(_optimizer_table(resolved))
+    batches = _batch_table(job)
+    if batches is not None:
+        console.print(batches)
     if job.notes:
         console.print(Panel(job.notes.strip(), title="Notes", title_align="left"))
     _lr_section(console, job, resolved)

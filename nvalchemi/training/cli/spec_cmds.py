@@ -12,6 +12,9 @@ from nvalchemi.training.cli._console import err_console, print_table
 
 __all__ = ["spec"]
 
+DEFAULT_THREADS = 1
+"""torch and neighbour-list threads of ``spec run`` on the CPU, as for ``quickstart``."""
+
 _TRUST_HELP = (
     "Trust the job file: resolve dotted paths outside the import allow-list and load "
     "pickled model files. Only for files you wrote or trust."
@@ -24,6 +27,18 @@ allow_import_option = click.option("--allow-import", "allow_imports", multiple=T
                                    help=_ALLOW_HELP)  # fmt: skip
 
 
+def _batch_size(value: str | None) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
+    return number
+
+
 @main.group()
 def spec() -> None:
     """Explain, run and resume job specs."""
@@ -31,10 +46,14 @@ def spec() -> None:
 
 def _run_options(fn: Any) -> Any:
     options = [
-        click.option("--batch-size", type=click.IntRange(min=1),
-                     help="Override dataset.batch_size."),
-        click.option("--shuffle/--no-shuffle", default=None,
-                     help="Override dataset.shuffle."),
+        click.option("--batch-size", callback=lambda c, p, v: _batch_size(v),
+                     help="Override dataset.batch_size (an int, or auto: an atom budget found "
+                     "by probing the model's memory)."),
+        click.option("--max-atoms", type=click.IntRange(min=1),
+                     help="Batches of at most this many atoms (override dataset.max_atoms)."),
+        click.option("--max-edges", type=click.IntRange(min=1),
+                     help="Batches of at most this many neighbour pairs."),
+        click.option("--shuffle/--no-shuffle", default=None, help="Override dataset.shuffle."),
         click.option("--drop-last", is_flag=True, help="Drop the last incomplete batch."),
         click.option("--num-workers", type=click.IntRange(min=0),
                      help="Loader worker processes (override dataset.num_workers)."),
@@ -53,9 +72,16 @@ def _run_options(fn: Any) -> Any:
         click.option("--validation-every-epochs", type=click.IntRange(min=1)),
         click.option("--validation-every-steps", type=click.IntRange(min=1)),
         click.option("--minutes", type=click.FloatRange(min=0, min_open=True),
-                     help="Stop cleanly (checkpoint, validation) after this much training."),
-        click.option("--threads", type=click.IntRange(min=1),
-                     help="torch CPU threads (default: torch's choice)."),
+                     help="Time budget (override the job's minutes): the run's length and "
+                     "schedule are fitted to it; with a fixed num_steps/num_epochs it caps."),
+        click.option("--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS,
+                     show_default=True,
+                     help="torch CPU threads and neighbour-list threads. Small models gain "
+                     "little from more, and extra threads slow a run down a lot when other "
+                     "processes share the CPU; raise it on a dedicated machine."),
+        click.option("--group-by", metavar="KEY",
+                     help="info key the final evaluation groups structures by (default: "
+                     "output.group_by, else config_type, else atom count)."),
         click.option("--trust", is_flag=True, help=_TRUST_HELP),
         allow_import_option,
         debug_option,
@@ -66,38 +92,20 @@ def _run_options(fn: Any) -> Any:
 
 
 def _options(kwargs: dict[str, Any]) -> Any:
-    from nvalchemi.training.cli.runner import RunOptions
+    import torch
 
-    if kwargs.get("threads"):
-        import torch
+    from nvalchemi.training.jobs.run import RunOptions
 
-        torch.set_num_threads(kwargs["threads"])
+    torch.set_num_threads(kwargs["threads"])
+    names = ("batch_size", "max_atoms", "max_edges", "shuffle", "drop_last", "num_workers",
+             "map_location", "distributed", "ddp_backend", "validation_every_epochs",
+             "validation_every_steps", "minutes", "threads", "group_by", "trust")  # fmt: skip
     return RunOptions(
-        batch_size=kwargs["batch_size"],
-        shuffle=kwargs["shuffle"],
-        drop_last=kwargs["drop_last"],
-        num_workers=kwargs["num_workers"],
-        map_location=kwargs["map_location"],
-        distributed=kwargs["distributed"],
-        ddp_backend=kwargs["ddp_backend"],
+        **{name: kwargs[name] for name in names},
         dist_timeout_s=kwargs["dist_timeout"],
         validation_paths=tuple(kwargs["validation_paths"]),
-        validation_every_epochs=kwargs["validation_every_epochs"],
-        validation_every_steps=kwargs["validation_every_steps"],
-        minutes=kwargs["minutes"],
-        trust=kwargs["trust"],
         allow_imports=tuple(kwargs["allow_imports"]),
     )
-
-
-def _last_validation(run_dir: Any) -> dict[str, Any]:
-    """The last validation row of ``metrics.jsonl`` (``{}`` when there is none)."""
-    from nvalchemi.hooks.reporting import read_metrics
-
-    path = run_dir / "metrics.jsonl"
-    rows = read_metrics(path) if path.is_file() else []
-    validation = [r for r in rows if r.get("kind") == "validation"]
-    return validation[-1] if validation else {}
 
 
 def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
@@ -116,42 +124,42 @@ def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
 
 
 def _summary(result: Any, console: Any) -> None:
+    from nvalchemi.training.cli.evaluate_cmd import print_evaluation
+
     if not result.is_main:
         return
     strategy = result.strategy
-    last = _last_validation(result.run_dir)
     rows: list[tuple[str, Any]] = [
         ("optimizer steps", strategy.step_count),
         ("epochs", strategy.epoch_count),
     ]
+    if result.budget is not None:
+        plan = result.budget
+        rows.append(("time budget (min)", f"{plan.seconds / 60:.3g} ({plan.spent_s / 60:.3g} used)"))
+        if plan.step_s is not None:
+            rows.append(("measured step time (ms)", f"{1000 * plan.step_s:.0f}"))
     if strategy.stop_reason:
         rows.append(("stopped", strategy.stop_reason))
-    for key, label, scale in (
-        ("energy_per_atom_mae", "validation energy MAE (meV/atom)", 1000),
-        ("energy_per_atom_rmse", "validation energy RMSE (meV/atom)", 1000),
-        ("forces_mae", "validation force MAE (meV/Å)", 1000),
-        ("forces_rmse", "validation force RMSE (meV/Å)", 1000),
-        ("loss/total", "validation loss", 1),
-    ):
-        value = last.get(f"validation/{key}")
-        if isinstance(value, (int, float)):
-            rows.append((label, float(value) * scale))
     rows += _forgetting_rows(result.forgetting)
     print_table(console, "Run summary", ["", "value"], rows)
+    if result.evaluation is not None:
+        weights = "EMA" if result.final_weights == "ema" else "final"
+        print_evaluation(console, result.evaluation,
+                         f"Final model ({weights} weights) on the validation data",
+                         result.grouping)  # fmt: skip
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
-        console.print(f"checkpoints:   {result.checkpoint_dir}")
-    if result.final_weights is not None and result.final_metrics:
-        weights = "EMA" if result.final_weights == "ema" else "final"
-        console.print(
-            f"parity plots:  {weights} weights on the {result.num_validation:,} validation "
-            "structures (MAE/RMSE in the legends)"
-        )
+        console.print(f"checkpoints:   {result.checkpoint_dir} (manifest.json + checkpoints/<index>/;"
+                      " load it with evaluate or NvalchemiCalculator.from_checkpoint)")  # fmt: skip
     for plot in result.plots:
         console.print(f"plot:          {plot}")
 
 
-@spec.command("report")
+@spec.command("report", epilog="""\b
+Examples:
+  nvalchemi-training spec report job.yaml
+  nvalchemi-training spec report job.yaml --json > normalized.json
+""")
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Also print the normalized job as JSON on stdout.")  # fmt: skip
@@ -159,10 +167,11 @@ def _summary(result: Any, console: Any) -> None:
 @allow_import_option
 @debug_option
 def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str, ...]) -> None:
-    """Render a job as tables and warnings (loads no model weights and no data)."""
-    from nvalchemi.training.cli._load import load_job
-    from nvalchemi.training.cli.job_spec import dump_job
+    """Render a job as tables and warnings (loads no model weights; reads atom counts only
+    for an atom budget)."""
     from nvalchemi.training.cli.report import render_report
+    from nvalchemi.training.jobs.resolve import load_job
+    from nvalchemi.training.jobs.spec import dump_job
 
     job, resolved = load_job(path, trust=trust, allow_imports=allow_imports)
     render_report(job, resolved, err_console())
@@ -170,85 +179,69 @@ def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str,
         click.echo(dump_job(job), nl=False)
 
 
-@spec.command("run")
+@spec.command("run", epilog="""\b
+Examples:
+  nvalchemi-training spec run job.yaml --minutes 10
+  nvalchemi-training spec run job.yaml --num-steps 30 --max-structures 64 --no-report
+""")
 @click.argument("path", type=click.Path(dir_okay=False))
 @_run_options
-@click.option(
-    "--num-steps",
-    type=click.IntRange(min=1),
-    help="Train this many steps instead of the job's duration (e.g. a smoke test).",
-)
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Use only the first N structures of each data file.",
-)
+@click.option("--num-steps", type=click.IntRange(min=1),
+              help="Train this many steps instead of the job's duration (e.g. a smoke test).")
+@click.option("--max-structures", type=click.IntRange(min=1),
+              help="Use only the first N structures of each data file.")
 @click.option("--report/--no-report", default=True, show_default=True,
               help="Render the spec report before training.")  # fmt: skip
 def spec_run(
     path: str, num_steps: int | None, max_structures: int | None, report: bool, **kwargs: Any
 ) -> None:
     """Train a job spec."""
-    from nvalchemi.training.cli._load import load_job
     from nvalchemi.training.cli.report import render_report
-    from nvalchemi.training.cli.runner import launch_env, run_job
-    from nvalchemi.training.cli.schedule_checks import check_horizons
+    from nvalchemi.training.jobs.checks import check_horizons
+    from nvalchemi.training.jobs.resolve import load_job
+    from nvalchemi.training.jobs.run import launch_env, run_job
 
     options = _options(kwargs)
+    options.num_steps = num_steps
     job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
     is_main = launch_env().rank == 0
-    if num_steps is not None:
-        configs = job.strategy.get("optimizer_configs") or {}
-        job.strategy = {**job.strategy, "num_steps": num_steps, "num_epochs": None}
     if max_structures is not None:
         job.dataset.max_structures = max_structures
     console = err_console()
     if report and is_main:
         render_report(job, resolved, console)
     if num_steps is not None:
-        check_horizons(configs, num_steps, warn=is_main)
+        check_horizons(job.strategy.model_dump()["optimizer_configs"] or {}, num_steps,
+                       warn=is_main)  # fmt: skip
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
 
 
-@spec.command("resume")
+@spec.command("resume", epilog="""\b
+Examples:
+  nvalchemi-training spec resume runs/my/checkpoints --spec job.yaml
+  nvalchemi-training spec resume runs/my/checkpoints --spec job.yaml --num-steps 20000
+""")
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False),
               help="The job spec the run was started with.")  # fmt: skip
 @click.option("--checkpoint-index", default="latest", show_default=True,
               help="An index, 'latest' or 'best'.")  # fmt: skip
 @_run_options
-@click.option(
-    "--num-steps",
-    type=click.IntRange(min=1),
-    help="Train until this total step count instead of the saved run's duration (e.g. to "
-    "extend a finished run).",
-)
-@click.option(
-    "--lr",
-    type=click.FloatRange(min=0.0, min_open=True),
-    help="Continue with this learning rate for every optimizer (recorded in the checkpoint "
-    "history; the resume is then no longer exact).",
-)
-def spec_resume(
-    checkpoint_dir: str,
-    spec_path: str,
-    checkpoint_index: str,
-    num_steps: int | None,
-    lr: float | None,
-    **kwargs: Any,
-) -> None:
+@click.option("--num-steps", type=click.IntRange(min=1),
+              help="Train until this total step count instead of the saved run's duration "
+              "(e.g. to extend a finished run).")
+@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True),
+              help="Continue with this learning rate for every optimizer (recorded in the "
+              "checkpoint history; the resume is then no longer exact).")  # fmt: skip
+def spec_resume(checkpoint_dir: str, spec_path: str, checkpoint_index: str,
+                num_steps: int | None, lr: float | None, **kwargs: Any) -> None:  # fmt: skip
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
     change the learning rate with --lr)."""
     from nvalchemi.training.cli._errors import CLIError
-    from nvalchemi.training.cli._load import load_job
-    from nvalchemi.training.cli.runner import (
-        distributed_enabled,
-        launch_env,
-        run_job,
-        saved_progress,
-    )
-    from nvalchemi.training.cli.schedule_checks import check_horizons
+    from nvalchemi.training.jobs.checks import check_horizons
+    from nvalchemi.training.jobs.resolve import load_job
+    from nvalchemi.training.jobs.run import distributed_enabled, launch_env, run_job, saved_progress
 
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)

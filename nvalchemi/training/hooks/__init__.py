@@ -19,6 +19,7 @@ _EXPORTS = {
     "TrainableParameterHook": ".finetune",
     "EarlyStoppingHook": ".early_stopping",
     "TorchProfilerHook": "nvalchemi.hooks.profiler",
+    "TimeBudgetHook": "nvalchemi.training.time_budget",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,15 +5,15 @@ and settles the recipe; :func:`load_splits` reads the bundled train/val/test spl
 into memory with neighbour lists; :func:`build_strategy` (fresh) or
 :func:`resume_strategy` set up a ``TrainingStrategy`` with validation every epoch,
 EMA, gradient clipping, a ``CheckpointHook`` every epoch (last 3 + best kept), live
-reporting, a time budget and Ctrl-C as a clean stop; :func:`calibrate_epochs` picks
-how many epochs fit a time budget.
+reporting, Ctrl-C as a clean stop and a
+:class:`~nvalchemi.training.time_budget.TimeBudgetHook`: without ``--epochs`` the run's
+length and its learning-rate schedule are fitted to the budget (the mechanism of
+``spec run --minutes``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import math
 import shutil
 import signal
 import time
@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.recipe import QUICK, QUICKSTART, PaiNNRecipe
+from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.recipe import QUICK, QUICKSTART, PaiNNRecipe
 
 __all__ = ["QuickstartPlan", "Splits", "build_strategy", "load_splits", "prepare_run"]
 
 CONFIG_FILE = "quickstart.json"
 _OWNED = ("checkpoints", "tensorboard", "metrics.jsonl", CONFIG_FILE, "test_metrics.json",
-          "learning_curves.png", "parity_energy_per_atom.png", "parity_forces.png")  # fmt: skip
+          "learning_curves.png", "parity_energy_per_atom.png", "parity_forces.png",
+          "parity_stress.png")  # fmt: skip
 
 
 @dataclass
@@ -38,9 +39,13 @@ class QuickstartPlan:
     recipe: PaiNNRecipe
     run_dir: Path
     resume: bool
-    calibrate: bool
     budget_s: float | None
     device: str
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the run's length is fitted to the budget (no fixed number of epochs)."""
+        return self.recipe.epochs is None and self.budget_s is not None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -63,7 +68,7 @@ def _saved_recipe(run_dir: Path) -> PaiNNRecipe | None:
     try:
         return PaiNNRecipe(**json.loads(path.read_text())["recipe"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise CLIError(
+        raise FieldError(
             f"{path} is not a quickstart run record ({exc})",
             fix="use another --run-dir, or --overwrite to start over",
         ) from None
@@ -86,33 +91,35 @@ def prepare_run(
         run_dir / CONFIG_FILE
     ).is_file()
     if resume and overwrite:
-        raise CLIError("--resume and --overwrite contradict each other", fix="pick one")
+        raise FieldError("--resume and --overwrite contradict each other", fix="pick one")
     if resume:
         saved = _saved_recipe(run_dir)
         if saved is None or not (run_dir / "checkpoints" / "manifest.json").is_file():
-            raise CLIError(
+            raise FieldError(
                 f"there is no quickstart run to resume in {run_dir}",
                 field="--resume",
                 fix="run `nvalchemi-training quickstart` without --resume first (or point "
                 "--run-dir at an earlier run)",
             )
         if epochs is not None and epochs != saved.epochs:
-            raise CLIError(
+            raise FieldError(
                 f"--epochs {epochs} differs from the run being resumed ({saved.epochs} epochs)",
                 field="--epochs",
                 fix="drop --epochs to continue the run exactly, or start a new run with --run-dir",
             )
         if quick and saved.hidden_channels != QUICK.hidden_channels:
-            raise CLIError(
+            raise FieldError(
                 f"--quick differs from the run in {run_dir} (a full quickstart)",
                 field="--quick",
                 fix="drop --quick to resume it",
             )
+        if minutes is None and saved.epochs is None:
+            minutes = saved.minutes  # the same budget: the saved plan continues
         budget = None if minutes is None else minutes * 60
-        return QuickstartPlan(saved, run_dir, True, False, budget, device)
+        return QuickstartPlan(saved, run_dir, True, budget, device)
     if has_run:
         if not overwrite:
-            raise CLIError(
+            raise FieldError(
                 f"{run_dir} already holds a quickstart run",
                 fix="pass --resume to continue it, --overwrite to start over, or choose "
                 "another --run-dir",
@@ -123,22 +130,15 @@ def prepare_run(
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
-    recipe = (QUICK if quick else QUICKSTART).replace(epochs=epochs)
-    calibrate = epochs is None and not quick
-    if calibrate and minutes is None:
-        minutes = DEFAULT_MINUTES
+    recipe = (QUICK if quick else QUICKSTART).replace(epochs=epochs, minutes=minutes)
+    if recipe.epochs is None:
+        minutes = recipe.minutes
     budget = None if minutes is None else minutes * 60
-    return QuickstartPlan(recipe, run_dir, False, calibrate, budget, device)
-
-
-_PROBE_STEPS, _WARMUP_STEPS = 12, 4
-
-DEFAULT_MINUTES = 5.0
-"""Training time the quickstart plans for when neither --epochs nor --minutes is given."""
+    return QuickstartPlan(recipe, run_dir, False, budget, device)
 
 
 def _check_device(device: str) -> None:
-    from nvalchemi.training.cli.devices import check_device
+    from nvalchemi.training.devices import check_device
 
     check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
 
@@ -198,63 +198,32 @@ def build_model(splits: Splits, recipe: PaiNNRecipe, device: str) -> Any:
     return PaiNN.from_data(fit_data, **recipe.model_kwargs()).to(device)
 
 
-def calibrate_epochs(
-    model: Any, train: Any, val: Any, recipe: PaiNNRecipe, budget_s: float, device: str
-) -> tuple[int, float]:
-    """Epochs that fit ``budget_s``, from timing a few steps of a throwaway copy.
-
-    Returns ``(epochs, seconds per training step)``. Validation (every epoch, with
-    forces) is counted at about 60 % of a training step per batch.
-    """
-    import torch
-
-    from nvalchemi.training.losses.composition import compute_supervised_loss
-    from nvalchemi.training.strategy import default_training_fn
-
-    probe = copy.deepcopy(model).train()
-    optimizer = torch.optim.AdamW(probe.parameters(), lr=recipe.lr)
-    loss_fn = recipe.loss_fn()
-    timings = []
-    for i, batch in enumerate(train):
-        if i >= _PROBE_STEPS:
-            break
-        batch = batch.to(device)
-        start = time.perf_counter()
-        predictions = default_training_fn(probe, batch)
-        loss = compute_supervised_loss(loss_fn, predictions, batch)["total_loss"]
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        timings.append(time.perf_counter() - start)
-    # The first steps pay for allocator and autograd warm-up; the median ignores outliers.
-    steady = sorted(timings[_WARMUP_STEPS:] or timings)
-    step_s = steady[len(steady) // 2]
-    epoch_s = step_s * (len(train) + 0.6 * len(val)) * 1.05
-    epochs = int(max(1, min(200, math.floor(budget_s / epoch_s))))
-    return epochs, step_s
-
-
 def _hooks(plan: QuickstartPlan, console: Any) -> list[Any]:
-    from nvalchemi.training.cli.run_reporting import TimeBudgetHook, reporting_hook
+    from nvalchemi.hooks.reporting.presets import run_reporting
     from nvalchemi.training.hooks.checkpoint import CheckpointHook
     from nvalchemi.training.hooks.ema import EMAHook
     from nvalchemi.training.hooks.gradients import GradientClipHook
     from nvalchemi.training.preemption import PreemptionHandler
+    from nvalchemi.training.time_budget import TimeBudgetHook
 
     recipe = plan.recipe
+    budget = None
+    if plan.budget_s is not None:
+        budget = TimeBudgetHook(plan.budget_s, fit=plan.fitted)
     hooks: list[Any] = [EMAHook(decay=recipe.ema_decay)]
     if recipe.grad_clip_norm:
         hooks.append(GradientClipHook(recipe.grad_clip_norm))
     hooks += [
         CheckpointHook(plan.checkpoint_dir, epoch_interval=1, keep_last=recipe.keep_last,
                        keep_best=1),
-        reporting_hook(plan.run_dir, log_every=recipe.log_every_n_steps,
-                       title="nvalchemi quickstart: PaiNN on bundled EMT", console=console),
+        run_reporting(plan.run_dir, log_every=recipe.log_every_n_steps,
+                      title="nvalchemi quickstart: PaiNN on bundled EMT", console=console,
+                      budget=budget),
         # Ctrl-C: finish the step, checkpoint, evaluate (a second Ctrl-C is ignored).
         PreemptionHandler(signals=(signal.SIGINT,), exit=False),
     ]  # fmt: skip
-    if plan.budget_s is not None:
-        hooks.append(TimeBudgetHook(plan.budget_s))
+    if budget is not None:
+        hooks.append(budget)
     return hooks
 
 
@@ -268,32 +237,39 @@ def build_strategy(
     plan: QuickstartPlan, model: Any, train: Any, val: Any, console: Any = None
 ) -> Any:
     """A fresh ``TrainingStrategy`` for the plan's recipe."""
+    from nvalchemi.training.jobs.build import BUDGET_STEPS
     from nvalchemi.training.strategy import TrainingStrategy
 
     recipe = plan.recipe
-    total_steps = recipe.epochs * len(train)
+    fixed = {"num_epochs": recipe.epochs} if recipe.epochs else {"num_steps": BUDGET_STEPS}
+    total_steps = recipe.epochs * len(train) if recipe.epochs else None  # else fitted
     return TrainingStrategy(
         models=model,
         optimizer_configs=recipe.optimizer_config(total_steps),
         loss_fn=recipe.loss_fn(),
         validation_config=_validation(val),
         hooks=_hooks(plan, console),
-        num_epochs=recipe.epochs,
         devices=[plan.device],
+        **fixed,
     )
 
 
 def resume_strategy(plan: QuickstartPlan, val: Any, console: Any = None) -> Any:
     """The strategy of the latest checkpoint, with the same hooks and validation."""
+    import warnings
+
     from nvalchemi.training.strategy import TrainingStrategy
 
-    return TrainingStrategy.load_checkpoint(
-        plan.checkpoint_dir,
-        "latest",
-        map_location=plan.device,
-        hooks=_hooks(plan, console),
-        overrides={"validation_config": _validation(val)},
-    )
+    with warnings.catch_warnings():
+        # A cap (--minutes with --epochs) comes and goes: its plan is not needed without one.
+        warnings.filterwarnings("ignore", message=r".*hooks \['TimeBudgetHook'\] that are not")
+        return TrainingStrategy.load_checkpoint(
+            plan.checkpoint_dir,
+            "latest",
+            map_location=plan.device,
+            hooks=_hooks(plan, console),
+            overrides={"validation_config": _validation(val)},
+        )
 
 
 def final_checkpoint(plan: QuickstartPlan) -> tuple[Path, int, int | None]:

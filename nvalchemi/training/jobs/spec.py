@@ -1,16 +1,19 @@
 """The job file of ``spec run``: :class:`TrainingJobSpec` (JSON or YAML).
 
 A job names where the model comes from (``source``), the data (``dataset``), where
-results go (``output``), how often to validate (``validation``), what a fine-tune keeps
-of its source (``finetune``: reference energies, a new head, replay) and the training
-recipe (``strategy``: a ``TrainingStrategy.to_spec_dict()``-shaped payload plus the
-fine-tuning keys ``freeze_patterns``/``trainable_patterns``/``freeze_mode``/
-``module_patches``/``new_heads``). Every block forbids unknown keys, so a typo is an error that
-names the key instead of a silently ignored setting.
+results go (``output``), how often to validate (``validation``), how long to train
+(``minutes``, a time budget the run is fitted to, or a fixed length in ``strategy``),
+what a fine-tune keeps of its source (``finetune``: reference energies, a new head,
+replay) and the training recipe (``strategy``: a
+:class:`~nvalchemi.training.strategy_payload.StrategyPayload`, the shape of
+``TrainingStrategy.to_spec_dict()`` plus the fine-tuning keys). Every block forbids
+unknown keys, so a typo is an error that names the key instead of a silently ignored
+setting. :meth:`TrainingJobSpec.template` is a complete job; :func:`section_schemas`
+the JSON schema of every section.
 
-This module checks structure only (types, required keys, combinations); dotted paths
-inside the job are resolved by :mod:`nvalchemi.training.cli.payload` through the
-import allow-list.
+This module checks structure only (types, required keys, combinations), reporting
+every error at once; dotted paths inside the job are resolved by
+:mod:`nvalchemi.training.jobs.resolve` through the import allow-list.
 
 Example:
     >>> job = TrainingJobSpec.model_validate({
@@ -18,8 +21,8 @@ Example:
     ...     "source": {"model": "custom"},
     ...     "dataset": {"path": "data/train.extxyz", "val_fraction": 0.1},
     ...     "output": {"run_dir": "runs/demo"},
-    ...     "strategy": {"optimizer_configs": {}, "devices": ["cpu"], "loss_fn_spec": {},
-    ...                  "num_epochs": 10},
+    ...     "strategy": {"optimizer_configs": {}, "devices": ["cpu"], "loss_fn_spec": {}},
+    ...     "minutes": 10,
     ... })
     >>> job.dataset.all_paths, job.output.checkpoint_root
     (['data/train.extxyz'], 'runs/demo/checkpoints')
@@ -33,6 +36,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nvalchemi.training.strategy_payload import FINETUNE_KEYS, StrategyPayload, with_timestamps
+
 __all__ = [
     "DatasetSpec",
     "DistributedSpec",
@@ -44,54 +49,15 @@ __all__ = [
     "SourceSpec",
     "TrainingJobSpec",
     "ValidationSpec",
+    "FINETUNE_KEYS",
+    "StrategyPayload",
     "dump_job",
     "read_job_file",
-    "with_timestamps",
+    "section_schemas",
 ]
 
 ModelSource = Literal["native-checkpoint", "mace", "custom"]
 DataFormat = Literal["auto", "extxyz", "ase-db", "alchemi-zarr", "alchemi-zarr-multidataset"]
-FINETUNE_KEYS = (
-    "module_patches",
-    "freeze_patterns",
-    "trainable_patterns",
-    "freeze_mode",
-    "new_heads",
-)
-PAYLOAD_KEYS = frozenset(
-    {
-        "optimizer_configs",
-        "num_epochs",
-        "num_steps",
-        "epoch_step_modifier",
-        "devices",
-        "loss_fn_spec",
-        "model_specs",
-        "single_model_input",
-        "training_fn",
-        "nonfinite_loss",
-        "nonfinite_check_interval",
-        "max_consecutive_skips",
-        *FINETUNE_KEYS,
-    }
-)
-
-
-def with_timestamps(value: Any) -> Any:
-    """Fill ``timestamp`` into every spec dict (with ``cls_path``) that lacks it.
-
-    Hand-written job files may leave timestamps out; spec loaders require the key.
-    """
-    if isinstance(value, dict):
-        out = {k: with_timestamps(v) for k, v in value.items()}
-        if isinstance(out.get("cls_path"), str):
-            out.setdefault("timestamp", "")
-        return out
-    if isinstance(value, list):
-        return [with_timestamps(v) for v in value]
-    return value
-
-
 class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -195,6 +161,12 @@ class SourceSpec(_Block):
     )
     hooks: list[RuntimeHookSpec] = Field(default_factory=list)
     mace: MaceSourceOptions | None = None
+    active_outputs: list[Literal["energy", "forces", "stress"]] | None = Field(
+        default=None,
+        description="fine-tunes: outputs the model computes while training (e.g. add "
+        "'stress' for a stress loss; default: the model's own setting); train jobs set "
+        "strategy.model_specs.main.active_outputs instead",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -235,7 +207,18 @@ class DatasetSpec(_Block):
         description="seed of the run: the validation split, shuffling and (spec run) model "
         "initialisation, so the same job gives the same model",
     )
-    batch_size: int = Field(default=8, ge=1)
+    batch_size: int | Literal["auto"] = Field(
+        default=8,
+        description="structures per batch; 'auto': batches by an atom/edge budget that "
+        "spec run finds by probing the model's peak memory on the training device "
+        "(written to <run_dir>/batch_budget.json)",
+    )
+    max_atoms: int | None = Field(
+        default=None, ge=1, description="batches of at most this many atoms (BudgetBatchSampler)"
+    )
+    max_edges: int | None = Field(
+        default=None, ge=1, description="batches of at most this many neighbour pairs"
+    )
     shuffle: bool = True
     num_workers: int = Field(default=0, ge=0)
     in_memory: bool = Field(
@@ -252,8 +235,22 @@ class DatasetSpec(_Block):
         description="ASE formats: where labels live, e.g. {'energy': 'REF_energy'}",
     )
 
+    @field_validator("batch_size")
+    @classmethod
+    def _positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1, or 'auto'")
+        return value
+
+    @property
+    def budget(self) -> bool:
+        """Whether batches are formed by an atom/edge budget instead of a structure count."""
+        return self.batch_size == "auto" or self.max_atoms is not None or self.max_edges is not None
+
     @model_validator(mode="after")
     def _paths(self) -> DatasetSpec:
+        if self.batch_size == "auto" and (self.max_atoms or self.max_edges):
+            raise ValueError("batch_size 'auto' finds max_atoms / max_edges; give one or the other")
         if self.path is None and not self.paths:
             raise ValueError("give 'path' (one file or store) or 'paths' (several)")
         if self.path is not None and self.paths and self.path not in self.paths:
@@ -287,6 +284,24 @@ class DatasetSpec(_Block):
     def has_validation(self) -> bool:
         return bool(self.validation_paths) or self.val_fraction is not None
 
+    def open_sources(self, validation_paths: list[str] | tuple[str, ...] = ()) -> Any:
+        """Readers of this data (:func:`nvalchemi.data.sources.open_sources`; close them).
+
+        ``validation_paths`` replace the block's own validation data.
+        """
+        from nvalchemi.data.sources import open_sources
+
+        return open_sources(
+            self.all_paths,
+            validation_paths=list(validation_paths or self.validation_paths),
+            val_fraction=None if validation_paths else self.val_fraction,
+            seed=self.seed,
+            format=self.format,
+            dtype=self.dtype,
+            label_keys=self.label_keys,
+            max_structures=self.max_structures,
+        )
+
 
 class OutputSpec(_Block):
     """Where the run writes: ``run_dir`` (metrics.jsonl, plots, TensorBoard events).
@@ -301,6 +316,11 @@ class OutputSpec(_Block):
     log_every_n_steps: int = Field(default=10, ge=1)
     tensorboard: bool | None = Field(
         default=None, description="write TensorBoard events (default: when installed)"
+    )
+    group_by: str | None = Field(
+        default=None,
+        description="info key of the structures (extxyz/db) that the final evaluation breaks "
+        "errors down by (default: config_type when the data has it, else atom-count ranges)",
     )
     plots: bool = Field(
         default=True,
@@ -426,6 +446,13 @@ class TrainingJobSpec(_Block):
 
     name: str = "training-job"
     workflow: Literal["train", "finetune"]
+    minutes: float | None = Field(
+        default=None,
+        gt=0,
+        description="time budget: the run's length and learning-rate schedule are fitted to "
+        "it after timing the first steps (validation included); with strategy.num_steps / "
+        "num_epochs set, those win and the budget is only a cap (--minutes overrides it)",
+    )
     imports: list[str] = Field(
         default_factory=list,
         description="modules of your own code (next to the job file, or installed) whose classes "
@@ -437,16 +464,11 @@ class TrainingJobSpec(_Block):
     validation: ValidationSpec | None = None
     distributed: DistributedSpec | None = None
     finetune: FineTuneSpec | None = None
-    strategy: dict[str, Any] = Field(
-        json_schema_extra={"additionalProperties": True},
-        description="TrainingStrategy.to_spec_dict()-shaped payload plus fine-tuning keys",
+    strategy: StrategyPayload = Field(
+        description="the training recipe: a TrainingStrategy.to_spec_dict()-shaped payload "
+        "plus fine-tuning keys (see nvalchemi.training.strategy_payload)",
     )
     notes: str | None = None
-
-    @field_validator("strategy")
-    @classmethod
-    def _timestamps(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return with_timestamps(value)
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainingJobSpec:
@@ -490,50 +512,49 @@ class TrainingJobSpec(_Block):
 
     def _check_payload(self) -> None:
         payload = self.strategy
-        unknown = sorted(set(payload) - PAYLOAD_KEYS)
-        if unknown:
-            raise ValueError(
-                f"strategy has unknown key(s) {unknown}; known keys are {sorted(PAYLOAD_KEYS)}"
-            )
-        reuse_loss = self.source.use_original_loss
-        reuse_opt = self.source.use_original_opt_class
-        required = ["devices"]
-        required += [] if reuse_opt else ["optimizer_configs"]
-        required += [] if reuse_loss else ["loss_fn_spec"]
-        missing = [key for key in required if key not in payload]
+        reuse = {"optimizer_configs": self.source.use_original_opt_class,
+                 "loss_fn_spec": self.source.use_original_loss}  # fmt: skip
+        missing = [k for k, reused in reuse.items() if not reused and getattr(payload, k) is None]
         if missing:
             raise ValueError(
                 f"strategy is missing {missing}; scaffold a job with `nvalchemi-training train "
                 "init` or `finetune init` to see a complete payload"
             )
-        if (payload.get("num_epochs") is None) == (payload.get("num_steps") is None):
+        if payload.num_epochs is None and payload.num_steps is None and self.minutes is None:
             raise ValueError(
-                "strategy needs exactly one of num_epochs and num_steps (set the other to null)"
-            )
-        for key in ("freeze_patterns", "trainable_patterns"):
-            value = payload.get(key, [])
-            if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
-                raise ValueError(f"strategy.{key} must be a list of fnmatch patterns")
-        mode = payload.get("freeze_mode", "requires_grad")
-        if mode not in ("requires_grad", "optimizer_only"):
-            raise ValueError(
-                f"strategy.freeze_mode must be 'requires_grad' or 'optimizer_only'; got {mode!r}"
+                "the job has no length: set minutes (a time budget the run is fitted to), or "
+                "strategy.num_steps / strategy.num_epochs"
             )
 
     # ------------------------------------------------------------------ helpers
+    @classmethod
+    def template(cls, workflow: str = "train", model: str = "custom") -> dict[str, Any]:
+        """A complete, valid job as a dict: what ``train init`` writes, with placeholder paths.
+
+        ``workflow="finetune"`` with ``model`` ``"native-checkpoint"``, ``"mace"`` or
+        ``"custom"`` gives what ``finetune init`` writes.
+
+        Example:
+            >>> job = TrainingJobSpec.template()
+            >>> job["workflow"], job["minutes"], sorted(job["strategy"]["model_specs"])
+            ('train', 10.0, ['main'])
+        """
+        from nvalchemi.training.jobs.scaffold import template_job
+
+        return cls.model_validate(template_job(workflow, model)).model_dump(
+            mode="json", exclude_none=True
+        )
+
     @property
     def patterns(self) -> tuple[list[str], list[str]]:
         """``(freeze_patterns, trainable_patterns)`` of the payload."""
-        return (
-            list(self.strategy.get("freeze_patterns") or []),
-            list(self.strategy.get("trainable_patterns") or []),
-        )
+        return list(self.strategy.freeze_patterns), list(self.strategy.trainable_patterns)
 
     @property
     def uses_finetuning_features(self) -> bool:
         """Whether the payload asks for patterns or module patches."""
         freeze, trainable = self.patterns
-        return bool(freeze or trainable or self.strategy.get("module_patches"))
+        return bool(freeze or trainable or self.strategy.module_patches)
 
 
 def read_job_file(path: str | Path) -> dict[str, Any]:
@@ -587,3 +608,22 @@ def dump_job(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     return text
+
+
+def section_schemas() -> dict[str, Any]:
+    """``{section: JSON schema}`` for every top-level key of a job file, in file order.
+
+    Example:
+        >>> schemas = section_schemas()
+        >>> list(schemas)[:3], schemas["dataset"]["title"]
+        (['name', 'workflow', 'minutes'], 'DatasetSpec')
+    """
+    from pydantic import TypeAdapter
+
+    out = {}
+    for name, info in TrainingJobSpec.model_fields.items():
+        schema = TypeAdapter(info.annotation).json_schema()
+        if info.description and "description" not in schema:
+            schema["description"] = info.description
+        out[name] = schema
+    return out

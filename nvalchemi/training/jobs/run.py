@@ -1,4 +1,4 @@
-"""Run or resume a job: data, strategy, hooks, validation, reporting, plots.
+"""Run or resume a job: data, strategy, hooks, a time budget, validation, reporting, evaluation.
 
 Order of work in :func:`run_job`:
 
@@ -6,46 +6,64 @@ Order of work in :func:`run_job`:
 2. readers for the training and validation data (nothing is loaded yet);
 3. the strategy: built from the job (:mod:`.build`), or restored from a checkpoint
    (``TrainingStrategy.load_checkpoint``, which rebuilds the saved strategy class);
-4. datasets and loaders, with neighbour lists for the model's cutoff;
-5. validation (CLI flags, else the job's ``validation`` block, else every epoch);
-6. hooks added by the CLI: reporting, a time budget, and a ``PreemptionHandler``
-   (``SIGTERM``/``SIGUSR1`` -> checkpoint and exit 75) when a ``CheckpointHook`` exists;
+4. datasets and loaders, with neighbour lists for the model's cutoff (built with
+   ``threads`` threads); batches of ``batch_size`` structures, or within an atom/edge
+   budget (``max_atoms``/``max_edges``, or found by probing the model's memory for
+   ``batch_size: auto``);
+5. validation (options, else the job's ``validation`` block, else every epoch);
+6. hooks added here: reporting, a :class:`~nvalchemi.training.time_budget.TimeBudgetHook`
+   (``minutes``: the run and its schedule are fitted to the budget unless the job has a
+   fixed length), and a ``PreemptionHandler`` (``SIGTERM``/``SIGUSR1`` -> checkpoint and
+   exit 75) when a ``CheckpointHook`` exists;
 7. ``strategy.run(loader)``, then learning curves and, on rank 0 with validation data,
-   parity plots of the final model (EMA weights when the run kept them) on that data.
+   the final model (EMA weights when the run kept them) evaluated on that data: errors
+   overall, per structure type, element, file and force magnitude
+   (``final_evaluation.json``) and parity plots.
 
 ``SIGTERM``/``SIGUSR1`` during steps 1-6 stop the command with a message (nothing was
-saved, nothing needs resuming) and exit status 75 (:class:`SetupSignals`).
+saved, nothing needs resuming) and exit status 75 (:class:`~.signals.SetupSignals`).
+
+Example:
+    >>> from nvalchemi.training.jobs import load_job, run_job, RunOptions
+    >>> job, resolved = load_job("job.yaml")  # doctest: +SKIP
+    >>> result = run_job(job, resolved, RunOptions(minutes=5))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.job_spec import TrainingJobSpec, dump_job
-from nvalchemi.training.cli.payload import ResolvedJob
+from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.resolve import ResolvedJob
+from nvalchemi.training.jobs.signals import SetupSignals
+from nvalchemi.training.jobs.spec import TrainingJobSpec, dump_job
 
 __all__ = [
+    "RUN_HOOKS",
     "RunOptions",
     "RunResult",
-    "SetupSignals",
+    "SavedProgress",
     "distributed_enabled",
     "launch_env",
-    "SavedProgress",
     "run_job",
     "saved_progress",
     "seed_everything",
 ]
 
+FINAL_EVALUATION = "final_evaluation.json"
+
 
 @dataclass
 class RunOptions:
-    """Command-line overrides of a job (``None``: use the job's value)."""
+    """Overrides of a job (``None``: use the job's value), e.g. from the command line."""
 
-    batch_size: int | None = None
+    batch_size: int | str | None = None
+    max_atoms: int | None = None
+    max_edges: int | None = None
     shuffle: bool | None = None
     drop_last: bool = False
     num_workers: int | None = None
@@ -58,6 +76,9 @@ class RunOptions:
     validation_every_steps: int | None = None
     minutes: float | None = None
     num_steps: int | None = None
+    threads: int | None = None
+    """Neighbour-list builder threads (the caller sets torch's own)."""
+    group_by: str | None = None
     lr: float | None = None  # resume only: new learning rate of every optimizer
     trust: bool = False
     allow_imports: tuple[str, ...] = ()
@@ -65,15 +86,24 @@ class RunOptions:
 
 @dataclass
 class RunResult:
+    """What a run left: the strategy, where its files are, the final evaluation."""
+
     strategy: Any
     run_dir: Path
     checkpoint_dir: Path | None
     plots: list[Path] = field(default_factory=list)
     final_metrics: dict[str, float] = field(default_factory=dict)
     final_weights: str | None = None
+    evaluation: Any = None
+    """The final model's :class:`~nvalchemi.training.evaluation.Evaluation` on the validation data."""
+    grouping: str = ""
     num_train: int = 0
     num_validation: int = 0
     is_main: bool = True
+    budget: Any = None
+    """The :class:`~nvalchemi.training.time_budget.BudgetPlan` when the run had a budget."""
+    batch_budget: Any = None
+    """The :class:`~nvalchemi.training.memory_probe.BatchBudget` of ``batch_size: auto``."""
     forgetting: dict[str, dict[str, float]] | None = None
     """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
 
@@ -85,7 +115,7 @@ def launch_env(environ: Any = None) -> Any:
     try:
         return detect_launch_env(environ)
     except ValueError as exc:
-        raise CLIError(
+        raise FieldError(
             f"cannot read the launch environment: {exc}",
             field="environment",
             fix=f"fix the launcher variables, or set {METHOD_ENV}=single to run one process",
@@ -137,7 +167,7 @@ def _validation_config(job: TrainingJobSpec, options: RunOptions, loader: Any) -
     from nvalchemi.training.validation import ValidationConfig
 
     if options.validation_every_epochs and options.validation_every_steps:
-        raise CLIError(
+        raise FieldError(
             "Use only one of --validation-every-epochs and --validation-every-steps",
             fix="drop one of them",
         )
@@ -173,14 +203,13 @@ def check_devices(
     job: TrainingJobSpec, options: RunOptions, resume_from: Path | None, index: Any = "latest"
 ) -> None:
     """Refuse devices this machine lacks before anything is loaded or built on them."""
-    from nvalchemi.training.cli.devices import check_device
+    from nvalchemi.training.devices import check_device
 
     if options.map_location is not None:
         check_device(options.map_location, field="--map-location", fix=_MAP_FIX)
         return
     if resume_from is None:
-        devices = job.strategy.get("devices") or ["cpu"]
-        for device in [devices] if isinstance(devices, str) else devices:
+        for device in job.strategy.devices:
             check_device(
                 device,
                 field="strategy.devices",
@@ -200,21 +229,21 @@ def check_devices(
 
 def _check_root(resume_from: Path) -> None:
     if not (resume_from / "manifest.json").is_file():
-        raise CLIError(
+        raise FieldError(
             f"{resume_from} holds no checkpoints (no manifest.json)",
             field="CHECKPOINT_DIR",
             fix="give the directory the run's CheckpointHook writes to (output.checkpoint_dir)",
         )
 
 
-CLI_HOOKS = frozenset({"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "PreemptionHandler"})
-"""Hooks ``spec run`` adds by itself (from options and the launch), not from ``source.hooks``."""
+RUN_HOOKS = frozenset({"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "PreemptionHandler"})
+"""Hooks :func:`run_job` adds by itself (from options and the launch), not from ``source.hooks``."""
 
 
 def _warn_missing_job_hooks(resume_from: Path, index: Any, hooks: list[Any]) -> None:
     """Warn when the saved run had hooks from ``source.hooks`` that the job no longer lists.
 
-    The CLI's own hooks (:data:`CLI_HOOKS`) come and go with the options (``--minutes``,
+    The CLI's own hooks (:data:`RUN_HOOKS`) come and go with the options (``--minutes``,
     the number of ranks); their absence is no reason to warn.
     """
     from nvalchemi.training.checkpoint import read_strategy_metadata
@@ -224,7 +253,7 @@ def _warn_missing_job_hooks(resume_from: Path, index: Any, hooks: list[Any]) -> 
     for hook in hooks:
         children = getattr(hook, "iter_hooks", None)
         names.update(type(h).__name__ for h in (children() if callable(children) else [hook]))
-    missing = sorted(set(meta.get("hook_types") or []) - names - CLI_HOOKS)
+    missing = sorted(set(meta.get("hook_types") or []) - names - RUN_HOOKS)
     if missing:
         warnings.warn(
             f"The saved run used hooks {missing} that the job file does not list in "
@@ -295,6 +324,8 @@ def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) 
         # neighbour-list cutoff for its loader); missing hooks were checked above.
         warnings.filterwarnings("ignore", message="The saved run validated")
         warnings.filterwarnings("ignore", message="The saved run used hooks")
+        # A budget comes and goes with --minutes: its plan is not needed without one.
+        warnings.filterwarnings("ignore", message=r".*hooks \['TimeBudgetHook'\] that are not")
         return TrainingStrategy.load_checkpoint(
             resume_from,
             index,
@@ -305,86 +336,10 @@ def _load(resume_from: Path, index: Any, options: RunOptions, hooks: list[Any]) 
         )
 
 
-class _StoppedDuringSetup(BaseException):
-    """A stop signal before the first step (a ``BaseException``: no ``except Exception`` eats it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class SetupSignals:
-    """``SIGTERM``/``SIGUSR1`` while a run is set up: a clear message and exit status 75.
-
-    Setting up (reading data, fitting statistics, neighbour lists) can take minutes on
-    a large data set. A signal then stops the command with a message that the run was
-    stopped before its first training step, that nothing was saved and nothing needs
-    resuming, and exit status :data:`~nvalchemi.training.preemption.PREEMPTION_EXIT_CODE`
-    (75): a job script that requeues on 75 simply runs the same command again. Once
-    training started (:meth:`training_started`), the run's ``PreemptionHandler`` owns
-    the signals (checkpoint, then 75); without one, a signal acts as it would without
-    this guard.
-    """
-
-    def __init__(self, console: Any = None) -> None:
-        self.console = console
-        self.training = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> SetupSignals:
-        import signal
-        import threading
-
-        from nvalchemi.training.preemption import PreemptionHandler
-
-        if threading.current_thread() is threading.main_thread():
-            for signum in PreemptionHandler().signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def training_started(self) -> None:
-        self.training = True
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        import os
-
-        if not self.training:
-            raise _StoppedDuringSetup(signum)
-        self._restore()  # as without this guard: e.g. the default action (exit 143)
-        os.kill(os.getpid(), signum)
-
-    def _restore(self) -> None:
-        import signal
-
-        previous, self._previous = self._previous, {}
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self._restore()
-        if not isinstance(exc, _StoppedDuringSetup):
-            return
-        import signal
-
-        from nvalchemi.training.preemption import PREEMPTION_EXIT_CODE
-
-        if self.console is not None:
-            name = signal.Signals(exc.signum).name
-            self.console.print(
-                f"Stopped by {name} while setting up (reading data, statistics, neighbour "
-                "lists), before the first training step: nothing was trained or saved, so "
-                "nothing needs resuming; run the same command again to start. Exit status "
-                f"{PREEMPTION_EXIT_CODE}.",
-                markup=False,
-                soft_wrap=True,
-            )
-        raise SystemExit(PREEMPTION_EXIT_CODE) from None
-
-
 def run_job(
     job: TrainingJobSpec,
     resolved: ResolvedJob,
-    options: RunOptions,
+    options: RunOptions | None = None,
     *,
     resume_from: str | Path | None = None,
     checkpoint_index: Any = -1,
@@ -392,11 +347,14 @@ def run_job(
 ) -> RunResult:
     """Train (or resume) ``job``; returns the strategy and where results are.
 
-    A stop signal before the first step ends the command with exit status 75 and a
-    message (see :class:`SetupSignals`).
+    ``console`` (anything with ``print(text)``, e.g. a rich console) gets a few lines
+    about the data, the model and the plan; the reporters show progress. A stop signal
+    before the first step ends with exit status 75 and a message (see
+    :class:`~.signals.SetupSignals`).
     """
     from nvalchemi.distributed.launch import detect_launch_env
 
+    options = options or RunOptions()
     main_rank = _launch_rank(detect_launch_env) == 0
     with SetupSignals(console if main_rank else None) as signals:
         return _run_job(
@@ -417,6 +375,112 @@ def _launch_rank(detect: Any) -> int:
         return 0
 
 
+def _budget_hook(job: TrainingJobSpec, options: RunOptions) -> Any:
+    """A ``TimeBudgetHook`` for ``--minutes`` / ``minutes:`` (fitted unless the length is fixed)."""
+    from nvalchemi.training.time_budget import TimeBudgetHook
+
+    minutes = options.minutes if options.minutes is not None else job.minutes
+    if minutes is None:
+        return None
+    fixed = job.strategy.num_steps is not None or job.strategy.num_epochs is not None
+    return TimeBudgetHook(minutes * 60, fit=not (fixed or options.num_steps is not None))
+
+
+def _batch_options(job: TrainingJobSpec, options: RunOptions) -> tuple[Any, Any, Any]:
+    """``(batch_size, max_atoms, max_edges)`` after the options' overrides."""
+    data = job.dataset
+    if options.max_atoms is not None or options.max_edges is not None:
+        return data.batch_size if options.batch_size is None else options.batch_size, \
+            options.max_atoms, options.max_edges  # fmt: skip
+    if options.batch_size is not None:
+        return options.batch_size, None, None
+    return data.batch_size, data.max_atoms, data.max_edges
+
+
+def _budget_sampler(dataset: Any, max_atoms: Any, max_edges: Any, **kwargs: Any) -> Any:
+    from nvalchemi.data.datapipes import BudgetBatchSampler
+
+    try:
+        return BudgetBatchSampler(dataset, max_atoms=max_atoms, max_edges=max_edges, **kwargs)
+    except ValueError as exc:
+        raise FieldError(str(exc), field="dataset.max_edges" if max_edges else "dataset.max_atoms",
+                         fix="give positive budgets (or batch_size: auto)") from None  # fmt: skip
+
+
+def _probe(strategy: Any, train: Any, run_dir: Path, is_main: bool, console: Any) -> Any:
+    """``batch_size: auto``: the atom/edge budget of the model on the training device."""
+    from nvalchemi.training.memory_probe import probe_batch_budget
+
+    model = strategy.unwrapped_models().get("main")
+    if model is None:
+        raise FieldError("needs a model 'main' to probe", field="dataset.batch_size",
+                         fix="give batch_size as a number")  # fmt: skip
+    budget = probe_batch_budget(model, train, strategy.devices[0],
+                                out_dir=run_dir if is_main else None)  # fmt: skip
+    if console is not None:
+        edges = "" if budget.max_edges is None else f", {budget.max_edges:,} neighbour pairs"
+        console.print(
+            f"batch budget (batch_size: auto): {budget.max_atoms:,} atoms{edges} per batch, "
+            f"probed on {budget.device} in {budget.seconds:.1f} s "
+            f"({run_dir / 'batch_budget.json'})"
+        )
+    return budget
+
+
+def _loaders(job: TrainingJobSpec, options: RunOptions, strategy: Any, train: Any,
+             validation: Any, finetune: Any, run_dir: Path, is_main: bool,
+             console: Any) -> tuple[Any, Any, Any]:  # fmt: skip
+    """``(train loader, validation loader, batch budget of 'auto' or None)``."""
+    from nvalchemi.data.datapipes.dataloader import DataLoader
+    from nvalchemi.data.sources import make_loader
+
+    data = job.dataset
+    shuffle = data.shuffle if options.shuffle is None else options.shuffle
+    workers = data.num_workers if options.num_workers is None else options.num_workers
+    batch_size, max_atoms, max_edges = _batch_options(job, options)
+    probed = None
+    if finetune is not None and finetune.batch_sampler is not None:
+        loader = DataLoader(finetune.train, batch_sampler=finetune.batch_sampler,
+                            num_workers=workers)  # fmt: skip
+    elif batch_size == "auto" or max_atoms is not None or max_edges is not None:
+        if batch_size == "auto":
+            probed = _probe(strategy, train, run_dir, is_main, console)
+            max_atoms, max_edges = probed.max_atoms, probed.max_edges
+        sampler = _budget_sampler(train, max_atoms, max_edges, shuffle=shuffle, seed=data.seed,
+                                  drop_last=options.drop_last)  # fmt: skip
+        loader = DataLoader(train, batch_sampler=sampler, num_workers=workers)
+    else:
+        loader = make_loader(train, batch_size=batch_size, shuffle=shuffle, seed=data.seed,
+                             num_workers=workers, drop_last=options.drop_last,
+                             balance_ranks=True)  # fmt: skip
+    val_loader = None
+    if validation is not None:
+        if isinstance(batch_size, int):
+            val_loader = make_loader(validation, batch_size=batch_size)
+        else:
+            val_loader = DataLoader(validation, batch_sampler=_budget_sampler(
+                validation, max_atoms, max_edges, shuffle=False))  # fmt: skip
+    return loader, val_loader, probed
+
+
+def _set_outputs(job: TrainingJobSpec, strategy: Any) -> None:
+    """``source.active_outputs``: what the fine-tuned model computes while training."""
+    if job.source.active_outputs is None:
+        return
+    for key, model in strategy.unwrapped_models().items():
+        config = getattr(model, "model_config", None)
+        if config is None:
+            continue
+        unknown = set(job.source.active_outputs) - set(config.outputs)
+        if unknown:
+            raise FieldError(
+                f"model {key!r} ({type(model).__name__}) cannot produce {sorted(unknown)}; it "
+                f"produces {sorted(config.outputs)}", field="source.active_outputs",
+                fix="remove them (and the loss terms that need them)",
+            )  # fmt: skip
+        config.active_outputs = set(job.source.active_outputs)
+
+
 def _run_job(
     job: TrainingJobSpec,
     resolved: ResolvedJob,
@@ -427,16 +491,11 @@ def _run_job(
     checkpoint_index: Any,
     console: Any,
 ) -> RunResult:
+    from nvalchemi.data.sources import make_dataset, neighbor_config_of
     from nvalchemi.distributed.runtime import get_rank, get_world_size
-    from nvalchemi.training.cli.build import build_strategy
-    from nvalchemi.training.cli.data_sources import (
-        make_dataset,
-        make_loader,
-        neighbor_config_of,
-        open_sources,
-    )
-    from nvalchemi.training.cli.finetune_run import forgetting_hook, prepare_finetune_run
-    from nvalchemi.training.cli.run_reporting import TimeBudgetHook, reporting_hook
+    from nvalchemi.hooks.reporting.presets import run_reporting
+    from nvalchemi.training.jobs.build import build_strategy
+    from nvalchemi.training.jobs.finetune import forgetting_hook, prepare_finetune_run
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
@@ -464,32 +523,28 @@ def _run_job(
         hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
     if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
-        raise CLIError(
+        raise FieldError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run",
             field="source.hooks (CheckpointHook.checkpoint_dir)",
             fix=f"continue it with `nvalchemi-training spec resume {checkpoint_dir} --spec JOB`, "
             "or remove the directory, or point the CheckpointHook somewhere else",
         )
-    hooks.append(
-        reporting_hook(
-            run_dir,
-            log_every=job.output.log_every_n_steps,
-            tensorboard=job.output.tensorboard,
-            title=title,
-            console=console,
-        )
-    )
-    if options.minutes is not None:
-        hooks.append(TimeBudgetHook(options.minutes * 60))
+    budget = _budget_hook(job, options)
+    if budget is not None:
+        hooks.append(budget)
+    hooks.append(run_reporting(run_dir, log_every=job.output.log_every_n_steps,
+                               tensorboard=job.output.tensorboard, title=title,
+                               console=console, budget=budget))  # fmt: skip
     if checkpoint_dir is not None:
         hooks.append(PreemptionHandler())
     data = job.dataset
-    sources = open_sources(data, options.validation_paths)
+    sources = data.open_sources(options.validation_paths)
     counts = {"num_train": sources.num_train, "num_validation": sources.num_validation}
     if console is not None:
         console.print(
             f"data: {counts['num_train']:,} training / {counts['num_validation']:,} validation "
             f"structures from {len(sources.train)} source(s)"
+            + (" (in memory)" if data.in_memory else "")
         )
     try:
         if resume_from is not None:
@@ -503,75 +558,82 @@ def _run_job(
                 trust=options.trust,
                 map_location=options.map_location,
                 distributed_manager=manager,
+                num_steps=options.num_steps,
             )
+            _set_outputs(job, strategy)
         if manager is not None:
             strategy.distributed_manager = manager
         neighbors = neighbor_config_of(strategy.models)
-        train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory)
-        batch_size = options.batch_size or data.batch_size
-        shuffle = data.shuffle if options.shuffle is None else options.shuffle
-        num_workers = data.num_workers if options.num_workers is None else options.num_workers
+        threads = {"n_threads": options.threads}
+        train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory,
+                             **threads)  # fmt: skip
+        batch_size, _, _ = _batch_options(job, options)
         finetune = prepare_finetune_run(
-            job, strategy, train, run_dir=run_dir, neighbors=neighbors, batch_size=batch_size,
-            shuffle=shuffle, seed=data.seed, resumed=resume_from is not None, manager=manager,
+            job, strategy, train, run_dir=run_dir, neighbors=neighbors,
+            batch_size=batch_size if isinstance(batch_size, int) else 8,
+            shuffle=data.shuffle if options.shuffle is None else options.shuffle,
+            seed=data.seed, resumed=resume_from is not None, manager=manager,
             forgetting=forgetting, console=console,
         )  # fmt: skip
-        if finetune is not None and finetune.batch_sampler is not None:
-            from nvalchemi.data.datapipes.dataloader import DataLoader
-
-            loader = DataLoader(
-                finetune.train, batch_sampler=finetune.batch_sampler, num_workers=num_workers
-            )
-        else:
-            loader = make_loader(
-                train if finetune is None else finetune.train,
-                batch_size=batch_size,
-                shuffle=shuffle,
-                seed=data.seed,
-                num_workers=num_workers,
-                drop_last=options.drop_last,
-                balance_ranks=True,
-            )
         validation = None
         if sources.validation:
-            validation = make_dataset(
-                sources.validation, neighbor_config=neighbors, in_memory=data.in_memory
-            )
-            val_loader = make_loader(validation, batch_size=options.batch_size or data.batch_size)
+            validation = make_dataset(sources.validation, neighbor_config=neighbors,
+                                      in_memory=data.in_memory, **threads)  # fmt: skip
+        loader, val_loader, probed = _loaders(job, options, strategy, train, validation,
+                                              finetune, run_dir, is_main, console)  # fmt: skip
+        if val_loader is not None:
             strategy.validation_config = _validation_config(job, options, val_loader)
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             dump_job(job, run_dir / "job.json")
+        if console is not None and budget is not None:
+            console.print(_budget_line(budget))
         signals.training_started()
         strategy.run(loader)
         result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
         result.forgetting = None if forgetting is None else forgetting.result
-        if job.output.plots and is_main:
-            _final_plots(result, job, validation, options.batch_size or data.batch_size, console)
+        result.budget = None if budget is None else budget.plan
+        result.batch_budget = probed
+        if is_main and sources.validation:
+            _final_evaluation(result, job, sources.validation, val_loader, options)
     finally:
         sources.close()
     return result
 
 
-def _final_plots(
-    result: RunResult, job: TrainingJobSpec, validation: Any, batch_size: int, console: Any
-) -> None:
-    """Learning curves, and parity plots of the final model on the validation data."""
-    from nvalchemi.training.cli.final_eval import final_parity_plots
-    from nvalchemi.training.cli.run_reporting import PLOTS_HINT, learning_curves, plots_available
+def _budget_line(budget: Any) -> str:
+    minutes = f"{budget.seconds / 60:.3g} min"
+    if budget.fit:
+        return (
+            f"time budget: {minutes}; the run's length and learning-rate schedule are fitted "
+            "to it after timing the first steps"
+        )
+    return f"time budget: {minutes}, a cap on the job's fixed length"
 
-    if not plots_available():
-        if console is not None:
-            console.print(PLOTS_HINT)
-        return
-    curve = learning_curves(result.run_dir)
-    if curve is not None:
-        result.plots.append(curve)
-    if validation is None:
-        return
+
+def _final_evaluation(
+    result: RunResult, job: TrainingJobSpec, readers: list[Any], val_loader: Any,
+    options: RunOptions,
+) -> None:  # fmt: skip
+    """Learning curves; the final model on the validation data: errors, tables, parity plots."""
+    from nvalchemi.hooks.reporting.presets import learning_curves, plots_available
+    from nvalchemi.training.evaluation import evaluate_final_model
+
+    if job.output.plots and plots_available():
+        curve = learning_curves(result.run_dir)
+        if curve is not None:
+            result.plots.append(curve)
     use_ema = job.validation.use_ema if job.validation is not None else "auto"
-    paths, metrics, weights = final_parity_plots(
-        result.strategy, validation, result.run_dir, batch_size=batch_size, use_ema=use_ema
-    )
-    result.plots += paths
-    result.final_metrics, result.final_weights = metrics, weights
+    batch_size = getattr(val_loader, "batch_size", None) or 16
+    evaluation, weights, grouping = evaluate_final_model(
+        result.strategy, readers, batch_size=batch_size, use_ema=use_ema,
+        group_by=options.group_by or job.output.group_by, n_threads=options.threads,
+    )  # fmt: skip
+    if evaluation is None:
+        return
+    result.evaluation, result.final_weights, result.grouping = evaluation, weights, grouping
+    result.final_metrics = evaluation.metrics()
+    report = {"weights": weights, "grouping": grouping, **evaluation.report()}
+    (result.run_dir / FINAL_EVALUATION).write_text(json.dumps(report, indent=2) + "\n")
+    if job.output.plots and plots_available():
+        result.plots += evaluation.parity_plots(result.run_dir)

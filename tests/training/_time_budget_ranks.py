@@ -21,8 +21,8 @@ if __name__ == "__main__":
     from nvalchemi.distributed import DistributedManager
     from nvalchemi.models.painn import PaiNN
     from nvalchemi.training import EnergyMSELoss, OptimizerConfig, TrainingStrategy
-    from nvalchemi.training.cli.time_budget import TimeBudgetHook
     from nvalchemi.training.hooks import DDPHook
+    from nvalchemi.training.time_budget import TimeBudgetHook
 
     DistributedManager.initialize(backend="gloo")  # as spec run does, from RANK/WORLD_SIZE
     rank = DistributedManager().rank

@@ -1,4 +1,4 @@
-"""Open the data of a job: extxyz / ASE db files and zarr stores, splits, loaders.
+"""Open training data: extxyz / ASE db files and zarr stores, splits, datasets, loaders.
 
 * :func:`detect_format` tells the format from the path (``.extxyz``/``.xyz`` (also
   compressed), ``.db``, a ``.zarr`` directory or any directory holding ``zarr.json``);
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nvalchemi._errors import FieldError
 from nvalchemi.data.datapipes.reader import Reader
-from nvalchemi.training.cli._errors import CLIError
 
 __all__ = [
     "ChainedBatches",
@@ -34,6 +34,7 @@ __all__ = [
     "make_dataset",
     "make_loader",
     "open_reader",
+    "neighbor_config_of",
     "open_sources",
     "split_reader",
 ]
@@ -57,7 +58,7 @@ def detect_format(path: str | Path, declared: str = "auto") -> str:
         return "extxyz"
     if suffixes and suffixes[-1] == ".db":
         return "ase-db"
-    raise CLIError(
+    raise FieldError(
         f"cannot tell the format of {path}", fix=f"use {_FORMATS}, or set dataset.format"
     )
 
@@ -94,7 +95,13 @@ class SubsetReader(Reader):
         return self.read(index)[0]
 
     def get_metadata(self, index: int) -> Any:
-        return self.reader.get_metadata(self._parent(int(index)))
+        """``(num_atoms, num_edges)``: the parent's when it knows them, else read."""
+        getter = getattr(self.reader, "get_metadata", None)
+        if callable(getter):
+            return getter(self._parent(int(index)))
+        sample = self._load_sample(index)
+        edges = sample.get("edge_index")
+        return len(sample["atomic_numbers"]), 0 if edges is None else int(edges.shape[-1])
 
     @property
     def field_levels(self) -> dict[str, str]:
@@ -113,12 +120,16 @@ def open_reader(
     max_structures: int | None = None,
     field: str = "dataset.path",
 ) -> Any:
-    """A lazy reader of one file or store (``CLIError`` naming ``field`` when it fails)."""
+    """A lazy reader of one file or store (:class:`FieldError` naming ``field`` when it fails).
+
+    ``max_structures`` keeps the first N structures; ``label_keys`` says where labels
+    live in extxyz / ASE db files (``{"energy": "REF_energy"}``).
+    """
     import torch
 
     path = Path(path)
     if not path.exists():
-        raise CLIError(f"{path} does not exist", field=field, fix=f"give the path of an {_FORMATS}")
+        raise FieldError(f"{path} does not exist", field=field, fix=f"give the path of an {_FORMATS}")
     kind = detect_format(path, format)
     try:
         if kind == "alchemi-zarr":
@@ -139,11 +150,11 @@ def open_reader(
             dtype=getattr(torch, dtype),
             **keys,
         )
-    except CLIError:
+    except FieldError:
         raise
     except Exception as exc:
         message = " ".join(str(exc).split())
-        raise CLIError(
+        raise FieldError(
             f"cannot read {path}: {message}", field=field, fix=f"check that it is an {_FORMATS}"
         ) from None
 
@@ -155,7 +166,7 @@ def split_reader(reader: Any, fraction: float, seed: int) -> tuple[SubsetReader,
     n = len(reader)
     count = max(1, min(n - 1, math.floor(n * fraction + 0.5)))
     if n < 2:
-        raise CLIError(
+        raise FieldError(
             f"cannot hold out a validation fraction from {n} structure(s)",
             field="dataset.val_fraction",
             fix="use more data or a separate validation file",
@@ -186,25 +197,49 @@ class DataSources:
         return sum(len(r) for r in self.validation)
 
 
-def open_sources(dataset: Any, validation_paths: Sequence[str] | None = None) -> DataSources:
-    """Readers for a job's ``DatasetSpec`` (``validation_paths`` override its validation)."""
-    options = {
-        "format": dataset.format,
-        "dtype": dataset.dtype,
-        "label_keys": dataset.label_keys,
-        "max_structures": dataset.max_structures,
-    }
+def open_sources(
+    paths: Sequence[str | Path],
+    *,
+    validation_paths: Sequence[str | Path] = (),
+    val_fraction: float | None = None,
+    seed: int = 0,
+    format: str = "auto",
+    dtype: str = "float32",
+    label_keys: dict[str, str] | None = None,
+    max_structures: int | None = None,
+) -> DataSources:
+    """Readers of training data ``paths`` and of validation data (files or a split).
+
+    Validation data comes from ``validation_paths`` or, with ``val_fraction``, a seeded
+    random split of every training file (seed ``seed + i`` for file ``i``); give at
+    most one of them. Errors name the job fields ``dataset.path`` /
+    ``dataset.validation_path``.
+
+    Example:
+        >>> from nvalchemi.data.bundled import bundled_split_path
+        >>> sources = open_sources([bundled_split_path("val")], val_fraction=0.25,
+        ...                        max_structures=8)
+        >>> sources.num_train, sources.num_validation
+        (6, 2)
+    """
+    if validation_paths and val_fraction is not None:
+        raise FieldError(
+            "give validation files or a validation fraction, not both",
+            field="dataset.validation_path",
+            fix="drop dataset.val_fraction (or the validation files)",
+        )
+    options = {"format": format, "dtype": dtype, "label_keys": label_keys,
+               "max_structures": max_structures}  # fmt: skip
     sources = DataSources()
-    train = [open_reader(p, field="dataset.path", **options) for p in dataset.all_paths]
-    val_paths = list(validation_paths or dataset.validation_paths)
-    if val_paths:
+    train = [open_reader(p, field="dataset.path", **options) for p in paths]
+    if validation_paths:
         sources.validation = [
-            open_reader(p, field="dataset.validation_path", **options) for p in val_paths
+            open_reader(p, field="dataset.validation_path", **options) for p in validation_paths
         ]
         sources.train = train
-    elif dataset.val_fraction is not None:
+    elif val_fraction is not None:
         for i, reader in enumerate(train):
-            kept, held_out = split_reader(reader, dataset.val_fraction, dataset.seed + i)
+            kept, held_out = split_reader(reader, val_fraction, seed + i)
             sources.train.append(kept)
             sources.validation.append(held_out)
     else:
@@ -213,9 +248,17 @@ def open_sources(dataset: Any, validation_paths: Sequence[str] | None = None) ->
 
 
 def make_dataset(
-    readers: Sequence[Any], *, neighbor_config: Any = None, in_memory: bool = False
+    readers: Sequence[Any],
+    *,
+    neighbor_config: Any = None,
+    in_memory: bool = False,
+    n_threads: int | None = None,
 ) -> Any:
-    """A dataset over ``readers`` (``MultiDataset`` for several) with cached neighbour lists."""
+    """A dataset over ``readers`` (``MultiDataset`` for several) with cached neighbour lists.
+
+    ``in_memory`` loads every structure once (and builds its list once); ``n_threads``
+    is the neighbour-list builder's thread count (``None``: vesin's default).
+    """
     from nvalchemi.data.datapipes.dataset import Dataset, InMemoryDataset
     from nvalchemi.data.datapipes.multidataset import MultiDataset
     from nvalchemi.data.neighbors import NeighborListTransform
@@ -224,13 +267,15 @@ def make_dataset(
     for reader in readers:
         transforms = None
         if neighbor_config is not None:
-            transforms = [NeighborListTransform(neighbor_config, cache=not in_memory)]
+            transforms = [
+                NeighborListTransform(neighbor_config, cache=not in_memory, n_threads=n_threads)
+            ]
         if in_memory:
             datasets.append(InMemoryDataset(reader=reader, transforms=transforms))
         else:
             datasets.append(Dataset(reader, transforms=transforms))
     if not datasets:
-        raise CLIError("no data", field="dataset.path", fix="give at least one data file")
+        raise FieldError("no data", field="dataset.path", fix="give at least one data file")
     # Sources may carry different labels (stress only for crystals, say): missing ones are NaN.
     return datasets[0] if len(datasets) == 1 else MultiDataset(*datasets, output_strict=False)
 
@@ -293,13 +338,11 @@ class ChainedBatches:
 
 def neighbor_config_of(models: Any) -> Any:
     """The first ``model_config.neighbor_config`` among ``models`` (a module or mapping)."""
-    from nvalchemi.training.runtime import unwrap_model
-
     candidates = models.values() if isinstance(models, dict) else [models]
     for model in candidates:
-        config = getattr(
-            getattr(unwrap_model(model), "model_config", None), "neighbor_config", None
-        )
+        while hasattr(model, "module") and not hasattr(model, "model_config"):
+            model = model.module  # a DDP / compile wrapper
+        config = getattr(getattr(model, "model_config", None), "neighbor_config", None)
         if config is not None:
             return config
     return None

@@ -1,209 +1,34 @@
-"""Data utilities behind ``data convert``, ``data check`` and ``data stats``.
+"""What is in a data set: statistics, suggested reference energies, an end-to-end check.
 
-* :func:`check_output` refuses outputs that would destroy an input or anything that is
-  not a store; :func:`convert_to_zarr` streams extxyz / ASE db structures into an
-  ``AtomicDataZarrWriter`` store in chunks (optionally with neighbour lists for a
-  cutoff, so training need not build them), reporting progress, in a temporary
-  sibling that is moved into place when complete;
 * :func:`check_data` verifies a source end to end (every chunk of a zarr store, every
   structure of any file);
 * :func:`data_statistics` counts structures, atoms and elements, summarizes the
   labels, and suggests per-element reference energies by least squares
   (``E ≈ Σ_Z n_Z E0[Z]``; minimum-norm solution when the compositions do not fix
-  every ``E0``).
+  every ``E0``);
+* :func:`absent_chunk_warning` explains the absent chunks of stores of an older format.
 
 Example:
-    >>> stats = data_statistics([])  # doctest: +SKIP
+    >>> from nvalchemi.data.bundled import bundled_split_path
+    >>> from nvalchemi.data.sources import open_reader
+    >>> stats = data_statistics([open_reader(bundled_split_path("val"), max_structures=8)])
+    >>> stats["structures"], stats["labels"]["energy"]
+    (8, 8)
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from nvalchemi.training.cli._errors import CLIError
+from nvalchemi._errors import FieldError
 
-__all__ = [
-    "absent_chunk_warning",
-    "check_data",
-    "check_output",
-    "convert_to_zarr",
-    "data_statistics",
-    "open_inputs",
-]
+__all__ = ["absent_chunk_warning", "check_data", "data_statistics", "label_counts"]
 
 ProgressFn = Callable[[int, int], None]
-
-
-def open_inputs(
-    inputs: Sequence[str],
-    *,
-    dtype: str = "float32",
-    label_keys: dict[str, str] | None = None,
-    max_structures: int | None = None,
-) -> list[Any]:
-    """Readers of extxyz / ASE db ``inputs`` (``CLIError`` for stores or bad files)."""
-    from nvalchemi.training.cli.data_sources import detect_format, open_reader
-
-    for path in inputs:
-        if Path(path).exists() and detect_format(path) == "alchemi-zarr":
-            raise CLIError(
-                f"{path} is already a zarr store", field="INPUT",
-                fix="convert extxyz or ASE db files",
-            )  # fmt: skip
-    return [
-        open_reader(p, dtype=dtype, label_keys=label_keys, max_structures=max_structures,
-                    field="INPUT")
-        for p in inputs
-    ]  # fmt: skip
-
-
-def _is_our_store(path: Path) -> bool:
-    """Whether ``path`` is a zarr store in our layout (any format, also the reference's)."""
-    return (
-        path.is_dir()
-        and (path / "zarr.json").is_file()
-        and (path / "meta").is_dir()
-        and (path / "core").is_dir()
-    )
-
-
-def check_output(inputs: Sequence[str | Path], output: str | Path, *, overwrite: bool) -> Path:
-    """``output`` checked for :func:`convert_to_zarr` (``CLIError`` when it may not be written).
-
-    Refused, with or without ``overwrite``: an output that is one of the inputs, holds
-    one (a directory above it) or lies inside one. An existing output needs
-    ``overwrite``, and only a zarr store in our layout (or an empty directory) is ever
-    replaced: a file or a directory with other contents is not ours to delete.
-    """
-    output = Path(output)
-    target = output.resolve()
-    for given in inputs:
-        source = Path(given).resolve()
-        if target == source or target in source.parents or source in target.parents:
-            relation = (
-                "is" if target == source else "contains" if target in source.parents else
-                "is inside"
-            )  # fmt: skip
-            raise CLIError(
-                f"{output} {relation} the input {given}; writing it would destroy the data "
-                "being converted", field="OUTPUT",
-                fix="write the store to a new path next to the inputs, e.g. data/train.zarr",
-            )  # fmt: skip
-    if not output.exists() and not output.is_symlink():
-        return output
-    if not overwrite:
-        raise CLIError(
-            f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
-        )
-    empty_dir = output.is_dir() and not output.is_symlink() and not any(output.iterdir())
-    if output.is_symlink() or not (empty_dir or _is_our_store(output)):
-        kind = "a file" if output.is_file() else "not a zarr store written by nvalchemi"
-        raise CLIError(
-            f"{output} is {kind}; --overwrite replaces only such stores (or an empty directory)",
-            field="OUTPUT",
-            fix="choose another path, or move it away yourself if it can go",
-        )
-    return output
-
-
-def convert_to_zarr(
-    readers: Sequence[Any],
-    output: str | Path,
-    *,
-    cutoff: float | None = None,
-    half_list: bool = False,
-    chunk_size: int = 256,
-    progress: ProgressFn | None = None,
-    overwrite: bool = False,
-) -> dict[str, Any]:
-    """Write every structure of ``readers`` to a new zarr store ``output``; return a summary.
-
-    The store is built in a temporary sibling directory and moved into place only when
-    complete: an interrupted or failed conversion leaves ``output`` as it was (absent,
-    or the store it replaces, with ``overwrite=True``; see :func:`check_output`, which
-    the caller runs first with the input paths). Readers are closed afterwards.
-    """
-    output = Path(output)
-    if output.exists() and not overwrite:
-        raise CLIError(
-            f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
-        )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.converting-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)  # a leftover of this very process id
-    try:
-        summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
-        _swap_in(partial, output)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # only ever what this call created
-        for reader in readers:
-            reader.close()
-    summary["output"] = str(output)
-    return summary
-
-
-def _swap_in(partial: Path, output: Path) -> None:
-    """Move the finished store ``partial`` to ``output``, replacing what is there."""
-    if not output.exists():
-        os.replace(partial, output)
-        return
-    old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(output, old)
-    try:
-        os.replace(partial, output)
-    except BaseException:
-        os.replace(old, output)  # put the previous store back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_store(
-    readers: Sequence[Any],
-    path: Path,
-    cutoff: float | None,
-    half_list: bool,
-    chunk_size: int,
-    progress: ProgressFn | None,
-) -> dict[str, Any]:
-    from nvalchemi.data.io.zarr import AtomicDataZarrWriter
-    from nvalchemi.data.neighbors import NeighborListTransform
-
-    transform = None if cutoff is None else NeighborListTransform(cutoff, half_list=half_list)
-    total = sum(len(r) for r in readers)
-    writer = AtomicDataZarrWriter(str(path))
-    done, atoms, edges, first = 0, 0, 0, True
-    for reader in readers:
-        for start in range(0, len(reader), chunk_size):
-            chunk = []
-            for i in range(start, min(start + chunk_size, len(reader))):
-                data = reader.read_data(i)
-                if transform is not None:
-                    data, _ = transform(data, {"index": done + len(chunk)})
-                    edges += int(data.num_edges)
-                atoms += int(data.num_nodes)
-                chunk.append(data)
-            if first:
-                writer.write(chunk)
-                first = False
-            else:
-                writer.append(chunk)
-            done += len(chunk)
-            if progress is not None:
-                progress(done, total)
-    if first:
-        raise CLIError("the inputs hold no structures", field="INPUT", fix="check the input files")
-    summary: dict[str, Any] = {"structures": done, "atoms": atoms}
-    if cutoff is not None:
-        summary.update({"neighbor_cutoff": float(cutoff), "edges": edges})
-    return summary
 
 
 def _zarr_store(reader: Any) -> Any:
@@ -343,7 +168,7 @@ def data_statistics(
     """Counts, elements, label statistics and suggested reference energies of ``readers``."""
     from ase.data import chemical_symbols
 
-    from nvalchemi.training.cli.data_sources import ChainedBatches
+    from nvalchemi.data.sources import ChainedBatches
 
     total = sum(len(r) for r in readers)
     loader = ChainedBatches(readers, batch_size=batch_size)
@@ -383,7 +208,7 @@ def data_statistics(
         if progress is not None:
             progress(done, total)
     if done == 0:
-        raise CLIError("the data set is empty", field="PATH", fix="check the input files")
+        raise FieldError("the data set is empty", field="PATH", fix="check the input files")
     sizes_arr = np.concatenate(sizes)
     counts = np.concatenate(composition)
     present = [int(z) for z in np.flatnonzero(counts.sum(axis=0))]
@@ -418,3 +243,32 @@ def data_statistics(
     if stress_parts:
         stats["stress"] = _describe(np.concatenate(stress_parts).reshape(-1))
     return stats
+
+
+def label_counts(readers: Sequence[Any], *, limit: int | None = 500) -> dict[str, int]:
+    """How many structures carry each label, from the first ``limit`` of every reader.
+
+    Returns ``{"structures": <all structures>, "scanned": ..., "energy": ..., "forces":
+    ..., "stress": ...}`` (label counts among the scanned ones). Cheap enough to run
+    before a job is written (``train init`` adds the stress loss when stress is found).
+
+    Example:
+        >>> from nvalchemi.data.bundled import bundled_split_path
+        >>> from nvalchemi.data.sources import open_reader
+        >>> counts = label_counts([open_reader(bundled_split_path("val"))], limit=20)
+        >>> counts["scanned"], counts["stress"] > 0
+        (20, True)
+    """
+    import torch
+
+    out = {"structures": 0, "scanned": 0, "energy": 0, "forces": 0, "stress": 0}
+    for reader in readers:
+        out["structures"] += len(reader)
+        for i in range(len(reader) if limit is None else min(limit, len(reader))):
+            data = reader.read_data(i)
+            out["scanned"] += 1
+            for label in ("energy", "forces", "stress"):
+                value = getattr(data, label, None) if label in data else None
+                if isinstance(value, torch.Tensor) and bool(torch.isfinite(value).all()):
+                    out[label] += 1
+    return out

@@ -15,7 +15,7 @@
 
 A ``finetune.head`` adds that readout head (``new_heads``, a copy of
 ``finetune.source_head``); the rest of the ``finetune`` block is applied after the
-strategy exists (:mod:`nvalchemi.training.cli.finetune_run`).
+strategy exists (:mod:`nvalchemi.training.jobs.finetune`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.job_spec import FINETUNE_KEYS, TrainingJobSpec
-from nvalchemi.training.cli.payload import parse_spec
+from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.training.strategy_payload import parse_spec
 
 __all__ = ["build_models", "build_strategy"]
 
 _FIT_BATCH = 64
-DEFAULT_TRAINING_FN = "nvalchemi.training.strategy.default_training_fn"
+BUDGET_STEPS = 10**9
+"""``num_steps`` of a strategy whose length a time budget decides (never reached)."""
 
 
 def _fit_data(readers: list[Any]) -> Any:
-    from nvalchemi.training.cli.data_sources import ChainedBatches
+    from nvalchemi.data.sources import ChainedBatches
 
     return ChainedBatches(readers, batch_size=_FIT_BATCH)
 
@@ -75,32 +76,40 @@ def build_models(
                 models[key] = target.from_data(_fit_data(fit_readers), **kwargs)
             else:
                 models[key] = spec.build()
-        except CLIError:
+        except FieldError:
             raise
         except Exception as exc:
             message = " ".join(str(exc).split())
             fix = f"correct the keyword arguments under {where} (types and ranges)"
-            raise CLIError(
+            raise FieldError(
                 f"building {spec.cls_path} failed: {message}", field=where, fix=fix
             ) from None
     return models
 
 
-def _single_or_mapping(models: dict[str, Any], payload: Mapping[str, Any]) -> Any:
-    if set(models) == {"main"} and payload.get("single_model_input", True):
+def _single_or_mapping(models: dict[str, Any], job: TrainingJobSpec) -> Any:
+    if set(models) == {"main"} and job.strategy.single_model_input:
         return models["main"]
     return models
 
 
-def _runtime_payload(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """The payload as entry-point keywords (models come separately)."""
-    return {k: v for k, v in payload.items() if k not in ("model_specs", "single_model_input")}
+def _payload(job: TrainingJobSpec, num_steps: int | None, *, finetuning: bool) -> dict[str, Any]:
+    """The strategy payload with the run's length: ``num_steps`` wins, then the job's own
+    length, else :data:`BUDGET_STEPS` (a time budget ends the run)."""
+    spec = job.strategy.as_spec_dict(finetuning=finetuning)
+    spec["model_specs"] = {}
+    if num_steps is not None:
+        spec.update(num_steps=num_steps, num_epochs=None)
+    elif spec["num_steps"] is None and spec["num_epochs"] is None:
+        spec["num_steps"] = BUDGET_STEPS
+    return spec
 
 
-def _train(job: TrainingJobSpec, sources: Any, hooks: list[Any], trust: bool, extra: dict) -> Any:
+def _train(job: TrainingJobSpec, sources: Any, hooks: list[Any], trust: bool, extra: dict,
+           num_steps: int | None) -> Any:  # fmt: skip
     payload = job.strategy
-    if not payload.get("model_specs"):
-        raise CLIError(
+    if not payload.model_specs:
+        raise FieldError(
             "is empty, so there is no model to train (training-from-scratch jobs must name "
             "their model)",
             field="strategy.model_specs",
@@ -109,18 +118,16 @@ def _train(job: TrainingJobSpec, sources: Any, hooks: list[Any], trust: bool, ex
         )
     fit = sources.train if job.source.fit_to_data else None
     models = build_models(
-        payload["model_specs"], trust=trust, fit_readers=fit, element_readers=sources.validation
+        payload.model_specs, trust=trust, fit_readers=fit, element_readers=sources.validation
     )
     finetuning = job.uses_finetuning_features
     if finetuning:
         from nvalchemi.training.finetune import FineTuningStrategy as cls
     else:
         from nvalchemi.training.strategy import TrainingStrategy as cls
-    spec = {k: v for k, v in payload.items() if finetuning or k not in FINETUNE_KEYS}
-    spec["model_specs"] = {}
-    spec.setdefault("training_fn", DEFAULT_TRAINING_FN)
+    spec = _payload(job, num_steps, finetuning=finetuning)
     return cls.from_spec_dict(
-        spec, models=_single_or_mapping(models, payload), hooks=hooks, trust=trust, **extra
+        spec, models=_single_or_mapping(models, job), hooks=hooks, trust=trust, **extra
     )
 
 
@@ -135,13 +142,13 @@ def _mace_energies(job: TrainingJobSpec) -> dict[str, float] | None:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
-            raise CLIError(
+            raise FieldError(
                 f"cannot read {path}: {exc}",
                 field="source.mace.atomic_energies_path",
                 fix='give a JSON file mapping elements to energies, e.g. {"Cu": -3.7}',
             ) from None
         if not isinstance(data, dict):
-            raise CLIError(
+            raise FieldError(
                 "must hold a JSON object {element: energy}",
                 field="source.mace.atomic_energies_path",
             )
@@ -155,11 +162,15 @@ def _finetune(
     trust: bool,
     map_location: str | None,
     extra: dict,
+    num_steps: int | None,
 ) -> Any:
     from nvalchemi.training.finetune import FineTuningStrategy
 
     source, payload = job.source, job.strategy
-    kwargs = {**_runtime_payload(payload), "hooks": hooks, **extra}
+    spec = _payload(job, num_steps, finetuning=True)
+    spec.pop("model_specs")
+    spec.pop("single_model_input")
+    kwargs = {**spec, "hooks": hooks, **extra}
     if job.finetune is not None and job.finetune.head is not None:
         # The new head starts as a copy of the source head (zero-step parity).
         heads = dict(kwargs.get("new_heads") or {})
@@ -167,11 +178,11 @@ def _finetune(
         kwargs["new_heads"] = heads
     if map_location is not None:
         kwargs["devices"] = [map_location]  # --map-location wins over strategy.devices
-    device = map_location or str((payload.get("devices") or ["cpu"])[0])
+    device = map_location or str(payload.devices[0])
     if source.model == "native-checkpoint":
         root = Path(str(source.checkpoint_path))
         if not (root / "manifest.json").is_file():
-            raise CLIError(
+            raise FieldError(
                 f"{root} is not an nvalchemi checkpoint directory (no manifest.json)",
                 field="source.checkpoint_path",
                 fix="point it at the checkpoint root a CheckpointHook wrote (e.g. "
@@ -189,13 +200,13 @@ def _finetune(
         )
     if source.model == "mace":
         if not source.checkpoint_path:
-            raise CLIError(
+            raise FieldError(
                 f"named MACE models ({source.model_id!r}) are not downloaded by this build",
                 field="source.model_id",
                 fix="download the model file and set source.checkpoint_path to it",
             )
         if not trust:
-            raise CLIError(
+            raise FieldError(
                 f"MACE model files are Python pickles: loading {source.checkpoint_path} runs "
                 "code from it",
                 field="source.checkpoint_path",
@@ -208,23 +219,23 @@ def _finetune(
             trust=trust,
             **kwargs,
         )
-    if not payload.get("model_specs"):
-        raise CLIError(
+    if not payload.model_specs:
+        raise FieldError(
             "is empty: a custom fine-tune rebuilds your model from its spec before loading "
             f"the weights in {source.checkpoint_path}",
             field="strategy.model_specs",
             fix="add create_model_spec(MyModel, ...).model_dump() under strategy.model_specs.main",
         )
-    models = build_models(payload["model_specs"], trust=trust)
+    models = build_models(payload.model_specs, trust=trust)
     weights = Path(str(source.checkpoint_path))
     if not weights.is_file():
-        raise CLIError(
+        raise FieldError(
             f"{weights} does not exist",
             field="source.checkpoint_path",
             fix="give a state-dict file written with torch.save(model.state_dict(), path)",
         )
     return FineTuningStrategy.from_pretrained_weights(
-        _single_or_mapping(models, payload), weights, trust=trust, **kwargs
+        _single_or_mapping(models, job), weights, trust=trust, **kwargs
     )
 
 
@@ -236,11 +247,16 @@ def build_strategy(
     trust: bool = False,
     map_location: str | None = None,
     distributed_manager: Any = None,
+    num_steps: int | None = None,
 ) -> Any:
-    """The strategy ``spec run`` trains (validation and loaders are attached by the caller)."""
+    """The strategy ``spec run`` trains (validation and loaders are attached by the caller).
+
+    ``num_steps`` replaces the job's length; a job without one (a time budget decides)
+    gets :data:`BUDGET_STEPS`.
+    """
     extra = {} if distributed_manager is None else {"distributed_manager": distributed_manager}
     if job.workflow == "train":
         if map_location is not None:
             extra["devices"] = [map_location]
-        return _train(job, sources, hooks, trust, extra)
-    return _finetune(job, hooks, trust, map_location, extra)
+        return _train(job, sources, hooks, trust, extra, num_steps)
+    return _finetune(job, hooks, trust, map_location, extra, num_steps)

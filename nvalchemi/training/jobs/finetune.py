@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.cli.job_spec import FineTuneSpec, TrainingJobSpec
+from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.spec import FineTuneSpec, TrainingJobSpec
 
 __all__ = [
     "PARITY_FILENAME",
@@ -75,7 +75,7 @@ def _main_model(strategy: Any) -> Any:
 
     models = strategy.models
     if set(models) != {"main"}:
-        raise CLIError(
+        raise FieldError(
             f"applies to one model (key 'main'); this job has models {sorted(models)}",
             field="finetune",
             fix="remove the finetune block, or fine-tune one model per job",
@@ -98,7 +98,7 @@ def _statistics(spec: FineTuneSpec, model: Any, train: Any, run_dir: Any, manage
             distributed_manager=manager,
         )
     except (TypeError, ValueError) as exc:
-        raise CLIError(
+        raise FieldError(
             str(exc), field="finetune.e0", fix="see docs/finetuning.md (reference energies)"
         ) from None
 
@@ -129,7 +129,7 @@ def _replay_source(job: TrainingJobSpec, neighbors: Any) -> Any:
     """The replay files as one in-memory dataset (their own labels, neighbour lists)."""
     from nvalchemi.data.datapipes.dataset import InMemoryDataset
     from nvalchemi.data.neighbors import NeighborListTransform
-    from nvalchemi.training.cli.data_sources import open_reader
+    from nvalchemi.data.sources import open_reader
 
     replay = job.finetune.replay
     structures = []
@@ -160,7 +160,7 @@ def _labelled_replay(
         return _replay_source(job, neighbors)
     cache = run_dir / REPLAY_LABELS
     if source is None and not cache.exists():
-        raise CLIError(
+        raise FieldError(
             f"the replay labels of this run ({cache}) are gone, and the resumed model is no "
             "longer the source that made them",
             field="finetune.replay.pseudo_label",
@@ -232,11 +232,11 @@ def prepare_finetune_run(
             distributed_manager=manager,
         )
     except ValueError as exc:
-        raise CLIError(str(exc), field="finetune.replay") from None
+        raise FieldError(str(exc), field="finetune.replay") from None
     run.train, run.batch_sampler = mix.dataset, mix.batch_sampler
     run.num_replay, run.num_holdout = len(kept), len(held)
     if forgetting is not None:
-        from nvalchemi.training.cli.data_sources import make_loader
+        from nvalchemi.data.sources import make_loader
 
         if heads is not None:
             held = MultiDataset(held, head_indices=[heads[1]])
@@ -293,13 +293,13 @@ def finetune_check(
     written; the report compares the first ``finetune.parity_structures`` (at least 1)
     training structures.
     """
-    from nvalchemi.training.cli.build import build_strategy
-    from nvalchemi.training.cli.data_sources import make_dataset, neighbor_config_of, open_sources
+    from nvalchemi.data.sources import make_dataset, neighbor_config_of
+    from nvalchemi.training.jobs.build import build_strategy
 
     if job.workflow != "finetune":
-        raise CLIError("is a training job", field="workflow", fix="check a fine-tuning job")
+        raise FieldError("is a training job", field="workflow", fix="check a fine-tuning job")
     spec = job.finetune or FineTuneSpec()
-    sources = open_sources(job.dataset)
+    sources = job.dataset.open_sources()
     try:
         strategy = build_strategy(
             job, sources=sources, hooks=[], trust=trust, map_location=map_location

@@ -52,19 +52,28 @@ class LRPreview:
         return [(s, self.lrs[s]) for s in points]
 
 
-def preview_steps(payload: dict[str, Any], config: Any) -> tuple[int, str | None]:
-    """How many steps to preview for a payload, and a note when it is a guess."""
-    if payload.get("num_steps"):
-        steps, note = int(payload["num_steps"]), None
+def preview_steps(
+    num_steps: int | None, config: Any, *, budget: bool = False
+) -> tuple[int, str | None]:
+    """How many steps to preview, and a note when it is a guess.
+
+    ``num_steps``: the job's fixed length (``None`` for epochs or a time budget);
+    ``budget``: the length is fitted to a time budget at run time.
+    """
+    if num_steps:
+        steps, note = int(num_steps), None
     else:
         kwargs = config.scheduler_kwargs or {}
         length = kwargs.get("total_steps") or kwargs.get("T_max") or kwargs.get("total_iters")
+        kind = "time-budget job" if budget else "num_epochs job"
         if isinstance(length, int) and length > 0:
             steps = length
-            note = "num_epochs job: shown over the scheduler's own length (steps per epoch depend on the data)"
+            note = f"{kind}: shown over the scheduler's own length"
+            note += (" (fitted to the budget at run time: the shape is kept)" if budget
+                     else " (steps per epoch depend on the data)")  # fmt: skip
         else:
             steps = DEFAULT_PREVIEW_STEPS
-            note = f"num_epochs job: first {steps} steps shown (steps per epoch depend on the data)"
+            note = f"{kind}: first {steps} steps shown (the run's length depends on the data)"
     if steps > MAX_PREVIEW_STEPS:
         note = f"first {MAX_PREVIEW_STEPS:,} of {steps:,} steps shown"
         steps = MAX_PREVIEW_STEPS

@@ -1,0 +1,196 @@
+"""Convert extxyz / ASE db files into a zarr store without ever losing data.
+
+* :func:`check_output` refuses outputs that would destroy an input or anything that is
+  not a store;
+* :func:`convert_to_zarr` streams structures into an ``AtomicDataZarrWriter`` store in
+  chunks (optionally with neighbour lists for a cutoff, so training need not build
+  them), reporting progress, in a temporary sibling that is moved into place when
+  complete.
+
+Errors are :class:`~nvalchemi._errors.FieldError` naming ``INPUT`` / ``OUTPUT`` (the
+arguments of ``nvalchemi-training data convert``).
+
+Example:
+    >>> from nvalchemi.data.convert import check_output
+    >>> check_output(["data/train.extxyz"], "data/train.zarr", overwrite=False)  # doctest: +SKIP
+    PosixPath('data/train.zarr')
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from nvalchemi._errors import FieldError
+
+__all__ = ["check_output", "convert_to_zarr", "open_inputs"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+def open_inputs(
+    inputs: Sequence[str],
+    *,
+    dtype: str = "float32",
+    label_keys: dict[str, str] | None = None,
+    max_structures: int | None = None,
+) -> list[Any]:
+    """Readers of extxyz / ASE db ``inputs`` (``FieldError`` for stores or bad files)."""
+    from nvalchemi.data.sources import detect_format, open_reader
+
+    for path in inputs:
+        if Path(path).exists() and detect_format(path) == "alchemi-zarr":
+            raise FieldError(
+                f"{path} is already a zarr store", field="INPUT",
+                fix="convert extxyz or ASE db files",
+            )  # fmt: skip
+    return [
+        open_reader(p, dtype=dtype, label_keys=label_keys, max_structures=max_structures,
+                    field="INPUT")
+        for p in inputs
+    ]  # fmt: skip
+
+
+def _is_our_store(path: Path) -> bool:
+    """Whether ``path`` is a zarr store in our layout (any format, also the reference's)."""
+    return (
+        path.is_dir()
+        and (path / "zarr.json").is_file()
+        and (path / "meta").is_dir()
+        and (path / "core").is_dir()
+    )
+
+
+def check_output(inputs: Sequence[str | Path], output: str | Path, *, overwrite: bool) -> Path:
+    """``output`` checked for :func:`convert_to_zarr` (``FieldError`` when it may not be written).
+
+    Refused, with or without ``overwrite``: an output that is one of the inputs, holds
+    one (a directory above it) or lies inside one. An existing output needs
+    ``overwrite``, and only a zarr store in our layout (or an empty directory) is ever
+    replaced: a file or a directory with other contents is not ours to delete.
+    """
+    output = Path(output)
+    target = output.resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or target in source.parents or source in target.parents:
+            relation = (
+                "is" if target == source else "contains" if target in source.parents else
+                "is inside"
+            )  # fmt: skip
+            raise FieldError(
+                f"{output} {relation} the input {given}; writing it would destroy the data "
+                "being converted", field="OUTPUT",
+                fix="write the store to a new path next to the inputs, e.g. data/train.zarr",
+            )  # fmt: skip
+    if not output.exists() and not output.is_symlink():
+        return output
+    if not overwrite:
+        raise FieldError(
+            f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
+        )
+    empty_dir = output.is_dir() and not output.is_symlink() and not any(output.iterdir())
+    if output.is_symlink() or not (empty_dir or _is_our_store(output)):
+        kind = "a file" if output.is_file() else "not a zarr store written by nvalchemi"
+        raise FieldError(
+            f"{output} is {kind}; --overwrite replaces only such stores (or an empty directory)",
+            field="OUTPUT",
+            fix="choose another path, or move it away yourself if it can go",
+        )
+    return output
+
+
+def convert_to_zarr(
+    readers: Sequence[Any],
+    output: str | Path,
+    *,
+    cutoff: float | None = None,
+    half_list: bool = False,
+    chunk_size: int = 256,
+    progress: ProgressFn | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write every structure of ``readers`` to a new zarr store ``output``; return a summary.
+
+    The store is built in a temporary sibling directory and moved into place only when
+    complete: an interrupted or failed conversion leaves ``output`` as it was (absent,
+    or the store it replaces, with ``overwrite=True``; see :func:`check_output`, which
+    the caller runs first with the input paths). Readers are closed afterwards.
+    """
+    output = Path(output)
+    if output.exists() and not overwrite:
+        raise FieldError(
+            f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
+        )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f".{output.name}.converting-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)  # a leftover of this very process id
+    try:
+        summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
+        _swap_in(partial, output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # only ever what this call created
+        for reader in readers:
+            reader.close()
+    summary["output"] = str(output)
+    return summary
+
+
+def _swap_in(partial: Path, output: Path) -> None:
+    """Move the finished store ``partial`` to ``output``, replacing what is there."""
+    if not output.exists():
+        os.replace(partial, output)
+        return
+    old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(output, old)
+    try:
+        os.replace(partial, output)
+    except BaseException:
+        os.replace(old, output)  # put the previous store back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_store(
+    readers: Sequence[Any],
+    path: Path,
+    cutoff: float | None,
+    half_list: bool,
+    chunk_size: int,
+    progress: ProgressFn | None,
+) -> dict[str, Any]:
+    from nvalchemi.data.io.zarr import AtomicDataZarrWriter
+    from nvalchemi.data.neighbors import NeighborListTransform
+
+    transform = None if cutoff is None else NeighborListTransform(cutoff, half_list=half_list)
+    total = sum(len(r) for r in readers)
+    writer = AtomicDataZarrWriter(str(path))
+    done, atoms, edges, first = 0, 0, 0, True
+    for reader in readers:
+        for start in range(0, len(reader), chunk_size):
+            chunk = []
+            for i in range(start, min(start + chunk_size, len(reader))):
+                data = reader.read_data(i)
+                if transform is not None:
+                    data, _ = transform(data, {"index": done + len(chunk)})
+                    edges += int(data.num_edges)
+                atoms += int(data.num_nodes)
+                chunk.append(data)
+            if first:
+                writer.write(chunk)
+                first = False
+            else:
+                writer.append(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
+    if first:
+        raise FieldError("the inputs hold no structures", field="INPUT", fix="check the input files")
+    summary: dict[str, Any] = {"structures": done, "atoms": atoms}
+    if cutoff is not None:
+        summary.update({"neighbor_cutoff": float(cutoff), "edges": edges})
+    return summary
