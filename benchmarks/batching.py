@@ -172,9 +172,18 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    print(json.dumps({"bench": "batching", "machine": platform.processor() or platform.machine(),
-                      "device": str(device), "torch_threads": torch.get_num_threads(),
-                      "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "batching",
+                "machine": platform.processor() or platform.machine(),
+                "device": str(device),
+                "torch_threads": torch.get_num_threads(),
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+            }
+        ),
+        flush=True,
+    )
 
     items = dataset(args.quick)
     sizes = [d.num_nodes for d in items]
@@ -188,8 +197,11 @@ def main() -> None:
         sizes, max_atoms=args.budget, max_edges=max_edges, edge_counts=edge_counts, seed=0
     )
     budget_batches = list(sampler)
-    common = {"structures": len(items), "slabs": sum(n >= 200 for n in sizes),
-              "mean_atoms": round(mean, 1)}  # fmt: skip
+    common = {
+        "structures": len(items),
+        "slabs": sum(n >= 200 for n in sizes),
+        "mean_atoms": round(mean, 1),
+    }
 
     run_epoch(items, fixed_batches[:3], device)  # warm up allocator and kernels
     fixed = run_epoch(items, fixed_batches, device)
@@ -203,20 +215,25 @@ def main() -> None:
     model, _ = model_and_optimizer(device)
     samples = [items[i] for i in order[:64]]
     chosen = probe_batch_budget(model, samples, device, time_limit_s=args.probe_time)
-    print(json.dumps({
-        "bench": "batching_probe",
-        "device": chosen.device,
-        "max_atoms": chosen.max_atoms,
-        "max_edges": chosen.max_edges,
-        "seconds": round(chosen.seconds, 1),
-        "probe_batches": len(chosen.measurements),
-        "largest_probe_atoms": max(m["atoms"] for m in chosen.measurements),
-        "available_gib": round(chosen.available_bytes / 2**30, 2),
-        "predicted_peak_gib": round(chosen.predicted_peak_bytes / 2**30, 2),
-        "kib_per_atom": round(chosen.bytes_per_atom / 1024, 1),
-        "kib_per_edge": round(chosen.bytes_per_edge / 1024, 2),
-        "capped_at_4x_largest_probe": chosen.capped,
-    }), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "batching_probe",
+                "device": chosen.device,
+                "max_atoms": chosen.max_atoms,
+                "max_edges": chosen.max_edges,
+                "seconds": round(chosen.seconds, 1),
+                "probe_batches": len(chosen.measurements),
+                "largest_probe_atoms": max(m["atoms"] for m in chosen.measurements),
+                "available_gib": round(chosen.available_bytes / 2**30, 2),
+                "predicted_peak_gib": round(chosen.predicted_peak_bytes / 2**30, 2),
+                "kib_per_atom": round(chosen.bytes_per_atom / 1024, 1),
+                "kib_per_edge": round(chosen.bytes_per_edge / 1024, 2),
+                "capped_at_4x_largest_probe": chosen.capped,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

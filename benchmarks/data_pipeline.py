@@ -310,8 +310,13 @@ def main() -> None:
                     try:
                         record = run_case(source, factory, nl, workers, case_items, repeats)
                     except Exception as exc:  # report and keep going
-                        record = {"source": source, "neighbors": nl, "workers": workers,
-                                  "atoms_per_structure": n_atoms, "error": repr(exc)}  # fmt: skip
+                        record = {
+                            "source": source,
+                            "neighbors": nl,
+                            "workers": workers,
+                            "atoms_per_structure": n_atoms,
+                            "error": repr(exc),
+                        }
                     print(json.dumps(record), flush=True)
                     summary[(source, nl, workers, n_atoms)] = record
     single = summary.get(("memory", "vesin-cached", 0, 32), {})

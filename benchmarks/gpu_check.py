@@ -77,9 +77,13 @@ def build_model(name: str):
         from nvalchemi.models import MACEWrapper
 
         model = MACEWrapper.from_mace_kwargs(
-            atomic_numbers=[29, 79], hidden_irreps="32x0e + 32x1o", max_ell=2,
-            correlation=2, dtype="float32", seed=0,
-        )  # fmt: skip
+            atomic_numbers=[29, 79],
+            hidden_irreps="32x0e + 32x1o",
+            max_ell=2,
+            correlation=2,
+            dtype="float32",
+            seed=0,
+        )
     model.set_config("active_outputs", {"energy", "forces", "stress"})
     return model
 
@@ -100,10 +104,14 @@ def strategy_for(model, device, precision: str, compiled: bool, steps: int, hook
     if precision == "bf16":
         hooks.append(MixedPrecisionHook(precision="bf16"))
     return TrainingStrategy(
-        models=model, devices=[device], num_steps=steps, hooks=hooks, compile=compiled,
+        models=model,
+        devices=[device],
+        num_steps=steps,
+        hooks=hooks,
+        compile=compiled,
         optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
         loss_fn=EnergyMSELoss() + ForceMSELoss() + StressMSELoss(),
-    )  # fmt: skip
+    )
 
 
 class StepClock:
@@ -152,18 +160,25 @@ def case_step(args, device) -> dict:
     except Exception as exc:
         text = " ".join(str(exc).split())
         unsupported = "cannot train model" in text or "not supported" in text
-        return {**result, "status": "unsupported" if unsupported else "error",
-                "reason": f"{type(exc).__name__}: {text[:400]}"}  # fmt: skip
+        return {
+            **result,
+            "status": "unsupported" if unsupported else "error",
+            "reason": f"{type(exc).__name__}: {text[:400]}",
+        }
     timed = clock.times[args.warmup :]
     median = statistics.median(timed)
     batch = data[0]
     result.update(
-        status="ok", atoms=batch.num_nodes, structures=batch.num_graphs,
-        edges=batch.num_edges, steps=len(timed), step_ms=round(1000 * median, 3),
+        status="ok",
+        atoms=batch.num_nodes,
+        structures=batch.num_graphs,
+        edges=batch.num_edges,
+        steps=len(timed),
+        step_ms=round(1000 * median, 3),
         structures_per_s=round(batch.num_graphs / median, 1),
         first_step_s=round(clock.times[0], 2),
         params=sum(p.numel() for p in model.parameters()),
-    )  # fmt: skip
+    )
     if mode == "compiled":
         result["compiled_graphs"] = strategy.compiled_graphs
     if device.type == "cuda":
@@ -196,10 +211,14 @@ def case_neighbors(args, device) -> dict:
     )
     median = statistics.median(times[args.warmup :])
     return {
-        "atoms": batch.num_nodes, "structures": batch.num_graphs, "edges": batch.num_edges,
-        "cutoff": config.cutoff, "ms_per_batch": round(1000 * median, 3),
-        "structures_per_s": round(batch.num_graphs / median, 1), "matches_cpu_lists": same,
-    }  # fmt: skip
+        "atoms": batch.num_nodes,
+        "structures": batch.num_graphs,
+        "edges": batch.num_edges,
+        "cutoff": config.cutoff,
+        "ms_per_batch": round(1000 * median, 3),
+        "structures_per_s": round(batch.num_graphs / median, 1),
+        "matches_cpu_lists": same,
+    }
 
 
 class SyncCounter:

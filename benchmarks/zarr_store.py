@@ -145,9 +145,17 @@ def main() -> None:
     if args.quick:
         args.repeats, args.large = 1, 500
     torch.set_num_threads(1)
-    print(json.dumps({"bench": "zarr_store", "machine": platform.machine(),
-                      "cpus": os.cpu_count(),
-                      "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": "zarr_store",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+            }
+        ),
+        flush=True,
+    )
     bundled = [BUNDLED_DIR / f"{name}.extxyz" for name in ("train", "val", "test")]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -159,26 +167,39 @@ def main() -> None:
         large = synthetic(args.large, 64)
         AtomicDataZarrWriter(str(work / "large.zarr")).write(large)
         del large
-        print(json.dumps({
-            "bench": "store_size",
-            "bundled_structures": len(AtomicDataZarrReader(str(work / "bundled.zarr"))),
-            "bundled_extxyz_bytes": sum(p.stat().st_size for p in bundled),
-            "bundled_store_bytes": store_bytes(work / "bundled.zarr"),
-            "tiny_extxyz_bytes": tiny.stat().st_size,
-            "tiny_store_bytes": store_bytes(work / "tiny.zarr"),
-            "large_structures": args.large,
-            "large_store_bytes": store_bytes(work / "large.zarr"),
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "bench": "store_size",
+                    "bundled_structures": len(AtomicDataZarrReader(str(work / "bundled.zarr"))),
+                    "bundled_extxyz_bytes": sum(p.stat().st_size for p in bundled),
+                    "bundled_store_bytes": store_bytes(work / "bundled.zarr"),
+                    "tiny_extxyz_bytes": tiny.stat().st_size,
+                    "tiny_store_bytes": store_bytes(work / "tiny.zarr"),
+                    "large_structures": args.large,
+                    "large_store_bytes": store_bytes(work / "large.zarr"),
+                }
+            ),
+            flush=True,
+        )
         cases = [("bundled", None, None), ("large", 5000, None)]
         if "cache_bytes" in inspect.signature(AtomicDataZarrReader).parameters:
             # nothing kept decoded: every read of a compressed array decodes its chunk
             cases.append(("large", 5000, 0))
         for name, limit, cache_bytes in cases:
             record = read_cases(work / f"{name}.zarr", args.repeats, limit, cache_bytes)
-            print(json.dumps({"bench": "store_read", "store": name, "cache_bytes": cache_bytes,
-                              **record}), flush=True)  # fmt: skip
-    print(json.dumps({"bench": "zarr_store_end",
-                      "load_average": [round(x, 2) for x in os.getloadavg()]}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {"bench": "store_read", "store": name, "cache_bytes": cache_bytes, **record}
+                ),
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {"bench": "zarr_store_end", "load_average": [round(x, 2) for x in os.getloadavg()]}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ def structures(split: str, elements: tuple[str, ...], size: int, shift: bool = F
         if not set(data.atomic_numbers.tolist()) <= wanted:
             continue
         if shift:  # the new level of theory: a per-element energy offset
-            offset = sum(OFFSETS[e] * int((data.atomic_numbers == atomic_numbers[e]).sum())
-                         for e in OFFSETS)  # fmt: skip
+            offset = sum(
+                OFFSETS[e] * int((data.atomic_numbers == atomic_numbers[e]).sum()) for e in OFFSETS
+            )
             data["energy"] = data["energy"] + offset
         out.append(data)
         if len(out) == size:

@@ -60,8 +60,12 @@ def parse_args() -> argparse.Namespace:
     def option(name: str, default: object, kind: type, help: str) -> None:
         env = "NVALCHEMI_EXAMPLE_" + name.upper().replace("-", "_")
         value = os.environ.get(env)
-        parser.add_argument(f"--{name}", type=kind, help=f"{help} (env {env})",
-                            default=default if value is None else kind(value))  # fmt: skip
+        parser.add_argument(
+            f"--{name}",
+            type=kind,
+            help=f"{help} (env {env})",
+            default=default if value is None else kind(value),
+        )
 
     option("epochs", 10, int, "training epochs")
     option("max-train", 0, int, "use only the first N training structures (0: all 2400)")
@@ -99,16 +103,24 @@ def main() -> None:
     (run / "metrics.jsonl").unlink(missing_ok=True)
     torch.manual_seed(0)
 
-    train = DataLoader(split("train", args.max_train, args.cutoff), batch_size=args.batch_size,
-                       shuffle=True, seed=0)  # fmt: skip
+    train = DataLoader(
+        split("train", args.max_train, args.cutoff),
+        batch_size=args.batch_size,
+        shuffle=True,
+        seed=0,
+    )
     val = DataLoader(split("val", args.max_eval, args.cutoff), batch_size=16)
     test = DataLoader(split("test", args.max_eval, args.cutoff), batch_size=16)
 
     # Elements, reference energies E0 and the energy scale/shift come from the data.
     model = PaiNN.from_data(
-        train, elements=[atomic_numbers[s] for s in ELEMENTS],  # every element of the data set
-        cutoff=args.cutoff, hidden_channels=args.hidden, num_interactions=2, num_rbf=16,
-    )  # fmt: skip
+        train,
+        elements=[atomic_numbers[s] for s in ELEMENTS],  # every element of the data set
+        cutoff=args.cutoff,
+        hidden_channels=args.hidden,
+        num_interactions=2,
+        num_rbf=16,
+    )
     steps = args.epochs * len(train)
     strategy = TrainingStrategy(
         models=model,

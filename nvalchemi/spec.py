@@ -351,11 +351,17 @@ def _rehydrate(spec_dict: Any, trust: bool, expect: Any, where: str, key: str) -
     check_spec_target(target, path=path, trust=trust, expect=expect, where=at)
     params = _parameters(target)
     kwargs = {
-        k: _decode(v, params[k].annotation if k in params else _EMPTY, k, trust, where,
-                   f"{key}.{k}" if key else k)
+        k: _decode(
+            v,
+            params[k].annotation if k in params else _EMPTY,
+            k,
+            trust,
+            where,
+            f"{key}.{k}" if key else k,
+        )
         for k, v in spec_dict.items()
         if k not in ("cls_path", "timestamp")
-    }  # fmt: skip
+    }
     spec = _make_spec(path, str(spec_dict["timestamp"]), kwargs, target, trusted=trust)
     spec._untrusted_json = not trust
     return spec

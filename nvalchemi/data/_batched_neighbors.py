@@ -265,9 +265,12 @@ def windows_of(ranges: list[float]) -> tuple[int, int, int]:
 
 
 def plan_groups(
-    counts: Sequence[int], windows: Sequence[tuple[int, int, int]], graphs: Sequence[int],
-    pass_candidates: int, costs: Costs = CPU_COSTS,
-) -> list[tuple[list[int], tuple[int, int, int], int]]:  # fmt: skip
+    counts: Sequence[int],
+    windows: Sequence[tuple[int, int, int]],
+    graphs: Sequence[int],
+    pass_candidates: int,
+    costs: Costs = CPU_COSTS,
+) -> list[tuple[list[int], tuple[int, int, int], int]]:
     """Groups of structures searched together: ``(members, windows, padded atoms)``.
 
     Structures in order of size join the current group while one pass over the
@@ -296,9 +299,12 @@ def plan_groups(
 
 
 def padded_positions(
-    positions: torch.Tensor, starts: Sequence[int], counts: Sequence[int], members: Sequence[int],
+    positions: torch.Tensor,
+    starts: Sequence[int],
+    counts: Sequence[int],
+    members: Sequence[int],
     n: int,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``[len(members), n, 3]`` float64 positions, NaN beyond each structure's atoms."""
     first = starts[members[0]]
     contiguous = all(counts[g] == n and starts[g] == first + k * n for k, g in enumerate(members))
@@ -343,9 +349,16 @@ def search_structures(
         for a0 in range(0, n, step):
             rows = (a0, min(n, a0 + step)) if step < n else None
             found = search(
-                block, group_cell, group_recip, group_ranges, windows, cutoff,
-                full_list=full_list, rows=rows, narrower=narrower,
-            )  # fmt: skip
+                block,
+                group_cell,
+                group_recip,
+                group_ranges,
+                windows,
+                cutoff,
+                full_list=full_list,
+                rows=rows,
+                narrower=narrower,
+            )
             parts.append(found)
         if len(parts) == 1:
             graph, sender, receiver, shifts, found = parts[0]

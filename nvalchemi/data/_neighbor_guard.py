@@ -143,9 +143,15 @@ def estimate_pairs(
 
 
 def refuse(
-    where: str, estimate: float, limit: float, num_atoms: int, cell: Any, pbc: Any, cutoff: float,
+    where: str,
+    estimate: float,
+    limit: float,
+    num_atoms: int,
+    cell: Any,
+    pbc: Any,
+    cutoff: float,
     reading: bool = False,
-) -> ValueError:  # fmt: skip
+) -> ValueError:
     """The error for a structure whose list would have about ``estimate`` pairs."""
     periodic = [False] * 3 if pbc is None else [bool(p) for p in np.asarray(pbc).reshape(-1)]
     if len(periodic) == 1:

@@ -213,8 +213,10 @@ def _check_atomic_numbers(value: torch.Tensor) -> None:
 
 def _check_finite(name: str, value: torch.Tensor) -> None:
     if value.dtype.is_floating_point and not bool(torch.isfinite(value).all()):
-        fix = "drop the structure" if name in ("positions", "cell") else (
-            "drop the label, or the structure, when it is unknown"
+        fix = (
+            "drop the structure"
+            if name in ("positions", "cell")
+            else ("drop the label, or the structure, when it is unknown")
         )
         raise ValueError(
             f"AtomicData field {name!r} contains NaN or inf values; it must be finite ({fix})."
@@ -645,13 +647,19 @@ class AtomicData:
         """
         fields, info = fields_from_atoms(
             atoms,
-            keys={"energy": energy_key, "forces": forces_key, "stress": stress_key,
-                  "virial": virials_key, "dipole": dipole_key, "charges": charges_key},
+            keys={
+                "energy": energy_key,
+                "forces": forces_key,
+                "stress": stress_key,
+                "virial": virials_key,
+                "dipole": dipole_key,
+                "charges": charges_key,
+            },
             dtype=dtype,
             label_dtype=label_dtype or dtype,
             use_calculator=use_calculator,
             info_keys=info_keys,
-        )  # fmt: skip
+        )
         if z_table is not None:
             idx = torch.as_tensor(atomic_numbers_to_indices(atoms.numbers, z_table))
             fields["node_attrs"] = to_one_hot(idx.unsqueeze(-1), len(z_table)).to(dtype)

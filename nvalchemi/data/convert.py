@@ -44,14 +44,16 @@ def open_inputs(
     for path in inputs:
         if Path(path).exists() and detect_format(path) == "alchemi-zarr":
             raise FieldError(
-                f"{path} is already a zarr store", field="INPUT",
+                f"{path} is already a zarr store",
+                field="INPUT",
                 fix="convert extxyz or ASE db files",
-            )  # fmt: skip
+            )
     return [
-        open_reader(p, dtype=dtype, label_keys=label_keys, max_structures=max_structures,
-                    field="INPUT")
+        open_reader(
+            p, dtype=dtype, label_keys=label_keys, max_structures=max_structures, field="INPUT"
+        )
         for p in inputs
-    ]  # fmt: skip
+    ]
 
 
 def _is_our_store(path: Path) -> bool:
@@ -78,14 +80,18 @@ def check_output(inputs: Sequence[str | Path], output: str | Path, *, overwrite:
         source = Path(given).resolve()
         if target == source or target in source.parents or source in target.parents:
             relation = (
-                "is" if target == source else "contains" if target in source.parents else
-                "is inside"
-            )  # fmt: skip
+                "is"
+                if target == source
+                else "contains"
+                if target in source.parents
+                else "is inside"
+            )
             raise FieldError(
                 f"{output} {relation} the input {given}; writing it would destroy the data "
-                "being converted", field="OUTPUT",
+                "being converted",
+                field="OUTPUT",
                 fix="write the store to a new path next to the inputs, e.g. data/train.zarr",
-            )  # fmt: skip
+            )
     if not output.exists() and not output.is_symlink():
         return output
     if not overwrite:
@@ -189,7 +195,9 @@ def _write_store(
             if progress is not None:
                 progress(done, total)
     if first:
-        raise FieldError("the inputs hold no structures", field="INPUT", fix="check the input files")
+        raise FieldError(
+            "the inputs hold no structures", field="INPUT", fix="check the input files"
+        )
     summary: dict[str, Any] = {"structures": done, "atoms": atoms}
     if cutoff is not None:
         summary.update({"neighbor_cutoff": float(cutoff), "edges": edges})

@@ -219,17 +219,20 @@ def data_statistics(
         "structures": int(done),
         "atoms": int(sizes_arr.sum()),
         "atoms_per_structure": {
-            "min": int(sizes_arr.min()), "mean": float(sizes_arr.mean()),
+            "min": int(sizes_arr.min()),
+            "mean": float(sizes_arr.mean()),
             "max": int(sizes_arr.max()),
         },
         "periodic_structures": int(np.concatenate(periodic).sum()) if periodic else 0,
         "elements": {
-            chemical_symbols[z]: {"atoms": int((z_all == z).sum()),
-                                  "structures": int((counts[:, i] > 0).sum())}
+            chemical_symbols[z]: {
+                "atoms": int((z_all == z).sum()),
+                "structures": int((counts[:, i] > 0).sum()),
+            }
             for i, z in enumerate(present)
         },
         "labels": labels,
-    }  # fmt: skip
+    }
     if labels["energy"]:
         stats["energy_per_atom"] = _describe(energy / sizes_arr)
         stats.update(_reference_energies(counts, energy, present))

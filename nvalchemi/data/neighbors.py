@@ -192,9 +192,14 @@ def check_neighbor_explosion(
     cell = None if cell is None else as_numpy(cell, np.float64).reshape(3, 3)
     pbc = None if pbc is None else as_numpy(pbc, bool).reshape(-1)
     return check_structure(
-        positions.shape[0], cell, pbc, cutoff, positions,
-        where=where or "check_neighbor_explosion", limit=max_pairs,
-    )  # fmt: skip
+        positions.shape[0],
+        cell,
+        pbc,
+        cutoff,
+        positions,
+        where=where or "check_neighbor_explosion",
+        limit=max_pairs,
+    )
 
 
 # ------------------------------------------------------------------- one structure
@@ -295,7 +300,9 @@ def _route(
         return [], busy
     costs = _batched.CPU_COSTS
     small = [
-        g for g in busy if _batched.candidate_count(counts[g], windows[g]) <= _batched.CPU_PASS_LIMIT
+        g
+        for g in busy
+        if _batched.candidate_count(counts[g], windows[g]) <= _batched.CPU_PASS_LIMIT
     ]
     taken = set(small)
     by_vesin = [g for g in busy if g not in taken]
@@ -361,9 +368,13 @@ def _batch_lists(
                 bound *= 2.0 * r[d]
         if bound > limit:
             check_structure(
-                n, cell[g].cpu(), periodic, cutoff,
-                positions[starts[g] : starts[g] + n].cpu(), where=where,
-            )  # fmt: skip
+                n,
+                cell[g].cpu(),
+                periodic,
+                cutoff,
+                positions[starts[g] : starts[g] + n].cpu(),
+                where=where,
+            )
         windows.append(_batched.windows_of(r))
         expected.append(min(bound, n * (n - 1)) if not any(periodic) else bound)
     groups, by_vesin = _route(device, method, counts, windows, expected)
@@ -371,9 +382,18 @@ def _batch_lists(
         _batched.CPU_PASS_CANDIDATES if device.type == "cpu" else _batched.DEVICE_PASS_CANDIDATES
     )
     found = _batched.search_structures(
-        positions, cell, recip, ranges, counts, starts, groups, windows, cutoff, full_list,
+        positions,
+        cell,
+        recip,
+        ranges,
+        counts,
+        starts,
+        groups,
+        windows,
+        cutoff,
+        full_list,
         pass_size,
-    )  # fmt: skip
+    )
     if not by_vesin and len(found) == 1 and found[0][0] == list(range(num_graphs)):
         _, pairs, shifts, edge_counts = found[0]
         return pairs, shifts, edge_counts

@@ -129,7 +129,9 @@ def open_reader(
 
     path = Path(path)
     if not path.exists():
-        raise FieldError(f"{path} does not exist", field=field, fix=f"give the path of an {_FORMATS}")
+        raise FieldError(
+            f"{path} does not exist", field=field, fix=f"give the path of an {_FORMATS}"
+        )
     kind = detect_format(path, format)
     try:
         if kind == "alchemi-zarr":
@@ -228,8 +230,12 @@ def open_sources(
             field="dataset.validation_path",
             fix="drop dataset.val_fraction (or the validation files)",
         )
-    options = {"format": format, "dtype": dtype, "label_keys": label_keys,
-               "max_structures": max_structures}  # fmt: skip
+    options = {
+        "format": format,
+        "dtype": dtype,
+        "label_keys": label_keys,
+        "max_structures": max_structures,
+    }
     sources = DataSources()
     train = [open_reader(p, field="dataset.path", **options) for p in paths]
     if validation_paths:

@@ -47,14 +47,29 @@ if TYPE_CHECKING:
 __all__ = ["OPTIONAL_MEMBERS", "CheckpointableHook", "Hook", "is_checkpointable", "member"]
 
 _DATA_MEMBERS = frozenset(
-    {"precision_name", "priority", "_exclusive_update_key", "_veto_defers_step", "window_open",
-     "batches_per_step"}
-)  # fmt: skip
+    {
+        "precision_name",
+        "priority",
+        "_exclusive_update_key",
+        "_veto_defers_step",
+        "window_open",
+        "batches_per_step",
+    }
+)
 OPTIONAL_MEMBERS: frozenset[str] = _DATA_MEMBERS | {
-    "_runs_on_stage", "on_register", "_validate_registered_hooks", "prepare_strategy",
-    "__enter__", "__exit__", "close", "state_dict", "load_state_dict",
-    "checkpointable_children", "iter_hooks", "inference_autocast",
-}  # fmt: skip
+    "_runs_on_stage",
+    "on_register",
+    "_validate_registered_hooks",
+    "prepare_strategy",
+    "__enter__",
+    "__exit__",
+    "close",
+    "state_dict",
+    "load_state_dict",
+    "checkpointable_children",
+    "iter_hooks",
+    "inference_autocast",
+}
 """Every optional member an engine may look up on a hook (see the module docstring)."""
 
 

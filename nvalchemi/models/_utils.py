@@ -244,7 +244,9 @@ def _functional_derivatives(
         strained_pos, strained_cell = pos, cell
         if compute_stress:
             symmetric = 0.5 * (disp + disp.transpose(-1, -2))
-            strained_pos = pos + torch.einsum("vi,vij->vj", pos, symmetric.index_select(0, batch_idx))
+            strained_pos = pos + torch.einsum(
+                "vi,vij->vj", pos, symmetric.index_select(0, batch_idx)
+            )
             strained_cell = cell.to(pos.dtype) + torch.bmm(cell.to(pos.dtype), symmetric)
         energy = energy_fn(strained_pos, strained_cell).reshape(num_graphs, 1)
         return energy.sum(), energy

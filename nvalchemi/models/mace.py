@@ -405,8 +405,10 @@ class MACEWrapper(nn.Module, BaseModelMixin):
                 e0 = [list(e0) for _ in range(num_heads)]
         recorded["atomic_energies"] = e0  # aligned with atomic_numbers: JSON-friendly
         scales = {}
-        for name, value in (("atomic_inter_scale", atomic_inter_scale),
-                            ("atomic_inter_shift", atomic_inter_shift)):  # fmt: skip
+        for name, value in (
+            ("atomic_inter_scale", atomic_inter_scale),
+            ("atomic_inter_shift", atomic_inter_shift),
+        ):
             if isinstance(value, Sequence):
                 if len(value) != num_heads:
                     raise ValueError(f"{name} has {len(value)} values for {num_heads} heads.")

@@ -263,7 +263,10 @@ class PieceResults:
                 self.grads[i] = grad if held is None else held.add_(grad)
         total = total.detach()
         self.total = total if self.total is None else self.total + total
-        self.weights, self.raw_weights = out["per_component_weight"], out["per_component_raw_weight"]
+        self.weights, self.raw_weights = (
+            out["per_component_weight"],
+            out["per_component_raw_weight"],
+        )
         for name, value in out["per_component_unweighted"].items():
             part = value.detach() * shares[name]
             self.parts[name] = part if name not in self.parts else self.parts[name] + part
@@ -378,11 +381,12 @@ def _single_structure_error(
     edges = _edges(piece)
     return torch.OutOfMemoryError(
         f"A single structure does not fit in memory{where}: structure {index} of the batch "
-        f"has {piece.num_nodes} atoms" + (f" and {edges} edges" if edges is not None else "")
+        f"has {piece.num_nodes} atoms"
+        + (f" and {edges} edges" if edges is not None else "")
         + f"; training it alone ran out ({message}). Fix: leave such structures out of the "
         "training set (BudgetBatchSampler warns about structures above its budget), or use "
         "a smaller model, a shorter cutoff or a device with more memory."
-    )  # fmt: skip
+    )
 
 
 def _cut(start: int, stop: int, piece: Any) -> list[tuple[int, int, Any]]:
@@ -464,9 +468,11 @@ def average_gradients(
     world = dist.get_world_size(group)
     for indices in by_kind.values():
         flat = torch.cat(
-            [(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1)
-             for i in indices]
-        )  # fmt: skip
+            [
+                (grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1)
+                for i in indices
+            ]
+        )
         dist.all_reduce(flat, group=group)
         flat /= world
         offset = 0

@@ -65,9 +65,17 @@ NONFINITE_MODES = {"ignore": _IGNORE, "raise": _RAISE, "skip": _SKIP}
 # Where a step can run out of memory and still be trained in pieces (see split_step):
 # after BEFORE_BATCH and the zeroing, up to and including the backward.
 _SPLITTABLE_STAGES = frozenset(
-    {S.BEFORE_FORWARD, "the forward pass (training_fn)", S.AFTER_FORWARD, S.BEFORE_LOSS,
-     "the loss computation", S.AFTER_LOSS, S.BEFORE_BACKWARD, S.DO_BACKWARD}
-)  # fmt: skip
+    {
+        S.BEFORE_FORWARD,
+        "the forward pass (training_fn)",
+        S.AFTER_FORWARD,
+        S.BEFORE_LOSS,
+        "the loss computation",
+        S.AFTER_LOSS,
+        S.BEFORE_BACKWARD,
+        S.DO_BACKWARD,
+    }
+)
 _FORWARD_STAGES = _SPLITTABLE_STAGES | {S.BEFORE_BATCH, "zeroing gradients"}
 # A failed attempt recorded its loss and may have accumulated gradients from here on.
 _BACKWARD_STAGES = frozenset({S.BEFORE_BACKWARD, S.DO_BACKWARD})
@@ -186,9 +194,13 @@ class _Run:
         self.orchestrator = s.orchestrator()
         # Hooks after backward see detached losses: a live graph would outlive the step.
         self.publish_detached = bool(
-            self.do_step or self.after_backward or self.before_optimizer_step
-            or self.after_optimizer_step or self.after_batch or self.after_epoch
-        )  # fmt: skip
+            self.do_step
+            or self.after_backward
+            or self.before_optimizer_step
+            or self.after_optimizer_step
+            or self.after_batch
+            or self.after_epoch
+        )
         if self.neighbor_builders:  # before the user's hooks: they see the lists
             self.before_forward = (*self.neighbor_builders, *self.before_forward)
         self.ctx = s.new_context() if (s.hooks or self.neighbor_builders) else None
@@ -415,9 +427,15 @@ class _Run:
                 _fire(stage, self.before_loss, ctx, gate)
             stage = "the loss computation"
             out = compute_supervised_loss(
-                self.loss_fn, predictions, batch, step=d["step_count"], epoch=d["epoch_count"],
-                workflow=self.strategy, target_assembler=self.assembler, target_keys=self.target_keys,
-            )  # fmt: skip
+                self.loss_fn,
+                predictions,
+                batch,
+                step=d["step_count"],
+                epoch=d["epoch_count"],
+                workflow=self.strategy,
+                target_assembler=self.assembler,
+                target_keys=self.target_keys,
+            )
             loss = out["total_loss"]
             if ctx is not None:
                 ctx.loss, ctx.losses = loss, out
@@ -460,9 +478,14 @@ class _Run:
             self.record.losses.append(detached_loss)
             components = out["per_component_unweighted"]
             self.record.meta.append(
-                (d["step_count"], d["epoch_count"], d["epoch_step_count"], d["batch_count"],
-                 [(k, v.detach()) for k, v in components.items()])
-            )  # fmt: skip
+                (
+                    d["step_count"],
+                    d["epoch_count"],
+                    d["epoch_step_count"],
+                    d["batch_count"],
+                    [(k, v.detach()) for k, v in components.items()],
+                )
+            )
         return mode
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -530,13 +553,13 @@ class _Run:
         except Exception as exc:
             self.annotate(exc, stage)
             if isinstance(exc, torch.OutOfMemoryError):
-                _not_split(exc, "the gradients were already complete; cutting the batch would not help")
+                _not_split(
+                    exc, "the gradients were already complete; cutting the batch would not help"
+                )
             raise
 
     # ------------------------------------------------------------------ out of memory
-    def _splittable(
-        self, exc: torch.OutOfMemoryError, stage: Any, batch: Any, voted: bool
-    ) -> Any:
+    def _splittable(self, exc: torch.OutOfMemoryError, stage: Any, batch: Any, voted: bool) -> Any:
         """The stage a step ran out of memory at, if the batch can be trained in pieces;
         else annotate and re-raise ``exc`` (see :mod:`nvalchemi.training._memory_split`)."""
         from nvalchemi.data import Batch
@@ -562,9 +585,14 @@ class _Run:
         raise exc
 
     def split_step(
-        self, batch: Any, gate: int, *, ran_out_at: Any = None, voted: bool = False,
+        self,
+        batch: Any,
+        gate: int,
+        *,
+        ran_out_at: Any = None,
+        voted: bool = False,
         begun: bool = True,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Train ``batch`` in pieces, with the update (and the hooks' view) of one step.
 
         ``ran_out_at``: the stage where the whole batch ran out (``None``: it exceeds the
@@ -607,9 +635,15 @@ class _Run:
             self._piece_gate = gate
             with self._without_gradient_sync():
                 pieces = split.train_in_pieces(
-                    batch, self._run_piece, params, shares, self.budget,
-                    ran_out=ran_out_at is not None, scale=scale, where=f" on {self.device}",
-                )  # fmt: skip
+                    batch,
+                    self._run_piece,
+                    params,
+                    shares,
+                    self.budget,
+                    ran_out=ran_out_at is not None,
+                    scale=scale,
+                    where=f" on {self.device}",
+                )
             if self.vote is not None:
                 split.average_gradients(pieces.grads, params, self.vote.gradient_group)
             self._report_split(batch, ran_out_at, pieces)
@@ -656,10 +690,15 @@ class _Run:
                 if self.before_loss:
                     _fire(S.BEFORE_LOSS, self.before_loss, ctx, gate)
             out = compute_supervised_loss(
-                self.loss_fn, predictions, piece, step=d["step_count"], epoch=d["epoch_count"],
-                workflow=self.strategy, target_assembler=self.assembler,
+                self.loss_fn,
+                predictions,
+                piece,
+                step=d["step_count"],
+                epoch=d["epoch_count"],
+                workflow=self.strategy,
+                target_assembler=self.assembler,
                 target_keys=self.target_keys,
-            )  # fmt: skip
+            )
             return predictions, out
         finally:
             if ctx is not None:
@@ -797,19 +836,26 @@ class _Run:
 
             if all_agree(bad is not None, s.distributed_manager) and bad is None:
                 raise NonFiniteLossError(
-                    step=d["step_count"], epoch=d["epoch_count"], epoch_step=d["epoch_step_count"],
-                    batch_count=d["batch_count"], components=[],
+                    step=d["step_count"],
+                    epoch=d["epoch_count"],
+                    epoch_step=d["epoch_step_count"],
+                    batch_count=d["batch_count"],
+                    components=[],
                     detail="Another rank reported a non-finite loss since the last check. "
                     + self._advice(None),
-                )  # fmt: skip
+                )
         if bad is None:
             return
         step, epoch, epoch_step, batch_count, components = bad
         names = [n for n, v in components if not bool(torch.isfinite(v))] if components else []
         raise NonFiniteLossError(
-            step=step, epoch=epoch, epoch_step=epoch_step, batch_count=batch_count,
-            components=names or ["total_loss"], detail=self._advice(step),
-        )  # fmt: skip
+            step=step,
+            epoch=epoch,
+            epoch_step=epoch_step,
+            batch_count=batch_count,
+            components=names or ["total_loss"],
+            detail=self._advice(step),
+        )
 
     def _advice(self, step: int | None) -> str:
         """How far a non-finite loss found now may have reached the weights."""

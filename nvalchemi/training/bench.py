@@ -207,12 +207,21 @@ def benchmark(
     atoms = sum(int(b.num_nodes) for b in timed)
     peak, kind = _peak(device)
     result = BenchResult(
-        name=name, device=str(device), steps=steps, warmup_steps=warmup,
-        structures=structures, atoms=atoms, seconds=total, steps_per_s=steps / total,
-        structures_per_s=structures / total, atoms_per_s=atoms / total,
-        step_ms_median=1000 * sorted(step_s)[len(step_s) // 2], loader_share=wait_s / total,
-        peak_memory_mib=peak, memory_kind=kind,
-    )  # fmt: skip
+        name=name,
+        device=str(device),
+        steps=steps,
+        warmup_steps=warmup,
+        structures=structures,
+        atoms=atoms,
+        seconds=total,
+        steps_per_s=steps / total,
+        structures_per_s=structures / total,
+        atoms_per_s=atoms / total,
+        step_ms_median=1000 * sorted(step_s)[len(step_s) // 2],
+        loader_share=wait_s / total,
+        peak_memory_mib=peak,
+        memory_kind=kind,
+    )
     if not candidates:
         return result
     reference, losses_s = _replay(make_strategy, None, batches, warmup, device)
@@ -220,16 +229,28 @@ def benchmark(
         trial, trial_s = _replay(make_strategy, candidate, batches, warmup, device)
         loss_max, loss_mean = _relative(trial[0], reference[0])
         grad_max, grad_mean = _relative(trial[1], reference[1])
-        result.candidates.append(CandidateResult(
-            name=candidate, steps_per_s=steps / trial_s, structures_per_s=structures / trial_s,
-            speedup=losses_s / trial_s, loss_rel_error_max=loss_max, loss_rel_error_mean=loss_mean,
-            grad_norm_rel_error_max=grad_max, grad_norm_rel_error_mean=grad_mean,
-        ))  # fmt: skip
+        result.candidates.append(
+            CandidateResult(
+                name=candidate,
+                steps_per_s=steps / trial_s,
+                structures_per_s=structures / trial_s,
+                speedup=losses_s / trial_s,
+                loss_rel_error_max=loss_max,
+                loss_rel_error_mean=loss_mean,
+                grad_norm_rel_error_max=grad_max,
+                grad_norm_rel_error_mean=grad_mean,
+            )
+        )
     return result
 
 
-def _replay(make: Callable[[list[Any]], Any], candidate: str | None, batches: list[Any],
-            warmup: int, device: Any) -> tuple[tuple[list[float], list[float]], float]:  # fmt: skip
+def _replay(
+    make: Callable[[list[Any]], Any],
+    candidate: str | None,
+    batches: list[Any],
+    warmup: int,
+    device: Any,
+) -> tuple[tuple[list[float], list[float]], float]:
     """``((losses, grad norms) of the timed steps, their seconds)`` from fresh weights."""
     strategy, recorder = _strategy(make, candidate)
     try:

@@ -197,11 +197,16 @@ class Evaluation:
             mae, rmse, count = _mae_rmse(self.forces_pred[mask], self.forces_ref[mask])
             if count:
                 mean = float(np.nanmean(magnitude[mask]))
-                rows.append({
-                    "low": float(low), "high": float(high), "atoms": int(mask.sum()),
-                    "forces_mae": mae, "forces_rmse": rmse,
-                    "relative_mae": mae / mean if mean > 0 else math.nan,
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "low": float(low),
+                        "high": float(high),
+                        "atoms": int(mask.sum()),
+                        "forces_mae": mae,
+                        "forces_rmse": rmse,
+                        "relative_mae": mae / mean if mean > 0 else math.nan,
+                    }
+                )
         return rows
 
     def report(self) -> dict[str, Any]:
@@ -359,9 +364,7 @@ def _atom_range(count: int) -> str:
     return f"{low}+ atoms"
 
 
-def structure_groups(
-    readers: Sequence[Any], group_by: str | None = None
-) -> tuple[np.ndarray, str]:
+def structure_groups(readers: Sequence[Any], group_by: str | None = None) -> tuple[np.ndarray, str]:
     """The group of every structure of ``readers`` (in order) and what grouped them.
 
     The group is the structure's ``group_by`` entry of its extxyz/db ``info`` (default
@@ -402,8 +405,9 @@ def evaluate_readers(
     from nvalchemi.data.sources import make_dataset, make_loader, neighbor_config_of
 
     dataset = make_dataset(readers, neighbor_config=neighbor_config_of(model), n_threads=n_threads)
-    evaluation = predict(model, make_loader(dataset, batch_size=batch_size), device=device,
-                         head=head)  # fmt: skip
+    evaluation = predict(
+        model, make_loader(dataset, batch_size=batch_size), device=device, head=head
+    )
     evaluation.groups, grouping = structure_groups(readers, group_by)
     evaluation.sources = np.array([reader_name(r) for r in readers for _ in range(len(r))])
     return evaluation, grouping
@@ -448,7 +452,12 @@ def evaluate_final_model(
     model, weights = final_model(strategy, use_ema)
     if model is None:
         return None, weights, ""
-    evaluation, grouping = evaluate_readers(model, readers, batch_size=batch_size,
-                                            device=strategy.devices[0], group_by=group_by,
-                                            n_threads=n_threads)  # fmt: skip
+    evaluation, grouping = evaluate_readers(
+        model,
+        readers,
+        batch_size=batch_size,
+        device=strategy.devices[0],
+        group_by=group_by,
+        n_threads=n_threads,
+    )
     return evaluation, weights, grouping

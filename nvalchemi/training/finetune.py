@@ -319,10 +319,15 @@ class FineTuningStrategy(TrainingStrategy):
         if validators:
             assoc = files.manifest.associations
             entries = {
-                name: {"model": model, "spec": spec, "optimizers": {}, "schedulers": {},
-                       "metadata": {"associations": assoc.get(name, {})}}
+                name: {
+                    "model": model,
+                    "spec": spec,
+                    "optimizers": {},
+                    "schedulers": {},
+                    "metadata": {"associations": assoc.get(name, {})},
+                }
                 for name, (model, spec) in read.items()
-            }  # fmt: skip
+            }
             run_validators(validators, entries, root)
         for model in loaded.values():
             model.train()

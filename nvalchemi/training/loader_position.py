@@ -55,8 +55,12 @@ __all__ = [
 ]
 
 _KNOWN_SAMPLERS = (
-    SequentialSampler, RandomSampler, DistributedSampler, SubsetRandomSampler, WeightedRandomSampler,
-)  # fmt: skip
+    SequentialSampler,
+    RandomSampler,
+    DistributedSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 
 def generators(loader: Any) -> list[torch.Generator]:

@@ -692,13 +692,20 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
         d = self.__dict__
         return TrainContext(
-            batch=batch, workflow=self, models=self.models, model=self.models.get("main"),
-            optimizers=d["_optimizers"], lr_schedulers=d["_lr_schedulers"],
-            global_rank=get_rank(self.distributed_manager), validation=d["last_validation"],
-            step_count=d["step_count"], global_step_count=d["global_step_count"],
-            batch_count=d["batch_count"], epoch_step_count=d["epoch_step_count"],
+            batch=batch,
+            workflow=self,
+            models=self.models,
+            model=self.models.get("main"),
+            optimizers=d["_optimizers"],
+            lr_schedulers=d["_lr_schedulers"],
+            global_rank=get_rank(self.distributed_manager),
+            validation=d["last_validation"],
+            step_count=d["step_count"],
+            global_step_count=d["global_step_count"],
+            batch_count=d["batch_count"],
+            epoch_step_count=d["epoch_step_count"],
             epoch=d["epoch_count"],
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ non-finite losses
     def check_nonfinite(self) -> None:

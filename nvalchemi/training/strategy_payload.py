@@ -48,8 +48,13 @@ __all__ = [
 ]
 
 DEFAULT_TRAINING_FN = "nvalchemi.training.strategy.default_training_fn"
-FINETUNE_KEYS = ("module_patches", "freeze_patterns", "trainable_patterns", "freeze_mode",
-                 "new_heads")  # fmt: skip
+FINETUNE_KEYS = (
+    "module_patches",
+    "freeze_patterns",
+    "trainable_patterns",
+    "freeze_mode",
+    "new_heads",
+)
 _UNSAFE_FIX = (
     "name classes from nvalchemi.*, torch.nn.*, torch.optim.* (the import allow-list); for "
     "your own code list its module in the job's `imports:` (or pass --allow-import PKG); or "
@@ -141,9 +146,10 @@ def parse_spec(data: Any, where: str, trust: bool = False) -> Any:
 
     if not isinstance(data, Mapping):
         raise FieldError(
-            f"expected a spec object with 'cls_path'; got {type(data).__name__}", field=where,
+            f"expected a spec object with 'cls_path'; got {type(data).__name__}",
+            field=where,
             fix="write a mapping with cls_path and the keyword arguments",
-        )  # fmt: skip
+        )
     try:
         return create_model_spec_from_json(with_timestamps(dict(data)), trust=trust)
     except Exception as exc:
@@ -163,17 +169,20 @@ def _check_values(config: Any, where: str) -> None:
     except Exception as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         lowered = message.lower()
-        for label, kwargs in (("optimizer_kwargs", config.optimizer_kwargs),
-                              ("scheduler_kwargs", config.scheduler_kwargs)):  # fmt: skip
+        for label, kwargs in (
+            ("optimizer_kwargs", config.optimizer_kwargs),
+            ("scheduler_kwargs", config.scheduler_kwargs),
+        ):
             names = [n for n in kwargs if re.search(rf"\b{re.escape(n)}\b", message)]
             names += [n for text, n in _TORCH_NAMES.items() if text in lowered and n in kwargs]
             if names:
                 value = kwargs[names[0]]
                 hint = " (e.g. lr > 0)" if names[0] == "lr" else ""
                 raise FieldError(
-                    message, field=f"{where}.{label}.{names[0]}",
+                    message,
+                    field=f"{where}.{label}.{names[0]}",
                     fix=f"give {names[0]} a valid value (got {value!r}{hint})",
-                ) from None  # fmt: skip
+                ) from None
         raise FieldError(
             message, field=where, fix="fix optimizer_kwargs / scheduler_kwargs (types and ranges)"
         ) from None
@@ -209,7 +218,9 @@ class StrategyPayload(BaseModel):
     num_epochs: int | None = Field(default=None, ge=1, description="length in passes over the data")
     num_steps: int | None = Field(default=None, ge=1, description="length in optimizer steps")
     epoch_step_modifier: float = Field(default=1.0, gt=0, allow_inf_nan=False)
-    devices: list[str] = Field(default_factory=lambda: ["cpu"], description="e.g. ['cpu'], ['cuda']")
+    devices: list[str] = Field(
+        default_factory=lambda: ["cpu"], description="e.g. ['cpu'], ['cuda']"
+    )
     loss_fn_spec: dict[str, Any] | None = Field(
         default=None, description="the loss as a spec (e.g. a ComposedLossFunction dump)"
     )
@@ -344,8 +355,11 @@ class StrategyPayload(BaseModel):
         except Exception as exc:
             raise spec_error(where, exc) from None
         if not callable(fn):
-            raise FieldError(f"{self.training_fn!r} is not callable", field=where,
-                             fix="name a function (model, batch) -> predictions")  # fmt: skip
+            raise FieldError(
+                f"{self.training_fn!r} is not callable",
+                field=where,
+                fix="name a function (model, batch) -> predictions",
+            )
         return fn
 
     @staticmethod
@@ -354,8 +368,11 @@ class StrategyPayload(BaseModel):
         target = spec.target()
         unknown = [name for name in spec.kwargs if not spec.accepts_kwarg(name)]
         if unknown:
-            raise FieldError(f"{spec.cls_path} does not accept keyword(s) {unknown}", field=where,
-                             fix="remove them or fix their spelling")  # fmt: skip
+            raise FieldError(
+                f"{spec.cls_path} does not accept keyword(s) {unknown}",
+                field=where,
+                fix="remove them or fix their spelling",
+            )
         return target
 
 

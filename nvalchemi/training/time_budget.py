@@ -90,11 +90,15 @@ class WarmupCosineLR(LRScheduler):
         last_epoch: int = -1,
     ) -> None:
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-            raise ValueError(f"WarmupCosineLR: total_steps must be an int >= 1; got {total_steps!r}.")
+            raise ValueError(
+                f"WarmupCosineLR: total_steps must be an int >= 1; got {total_steps!r}."
+            )
         if not 0.0 <= warmup_fraction < 1.0:
             raise ValueError(f"warmup_fraction must be in [0, 1); got {warmup_fraction!r}.")
-        for name, value in (("initial_fraction", initial_fraction),
-                            ("final_fraction", final_fraction)):  # fmt: skip
+        for name, value in (
+            ("initial_fraction", initial_fraction),
+            ("final_fraction", final_fraction),
+        ):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1]; got {value!r}.")
         self.total_steps = int(total_steps)
@@ -110,7 +114,9 @@ class WarmupCosineLR(LRScheduler):
         span = self.total_steps - self.anchor_step
         if span <= 0:
             return 1.0
-        done = self.anchor_progress + (1.0 - self.anchor_progress) * (step - self.anchor_step) / span
+        done = (
+            self.anchor_progress + (1.0 - self.anchor_progress) * (step - self.anchor_step) / span
+        )
         return min(max(done, 0.0), 1.0)
 
     def factor(self, step: int) -> float:
@@ -216,8 +222,11 @@ class TimeBudgetHook:
     ) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"TimeBudgetHook needs a positive number of seconds; got {seconds!r}.")
-        for name, value in (("warmup_steps", warmup_steps), ("probe_steps", probe_steps),
-                            ("check_interval", check_interval)):  # fmt: skip
+        for name, value in (
+            ("warmup_steps", warmup_steps),
+            ("probe_steps", probe_steps),
+            ("check_interval", check_interval),
+        ):
             minimum = 0 if name == "warmup_steps" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}.")
@@ -319,8 +328,9 @@ class TimeBudgetHook:
             every = config.every_n_epochs * max(_batches_per_epoch(strategy) or 0, 1)
         return (one / every if every else 0.0), one
 
-    def _steps_that_fit(self, strategy: Any, now: float, step_s: float, per_val: float,
-                        final: float) -> int:  # fmt: skip
+    def _steps_that_fit(
+        self, strategy: Any, now: float, step_s: float, per_val: float, final: float
+    ) -> int:
         left = self.seconds * (1.0 - self.reserve) - (now - self._started) - final
         return max(int(left / (step_s + per_val)), 0)
 

@@ -35,8 +35,13 @@ def run_cli(
     env.pop("NVALCHEMI_DEBUG", None)
     return subprocess.run(
         [sys.executable, "-m", "nvalchemi.training.cli", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+        check=False,
+    )
 
 
 def assert_user_error(result: Any, *fragments: str, fix: str = "") -> None:
@@ -101,7 +106,7 @@ def tiny_job(
         args += ["--val-fraction", 0.25]
     if not any(str(a) in ("--stress", "--no-stress") for a in init_args):
         args.append("--no-stress")  # the bundled data has stress: keep the tiny runs small
-    result = invoke(*args, *init_args)  # fmt: skip
+    result = invoke(*args, *init_args)
     assert result.exit_code == 0, result.output
     job = json.loads(out.read_text())
     if job["strategy"]["model_specs"]:

@@ -31,5 +31,10 @@ def trained_run(tmp_path_factory) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    return {"job": job, "job_path": path, "run_dir": tmp / "run",
-            "checkpoints": tmp / "run" / "checkpoints", "output": result.output}  # fmt: skip
+    return {
+        "job": job,
+        "job_path": path,
+        "run_dir": tmp / "run",
+        "checkpoints": tmp / "run" / "checkpoints",
+        "output": result.output,
+    }

@@ -16,8 +16,9 @@ from ._support import TEST, VAL, assert_user_error, invoke, is_png
 
 def test_convert_then_stats_round_trip(tmp_path):
     store = tmp_path / "val.zarr"
-    result = invoke("data", "convert", VAL, store, "--cutoff", 4.5, "--max-structures", 20,
-                    "--chunk-size", 8)  # fmt: skip
+    result = invoke(
+        "data", "convert", VAL, store, "--cutoff", 4.5, "--max-structures", 20, "--chunk-size", 8
+    )
     assert result.exit_code == 0, result.output
     assert "Wrote 20 structures" in result.stderr and "cutoff 4.5 Å" in result.stderr
     reader = AtomicDataZarrReader(str(store))
@@ -48,7 +49,9 @@ def test_stats_reference_energies_reproduce_a_linear_data_set(tmp_path):
     e0 = {"Cu": -3.5, "Au": -2.0}
     frames = []
     for n_cu, n_au in [(2, 1), (1, 3), (4, 0), (2, 2)]:
-        atoms = Atoms("Cu" * n_cu + "Au" * n_au, positions=np.arange(3 * (n_cu + n_au)).reshape(-1, 3) * 1.7)  # fmt: skip
+        atoms = Atoms(
+            "Cu" * n_cu + "Au" * n_au, positions=np.arange(3 * (n_cu + n_au)).reshape(-1, 3) * 1.7
+        )
         energy = n_cu * e0["Cu"] + n_au * e0["Au"]
         atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=np.zeros((len(atoms), 3)))
         frames.append(atoms)
@@ -72,8 +75,17 @@ def test_convert_refuses_an_existing_store(tmp_path):
 
 def test_evaluate_prints_metrics_writes_parity_plots_and_json(tmp_path, trained_run):
     out = tmp_path / "eval"
-    result = invoke("evaluate", trained_run["checkpoints"], "--dataset", TEST,
-                    "--max-structures", 8, "--out-dir", out, "--json")  # fmt: skip
+    result = invoke(
+        "evaluate",
+        trained_run["checkpoints"],
+        "--dataset",
+        TEST,
+        "--max-structures",
+        8,
+        "--out-dir",
+        out,
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     metrics = report["metrics"]
@@ -85,8 +97,13 @@ def test_evaluate_prints_metrics_writes_parity_plots_and_json(tmp_path, trained_
     assert sum(v["atoms"] for v in report["per_element"].values()) == metrics["num_atoms"]
     for name in ("parity_energy_per_atom.png", "parity_forces.png"):
         assert is_png(out / name)
-    for title in ("Evaluation: 8 structures", "energy per atom", "Errors per element",
-                  "Errors per structure type (config_type)", "Force errors by reference force"):
+    for title in (
+        "Evaluation: 8 structures",
+        "energy per atom",
+        "Errors per element",
+        "Errors per structure type (config_type)",
+        "Force errors by reference force",
+    ):
         assert title in result.stderr
     assert sum(g["structures"] for g in report["by_group"].values()) == 8
     assert report["units"]["forces"] == "eV/Å"

@@ -35,8 +35,13 @@ def test_spec_run_under_srun_trains_with_ddp(tmp_path):
     port = str(free_port())
 
     def slurm(rank: int) -> dict[str, str]:  # what srun --ntasks 2 exports (no WORLD_SIZE)
-        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
+        return {
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
 
     args = ["spec", "run", path, "--no-report", "--ddp-backend", "gloo"]
     results = run_ranks(RANK_SCRIPT, 2, args=args, env=slurm, rendezvous="none", timeout=240)

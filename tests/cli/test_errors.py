@@ -19,47 +19,63 @@ def test_missing_job_file(tmp_path):
 def test_unparsable_json_and_yaml(tmp_path):
     bad_json = tmp_path / "job.json"
     bad_json.write_text('{"workflow": "train",')
-    assert_user_error(invoke("spec", "report", bad_json), f"Could not parse {bad_json}",
-                      fix="double-quoted keys")  # fmt: skip
+    assert_user_error(
+        invoke("spec", "report", bad_json), f"Could not parse {bad_json}", fix="double-quoted keys"
+    )
     bad_yaml = tmp_path / "job.yaml"
     bad_yaml.write_text("workflow: [train\n")
-    assert_user_error(invoke("spec", "report", bad_yaml), f"Could not parse {bad_yaml}",
-                      fix="closed brackets")  # fmt: skip
+    assert_user_error(
+        invoke("spec", "report", bad_yaml), f"Could not parse {bad_yaml}", fix="closed brackets"
+    )
 
 
 def test_a_misspelled_field_is_named(tmp_path):
     job = tiny_job(tmp_path)
     job["dataset"]["batchsize"] = 4
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "dataset.batchsize", "Extra inputs are not permitted",
-                      fix="schema dump")  # fmt: skip
+    assert_user_error(
+        result, "dataset.batchsize", "Extra inputs are not permitted", fix="schema dump"
+    )
 
 
 def test_an_out_of_range_value_is_named(tmp_path):
     job = tiny_job(tmp_path)
     job["dataset"]["batch_size"] = 0
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "dataset.batch_size", "must be >= 1", "(got 0)",
-                      fix="correct the field")  # fmt: skip
+    assert_user_error(
+        result, "dataset.batch_size", "must be >= 1", "(got 0)", fix="correct the field"
+    )
 
 
 def test_an_unknown_class_is_named(tmp_path):
     job = tiny_job(tmp_path)
     job["strategy"]["model_specs"]["main"]["cls_path"] = "nvalchemi.models.nope.Model"
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "strategy.model_specs.main", "nvalchemi.models.nope.Model",
-                      fix="check the spelling and the import path")  # fmt: skip
+    assert_user_error(
+        result,
+        "strategy.model_specs.main",
+        "nvalchemi.models.nope.Model",
+        fix="check the spelling and the import path",
+    )
 
     job["strategy"]["model_specs"]["main"]["cls_path"] = "nvalchemi.models.painn.PaiNNX"
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "strategy.model_specs.main", "PaiNNX",
-                      fix="did you mean 'nvalchemi.models.painn.PaiNN'?")  # fmt: skip
+    assert_user_error(
+        result,
+        "strategy.model_specs.main",
+        "PaiNNX",
+        fix="did you mean 'nvalchemi.models.painn.PaiNN'?",
+    )
 
     job = tiny_job(tmp_path)
     job["strategy"]["loss_fn_spec"]["components"][1]["cls_path"] += "s"  # ForceMSELosss
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "strategy.loss_fn_spec", "ForceMSELosss",
-                      fix="did you mean 'nvalchemi.training.losses.terms.ForceMSELoss'?")  # fmt: skip
+    assert_user_error(
+        result,
+        "strategy.loss_fn_spec",
+        "ForceMSELosss",
+        fix="did you mean 'nvalchemi.training.losses.terms.ForceMSELoss'?",
+    )
 
 
 def _optimizer(job):
@@ -71,20 +87,26 @@ def test_optimizer_errors_name_the_field_and_the_fix(tmp_path):
     job = tiny_job(tmp_path)
     _optimizer(job)["optimizer_cls"] = "torch.optim.AdamWW"
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, f"{where}.optimizer_cls", "AdamWW",
-                      fix="did you mean 'torch.optim.AdamW'?")  # fmt: skip
+    assert_user_error(
+        result, f"{where}.optimizer_cls", "AdamWW", fix="did you mean 'torch.optim.AdamW'?"
+    )
 
     job = tiny_job(tmp_path)
     _optimizer(job)["optimizer_kwargs"]["lrr"] = _optimizer(job)["optimizer_kwargs"].pop("lr")
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, f"{where}.optimizer_kwargs.lrr", "AdamW accepts",
-                      fix="remove or respell")  # fmt: skip
+    assert_user_error(
+        result, f"{where}.optimizer_kwargs.lrr", "AdamW accepts", fix="remove or respell"
+    )
 
     job = tiny_job(tmp_path)
     _optimizer(job)["optimizer_kwargs"]["lr"] = -1
     result = invoke("spec", "run", write_job(tmp_path / "job.json", job), "--no-report")
-    assert_user_error(result, f"{where}.optimizer_kwargs.lr", "Invalid learning rate",
-                      fix="give lr a valid value (got -1")  # fmt: skip
+    assert_user_error(
+        result,
+        f"{where}.optimizer_kwargs.lr",
+        "Invalid learning rate",
+        fix="give lr a valid value (got -1",
+    )
 
 
 def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path, monkeypatch):
@@ -94,8 +116,7 @@ def test_cuda_on_a_machine_without_it_is_refused_before_building(tmp_path, monke
     job = tiny_job(tmp_path)
     job["strategy"]["devices"] = ["cuda"]
     result = _run(tmp_path, job)
-    assert_user_error(result, "strategy.devices", "'cuda' asks for CUDA",
-                      fix="--map-location cpu")  # fmt: skip
+    assert_user_error(result, "strategy.devices", "'cuda' asks for CUDA", fix="--map-location cpu")
     assert "data:" not in result.stderr  # nothing was read or built
     result = _run(tmp_path, tiny_job(tmp_path), "--map-location", "cuda:0")
     assert_user_error(result, "--map-location", "not available", fix="--map-location cpu")
@@ -105,8 +126,9 @@ def test_an_unsafe_hook_is_refused(tmp_path):
     job = tiny_job(tmp_path)
     job["source"]["hooks"].append({"spec": {"cls_path": "os.system", "command": "true"}})
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "source.hooks[3].spec", "Refusing to import 'os.system'",
-                      fix="--trust")  # fmt: skip
+    assert_user_error(
+        result, "source.hooks[3].spec", "Refusing to import 'os.system'", fix="--trust"
+    )
 
 
 def test_invalid_combinations(tmp_path):
@@ -114,14 +136,18 @@ def test_invalid_combinations(tmp_path):
     job["dataset"].pop("val_fraction")
     job["validation"] = {"every_n_epochs": 1}
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "validation block needs validation data", "val_fraction",
-                      fix="correct the field")  # fmt: skip
+    assert_user_error(
+        result, "validation block needs validation data", "val_fraction", fix="correct the field"
+    )
 
     job = tiny_job(tmp_path)
     job["source"]["use_original_loss"] = True
     result = invoke("spec", "report", write_job(tmp_path / "job.json", job))
-    assert_user_error(result, "source.use_original_loss only applies to 'native-checkpoint'",
-                      fix="correct the field")  # fmt: skip
+    assert_user_error(
+        result,
+        "source.use_original_loss only applies to 'native-checkpoint'",
+        fix="correct the field",
+    )
 
     job = tiny_job(tmp_path)
     job["strategy"]["num_epochs"] = 2
@@ -132,14 +158,22 @@ def test_invalid_combinations(tmp_path):
 def test_run_names_a_missing_data_file(tmp_path):
     job = tiny_job(tmp_path)
     job["dataset"]["path"] = str(tmp_path / "missing.extxyz")
-    assert_user_error(_run(tmp_path, job), "dataset.path", "missing.extxyz does not exist",
-                      fix="give the path of an")  # fmt: skip
+    assert_user_error(
+        _run(tmp_path, job),
+        "dataset.path",
+        "missing.extxyz does not exist",
+        fix="give the path of an",
+    )
 
 
 def test_run_needs_a_model_for_training_from_scratch(tmp_path):
     job = tiny_job(tmp_path, "--model", "custom")
-    assert_user_error(_run(tmp_path, job), "strategy.model_specs", "training-from-scratch",
-                      fix="train init --model painn")  # fmt: skip
+    assert_user_error(
+        _run(tmp_path, job),
+        "strategy.model_specs",
+        "training-from-scratch",
+        fix="train init --model painn",
+    )
 
 
 def test_a_fresh_run_refuses_an_existing_checkpoint_root(tmp_path, trained_run):
@@ -150,8 +184,18 @@ def test_a_fresh_run_refuses_an_existing_checkpoint_root(tmp_path, trained_run):
 def test_mace_files_need_trust(tmp_path):
     model = tmp_path / "small.model"
     model.write_bytes(b"not really a model")
-    result = invoke("finetune", "init", "mace", model, "--dataset", TRAIN, "--output-dir",
-                    tmp_path / "ft", "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "mace",
+        model,
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--device",
+        "cpu",
+    )
     job = json.loads(result.stdout)
     job["dataset"]["max_structures"] = 4
     assert_user_error(_run(tmp_path, job), "source.checkpoint_path", "pickles", fix="--trust")
@@ -172,8 +216,9 @@ def test_data_commands_name_bad_inputs(tmp_path):
     assert_user_error(result, "PATH", "does not exist", fix="give the path of an")
     weird = tmp_path / "data.csv"
     weird.write_text("x")
-    assert_user_error(invoke("data", "stats", weird), "cannot tell the format",
-                      fix="dataset.format")  # fmt: skip
+    assert_user_error(
+        invoke("data", "stats", weird), "cannot tell the format", fix="dataset.format"
+    )
 
 
 def test_quickstart_resume_without_a_run_and_bad_devices(tmp_path):

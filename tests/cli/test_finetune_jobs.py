@@ -17,9 +17,25 @@ ELEMENTS = [13, 28, 29, 46, 47, 78, 79]  # the bundled data set
 
 
 def _finetune(tmp_path, kind, source, *args):
-    result = invoke("finetune", "init", kind, source, "--dataset", TRAIN, "--output-dir",
-                    tmp_path / "ft", "--num-steps", 2, "--batch-size", 4, "--val-fraction", 0.25,
-                    "--device", "cpu", *args)  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        kind,
+        source,
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--num-steps",
+        2,
+        "--batch-size",
+        4,
+        "--val-fraction",
+        0.25,
+        "--device",
+        "cpu",
+        *args,
+    )
     assert result.exit_code == 0, result.output
     job = json.loads(result.stdout)
     job["dataset"].update({"max_structures": 8, "in_memory": True})

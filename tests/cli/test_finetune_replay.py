@@ -14,11 +14,28 @@ from ._support import TRAIN, assert_user_error, invoke, write_job
 def _job(tmp_path, trained_run, *args):
     out = tmp_path / "ft.json"
     result = invoke(
-        "finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN,
-        "--output-dir", tmp_path / "ft", "--num-steps", 3, "--batch-size", 4,
-        "--val-fraction", 0.25, "--validation-every-steps", 1, "--device", "cpu",
-        "--out", out, *args,
-    )  # fmt: skip
+        "finetune",
+        "init",
+        "--from",
+        trained_run["checkpoints"],
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--num-steps",
+        3,
+        "--batch-size",
+        4,
+        "--val-fraction",
+        0.25,
+        "--validation-every-steps",
+        1,
+        "--device",
+        "cpu",
+        "--out",
+        out,
+        *args,
+    )
     assert result.exit_code == 0, result.output
     job = json.loads(out.read_text())
     job["dataset"].update({"max_structures": 12, "in_memory": True})
@@ -29,8 +46,20 @@ def _job(tmp_path, trained_run, *args):
 
 
 def test_init_from_a_checkpoint_writes_the_finetune_block(tmp_path, trained_run):
-    _, job = _job(tmp_path, trained_run, "--e0", "estimated", "--replay", TRAIN,
-                  "--replay-ratio", 0.25, "--head", "ft", "--trunk-lr-scale", 0)  # fmt: skip
+    _, job = _job(
+        tmp_path,
+        trained_run,
+        "--e0",
+        "estimated",
+        "--replay",
+        TRAIN,
+        "--replay-ratio",
+        0.25,
+        "--head",
+        "ft",
+        "--trunk-lr-scale",
+        0,
+    )
     assert job["source"]["model"] == "native-checkpoint"
     assert job["finetune"]["e0"] == "estimated" and job["finetune"]["head"] == "ft"
     assert job["finetune"]["replay"]["ratio"] == 0.25
@@ -38,8 +67,20 @@ def test_init_from_a_checkpoint_writes_the_finetune_block(tmp_path, trained_run)
 
 
 def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, trained_run):
-    path, _ = _job(tmp_path, trained_run, "--e0", "estimated", "--replay", TRAIN,
-                   "--replay-ratio", 0.25, "--head", "ft", "--trunk-lr-scale", 0.5)  # fmt: skip
+    path, _ = _job(
+        tmp_path,
+        trained_run,
+        "--e0",
+        "estimated",
+        "--replay",
+        TRAIN,
+        "--replay-ratio",
+        0.25,
+        "--head",
+        "ft",
+        "--trunk-lr-scale",
+        0.5,
+    )
     report = invoke("spec", "report", path)
     assert "Fine-tuning" in report.stderr and "estimated" in report.stderr
     with warnings.catch_warnings():
@@ -66,8 +107,9 @@ def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, tr
     stamp = labels.stat().st_mtime_ns
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        resumed = invoke("spec", "resume", run_dir / "checkpoints", "--spec", path,
-                         "--num-steps", 4)  # fmt: skip
+        resumed = invoke(
+            "spec", "resume", run_dir / "checkpoints", "--spec", path, "--num-steps", 4
+        )
     assert resumed.exit_code == 0, resumed.output
     assert labels.stat().st_mtime_ns == stamp
     assert read_strategy_metadata(run_dir / "checkpoints")["runtime_state"]["step_count"] == 4
@@ -83,8 +125,18 @@ def test_finetune_check_prints_the_zero_step_differences(tmp_path, trained_run):
 
 
 def test_bad_finetune_options_are_explained(tmp_path, trained_run):
-    base = ["finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN,
-            "--output-dir", tmp_path / "x", "--device", "cpu"]  # fmt: skip
+    base = [
+        "finetune",
+        "init",
+        "--from",
+        trained_run["checkpoints"],
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "x",
+        "--device",
+        "cpu",
+    ]
     assert_user_error(invoke(*base, "--e0", "fixed"), "needs the values", fix="--e0-value")
     assert_user_error(invoke(*base, "--replay-ratio", 0.2), "need replay data", fix="--replay")
     assert_user_error(
@@ -102,8 +154,17 @@ def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
         warnings.simplefilter("ignore")
         assert invoke("spec", "run", path, "--no-report").exit_code == 0
     root = tmp_path / "ft" / "checkpoints"
-    common = ["evaluate", root, "--dataset", TRAIN, "--max-structures", 6, "--no-plots",
-              "--no-ema", "--json"]  # fmt: skip
+    common = [
+        "evaluate",
+        root,
+        "--dataset",
+        TRAIN,
+        "--max-structures",
+        6,
+        "--no-plots",
+        "--no-ema",
+        "--json",
+    ]
     by_head = {}
     for head in ("default", "ft"):
         result = invoke(*common, "--head", head)

@@ -22,19 +22,46 @@ def _job(text: str) -> TrainingJobSpec:
 @pytest.mark.parametrize("policy", ["strict", "prediction_to_target", "target_to_prediction"])
 def test_train_init_records_the_loss_dtype_policy(tmp_path, policy):
     out = tmp_path / "job.json"
-    result = invoke("train", "init", "--dataset", TRAIN, "--output-dir", tmp_path / "run",
-                    "--loss-dtype-policy", policy, "--device", "cpu", "--out", out)  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "run",
+        "--loss-dtype-policy",
+        policy,
+        "--device",
+        "cpu",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     assert f"Wrote {out}" in result.stderr
-    assert f"Created {out}: a job that trains PaiNN (built-in, nvalchemi.models.painn)" in result.stderr
+    assert (
+        f"Created {out}: a job that trains PaiNN (built-in, nvalchemi.models.painn)"
+        in result.stderr
+    )
     job = _job(out.read_text())
     assert job.strategy.loss_fn_spec["dtype_policy"] == policy
     assert check_job(job).loss_fn.dtype_policy == policy
 
 
 def test_train_init_scaffolds_a_runnable_painn_job_on_stdout(tmp_path):
-    result = invoke("train", "init", "--dataset", TRAIN, "--validation-dataset", VAL,
-                    "--output-dir", tmp_path / "run", "--num-epochs", 3, "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--validation-dataset",
+        VAL,
+        "--output-dir",
+        tmp_path / "run",
+        "--num-epochs",
+        3,
+        "--device",
+        "cpu",
+    )
     assert result.exit_code == 0, result.stderr
     job = _job(result.stdout)
     assert job.workflow == "train" and job.source.model == "custom" and job.source.fit_to_data
@@ -52,8 +79,20 @@ def test_train_init_scaffolds_a_runnable_painn_job_on_stdout(tmp_path):
 
 def test_train_init_writes_yaml_for_a_yaml_path(tmp_path):
     out = tmp_path / "job.yaml"
-    result = invoke("train", "init", "--dataset", TRAIN, "--output-dir", "runs/x",
-                    "--model", "custom", "--device", "cpu", "--out", out)  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        "runs/x",
+        "--model",
+        "custom",
+        "--device",
+        "cpu",
+        "--out",
+        out,
+    )
     assert result.exit_code == 0, result.output
     data = yaml.safe_load(out.read_text())
     assert data["strategy"]["model_specs"] == {}
@@ -61,23 +100,56 @@ def test_train_init_writes_yaml_for_a_yaml_path(tmp_path):
 
 
 def test_an_invalid_loss_dtype_policy_is_rejected_by_click(tmp_path):
-    result = invoke("train", "init", "--dataset", TRAIN, "--output-dir", tmp_path,
-                    "--loss-dtype-policy", "loose")  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--loss-dtype-policy",
+        "loose",
+    )
     assert result.exit_code == 2
     assert "'loose' is not one of" in result.stderr
 
 
 def test_both_validation_cadences_are_one_error(tmp_path):
-    result = invoke("train", "init", "--dataset", TRAIN, "--output-dir", tmp_path,
-                    "--val-fraction", 0.1, "--validation-every-epochs", 1,
-                    "--validation-every-steps", 5)  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--val-fraction",
+        0.1,
+        "--validation-every-epochs",
+        1,
+        "--validation-every-steps",
+        5,
+    )
     assert_user_error(result, "Use only one of --validation-every-epochs and")
 
 
 def test_finetune_init_checkpoint_fills_the_source_and_reuse_flags(tmp_path):
-    result = invoke("finetune", "init", "checkpoint", "runs/pre/checkpoints", "--dataset", TRAIN,
-                    "--output-dir", tmp_path, "--lr", 3e-5, "--trainable-pattern",
-                    "main.readout.*", "--use-original-loss", "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "checkpoint",
+        "runs/pre/checkpoints",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--lr",
+        3e-5,
+        "--trainable-pattern",
+        "main.readout.*",
+        "--use-original-loss",
+        "--device",
+        "cpu",
+    )
     assert result.exit_code == 0, result.stderr
     job = _job(result.stdout)
     assert job.name == "native-checkpoint-fine-tune"
@@ -90,21 +162,51 @@ def test_finetune_init_checkpoint_fills_the_source_and_reuse_flags(tmp_path):
 
 
 def test_finetune_init_mace_defaults_to_training_the_readouts(tmp_path):
-    result = invoke("finetune", "init", "mace", "models/small.model", "--dataset", TRAIN,
-                    "--output-dir", tmp_path, "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "mace",
+        "models/small.model",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+    )
     assert result.exit_code == 0, result.stderr
     job = _job(result.stdout)
     assert job.source.checkpoint_path == "models/small.model"
     assert job.source.compile_model is False
     assert job.strategy.trainable_patterns == ["main.model.readouts.*"]
-    named = invoke("finetune", "init", "mace", "small-0b", "--dataset", TRAIN,
-                   "--output-dir", tmp_path, "--device", "cpu")  # fmt: skip
+    named = invoke(
+        "finetune",
+        "init",
+        "mace",
+        "small-0b",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+    )
     assert _job(named.stdout).source.model_id == "small-0b"
 
 
 def test_finetune_init_custom_records_the_weights_file(tmp_path):
-    result = invoke("finetune", "init", "custom", "weights.pt", "--dataset", TRAIN,
-                    "--output-dir", tmp_path, "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "custom",
+        "weights.pt",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--device",
+        "cpu",
+    )
     assert result.exit_code == 0, result.stderr
     job = _job(result.stdout)
     assert job.source.model == "custom" and job.source.checkpoint_path == "weights.pt"
@@ -118,7 +220,10 @@ def test_schema_dump_has_one_json_schema_per_section_in_file_order(tmp_path):
     for section in ("source", "dataset", "output", "strategy"):
         assert schema[section]["type"] == "object" and "properties" in schema[section], section
     assert set(schema["source"]["properties"]["model"]["enum"]) == {
-        "native-checkpoint", "mace", "custom"}  # fmt: skip
+        "native-checkpoint",
+        "mace",
+        "custom",
+    }
     hook = schema["source"]["$defs"]["RuntimeHookSpec"]
     assert set(hook["properties"]) == {"spec", "stages"}
     assert hook["properties"]["spec"]["additionalProperties"] is True
@@ -135,7 +240,10 @@ def test_the_template_is_what_train_init_writes_and_valid():
     assert template["minutes"] == 10.0 and template["strategy"].get("num_steps") is None
     assert template["strategy"]["model_specs"]["main"]["cls_path"] == "nvalchemi.models.painn.PaiNN"
     assert [h["spec"]["cls_path"].rsplit(".", 1)[1] for h in template["source"]["hooks"]] == [
-        "CheckpointHook", "EMAHook", "GradientClipHook"]  # fmt: skip
+        "CheckpointHook",
+        "EMAHook",
+        "GradientClipHook",
+    ]
     assert TrainingJobSpec.model_validate(TrainingJobSpec.template("finetune", "mace"))
 
 

@@ -14,8 +14,21 @@ from ._support import TRAIN, assert_user_error, invoke, tiny_job, write_job
 
 def _init(tmp_path, *args):
     out = tmp_path / "job.json"
-    result = invoke("train", "init", "--dataset", TRAIN, "--val-fraction", 0.1, "--output-dir",
-                    tmp_path / "run", "--device", "cpu", "--out", out, *args)  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--val-fraction",
+        0.1,
+        "--output-dir",
+        tmp_path / "run",
+        "--device",
+        "cpu",
+        "--out",
+        out,
+        *args,
+    )
     assert result.exit_code == 0, result.output
     return json.loads(out.read_text()), result.stderr
 
@@ -29,7 +42,11 @@ def test_stress_labels_in_the_data_add_the_stress_loss_and_output_with_a_line(tm
     assert "stress labels found in 500 of the first 500 training structures" in stderr
     assert _losses(job) == ["EnergyMSELoss", "ForceMSELoss", "StressMSELoss"]
     assert job["strategy"]["loss_fn_spec"]["weights"] == [10.0, 1.0, 100.0]
-    assert job["strategy"]["model_specs"]["main"]["active_outputs"] == ["energy", "forces", "stress"]
+    assert job["strategy"]["model_specs"]["main"]["active_outputs"] == [
+        "energy",
+        "forces",
+        "stress",
+    ]
     assert "with stress" in stderr
 
     job, stderr = _init(tmp_path, "--no-stress")
@@ -48,8 +65,18 @@ def test_stress_flag_on_data_without_stress(tmp_path):
         atoms.info.pop("stress", None)
     write(molecules, frames)
     out = tmp_path / "job.json"
-    result = invoke("train", "init", "--dataset", molecules, "--output-dir", tmp_path / "r",
-                    "--out", out, "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        molecules,
+        "--output-dir",
+        tmp_path / "r",
+        "--out",
+        out,
+        "--device",
+        "cpu",
+    )
     assert result.exit_code == 0 and "stress labels" not in result.stderr
     assert "StressMSELoss" not in out.read_text()
 
@@ -58,13 +85,27 @@ def test_report_refuses_a_stress_loss_the_model_does_not_produce(tmp_path):
     job, _ = _init(tmp_path)
     del job["strategy"]["model_specs"]["main"]["active_outputs"]  # PaiNN's default: no stress
     result = invoke("spec", "report", write_job(tmp_path / "bad.json", job))
-    assert_user_error(result, "strategy.model_specs.main.active_outputs", "'stress' (for StressMSELoss)",
-                      fix="['energy', 'forces', 'stress']")  # fmt: skip
+    assert_user_error(
+        result,
+        "strategy.model_specs.main.active_outputs",
+        "'stress' (for StressMSELoss)",
+        fix="['energy', 'forces', 'stress']",
+    )
 
 
 def test_mace_fine_tunes_name_source_active_outputs(tmp_path):
-    result = invoke("finetune", "init", "mace", tmp_path / "small.model", "--dataset", TRAIN,
-                    "--output-dir", tmp_path / "ft", "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "mace",
+        tmp_path / "small.model",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--device",
+        "cpu",
+    )
     job = json.loads(result.stdout)
     loss = job["strategy"]["loss_fn_spec"]
     loss["components"].append({"cls_path": "nvalchemi.training.losses.terms.StressMSELoss"})
@@ -83,11 +124,23 @@ def test_train_init_writes_the_recipe_with_a_time_budget(tmp_path):
     config = job["strategy"]["optimizer_configs"]["main"][0]
     assert config["optimizer_kwargs"] == {"lr": 0.003, "weight_decay": 0.0}
     assert config["scheduler_cls"] == "nvalchemi.training.time_budget.WarmupCosineLR"
-    assert "trains PaiNN (built-in, nvalchemi.models.painn) from scratch, fitted to 10 min" in stderr
+    assert (
+        "trains PaiNN (built-in, nvalchemi.models.painn) from scratch, fitted to 10 min" in stderr
+    )
     hooks = {h["spec"]["cls_path"].rsplit(".", 1)[1]: h["spec"] for h in job["source"]["hooks"]}
     assert hooks["EMAHook"]["decay"] == 0.995 and hooks["GradientClipHook"]["max_norm"] == 10.0
-    result = invoke("train", "init", "--dataset", TRAIN, "--output-dir", tmp_path, "--minutes", 5,
-                    "--num-steps", 10)  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path,
+        "--minutes",
+        5,
+        "--num-steps",
+        10,
+    )
     assert_user_error(result, "--minutes and --num-steps contradict", fix="a budget")
 
 
@@ -133,8 +186,9 @@ def test_threads_set_torch_and_the_neighbour_list_builder(tmp_path, monkeypatch)
 
     monkeypatch.setattr(neighbors, "NeighborListTransform", Recording)
     job = tiny_job(tmp_path, num_steps=1)
-    result = invoke("spec", "run", write_job(tmp_path / "job.json", job), "--no-report",
-                    "--threads", 2)  # fmt: skip
+    result = invoke(
+        "spec", "run", write_job(tmp_path / "job.json", job), "--no-report", "--threads", 2
+    )
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == 2 and seen and set(seen) == {2}
 
@@ -186,8 +240,21 @@ def test_every_command_help_ends_with_examples():
 
 
 def test_bench_reports_throughput_loader_share_and_the_candidates():
-    result = invoke("bench", "--model", "demo", "--steps", 4, "--warmup", 1, "--max-structures",
-                    40, "--precision", "bf16", "--compile", "--json")  # fmt: skip
+    result = invoke(
+        "bench",
+        "--model",
+        "demo",
+        "--steps",
+        4,
+        "--warmup",
+        1,
+        "--max-structures",
+        40,
+        "--precision",
+        "bf16",
+        "--compile",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["steps"] == 4 and data["structures_per_s"] > 0 and 0 <= data["loader_share"] < 1

@@ -32,8 +32,16 @@ def test_job_paths_are_relative_to_the_job_file_and_options_to_the_cwd(tmp_path,
     monkeypatch.chdir(elsewhere)
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # the CLI prints warnings; shown even under -W ignore
-        result = invoke("spec", "run", "../jobs/job.json", "--no-report", "--num-steps", 2,
-                        "--validation-dataset", "val.extxyz")  # fmt: skip
+        result = invoke(
+            "spec",
+            "run",
+            "../jobs/job.json",
+            "--no-report",
+            "--num-steps",
+            2,
+            "--validation-dataset",
+            "val.extxyz",
+        )
     assert result.exit_code == 0, result.output
     assert (jobs / "run" / "checkpoints" / "manifest.json").is_file()
     assert not (elsewhere / "run").exists()
@@ -47,8 +55,20 @@ def test_job_paths_are_relative_to_the_job_file_and_options_to_the_cwd(tmp_path,
 
 def test_init_out_writes_paths_relative_to_the_job_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = invoke("train", "init", "--dataset", TRAIN, "--validation-dataset", "data/val.xyz",
-                    "--output-dir", "runs/x", "--device", "cpu", "--out", "configs/job.json")  # fmt: skip
+    result = invoke(
+        "train",
+        "init",
+        "--dataset",
+        TRAIN,
+        "--validation-dataset",
+        "data/val.xyz",
+        "--output-dir",
+        "runs/x",
+        "--device",
+        "cpu",
+        "--out",
+        "configs/job.json",
+    )
     assert result.exit_code == 0, result.output
     written = json.loads((tmp_path / "configs" / "job.json").read_text())
     assert written["dataset"]["path"] == str(TRAIN)  # absolute stays absolute
@@ -65,8 +85,14 @@ def test_schedule_horizons():
     assert check_horizons(configs, 5) == []  # a smoke test shorter than the schedule is fine
     with pytest.warns(UserWarning, match=r"ends at step 10 \(T_max = 10\).*--num-steps 20"):
         check_horizons(configs, 20)
-    one_cycle = {"main": [{"scheduler_cls": "torch.optim.lr_scheduler.OneCycleLR",
-                           "scheduler_kwargs": {"max_lr": 1e-3, "total_steps": 10}}]}  # fmt: skip
+    one_cycle = {
+        "main": [
+            {
+                "scheduler_cls": "torch.optim.lr_scheduler.OneCycleLR",
+                "scheduler_kwargs": {"max_lr": 1e-3, "total_steps": 10},
+            }
+        ]
+    }
     with pytest.raises(FieldError, match=r"scheduler_kwargs\.total_steps.*Fix: set"):
         check_horizons(one_cycle, 11)
 
@@ -111,10 +137,16 @@ def test_resume_on_another_number_of_ranks_is_refused_with_a_fix(trained_run, mo
     halfway = next(e.index for e in CheckpointManifest.read(root).checkpoints if e.step_count == 2)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun --nproc_per_node=2
-    result = invoke("spec", "resume", root, "--spec", trained_run["job_path"],
-                    "--checkpoint-index", halfway)  # fmt: skip
-    assert_user_error(result, "launch (world size)", "trained on 1 rank(s)", "runs on 2",
-                      fix="resume in one process")  # fmt: skip
+    result = invoke(
+        "spec", "resume", root, "--spec", trained_run["job_path"], "--checkpoint-index", halfway
+    )
+    assert_user_error(
+        result,
+        "launch (world size)",
+        "trained on 1 rank(s)",
+        "runs on 2",
+        fix="resume in one process",
+    )
 
 
 def test_resume_lr_overrides_the_learning_rate_and_is_recorded(tmp_path, trained_run):

@@ -17,9 +17,15 @@ def test_quickstart_quick_end_to_end(tmp_path):
     result = run_cli("quickstart", "--quick", "--run-dir", run)
     assert result.returncode == 0, result.stderr
     text = result.stderr
-    for fragment in ("Test metrics", "energy per atom", "Errors per element",
-                     "Errors per structure type (config_type)", "final checkpoint:",
-                     "NvalchemiCalculator.from_checkpoint", "PaiNN energy"):  # fmt: skip
+    for fragment in (
+        "Test metrics",
+        "energy per atom",
+        "Errors per element",
+        "Errors per structure type (config_type)",
+        "final checkpoint:",
+        "NvalchemiCalculator.from_checkpoint",
+        "PaiNN energy",
+    ):
         assert fragment in text, fragment
     assert "Traceback" not in text
     metrics = json.loads((run / "test_metrics.json").read_text())["metrics"]
@@ -71,8 +77,15 @@ def test_without_epochs_the_quickstart_is_fitted_to_its_budget(tmp_path):
     from nvalchemi.training.jobs import quickstart as qs
     from nvalchemi.training.time_budget import TimeBudgetHook, WarmupCosineLR
 
-    plan = qs.prepare_run(tmp_path / "qs", resume=False, overwrite=False, quick=True,
-                          epochs=None, minutes=None, device="cpu")  # fmt: skip
+    plan = qs.prepare_run(
+        tmp_path / "qs",
+        resume=False,
+        overwrite=False,
+        quick=True,
+        epochs=None,
+        minutes=None,
+        device="cpu",
+    )
     assert not plan.fitted  # --quick trains a fixed 2 epochs
     plan.recipe = type(plan.recipe)(**{**plan.recipe.to_dict(), "epochs": None})
     plan.budget_s = 60.0

@@ -24,9 +24,16 @@ def test_report_renders_every_section_and_the_dtype_policy(tmp_path):
     result = _report(tmp_path, job)
     assert result.exit_code == 0, result.output
     text = result.stderr
-    for title in ("Training report: train-painn", "Training Intent", "Hook Firing Order",
-                  "Warnings", "TrainingStrategy", "Optimizers", "Notes",
-                  "Learning-rate preview: main[0] AdamW + WarmupCosineLR"):  # fmt: skip
+    for title in (
+        "Training report: train-painn",
+        "Training Intent",
+        "Hook Firing Order",
+        "Warnings",
+        "TrainingStrategy",
+        "Optimizers",
+        "Notes",
+        "Learning-rate preview: main[0] AdamW + WarmupCosineLR",
+    ):
         assert title in text, title
     assert "main: PaiNN (built-in, nvalchemi.models.painn)" in text  # the model by name
     assert "prediction_to_target" in text
@@ -44,15 +51,31 @@ def test_report_json_prints_the_normalized_job_on_stdout(tmp_path):
 
 
 def test_report_warns_about_missing_paths_validation_lr_and_devices(tmp_path):
-    result = invoke("finetune", "init", "checkpoint", tmp_path / "nowhere", "--dataset",
-                    tmp_path / "missing.extxyz", "--output-dir", tmp_path / "ft", "--lr", 1e-3,
-                    "--device", "cuda:0")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "checkpoint",
+        tmp_path / "nowhere",
+        "--dataset",
+        tmp_path / "missing.extxyz",
+        "--output-dir",
+        tmp_path / "ft",
+        "--lr",
+        1e-3,
+        "--device",
+        "cuda:0",
+    )
     assert result.exit_code == 0, result.output
     report = _report(tmp_path, json.loads(result.stdout))
     assert report.exit_code == 0, report.output
     text = report.stderr
-    for check in ("Missing local path", "Validation data", "Learning rate", "Full model update",
-                  "No adaptation boundary"):  # fmt: skip
+    for check in (
+        "Missing local path",
+        "Validation data",
+        "Learning rate",
+        "Full model update",
+        "No adaptation boundary",
+    ):
         assert check in text, check
     if not torch.cuda.is_available():
         assert "Device selection: strategy.devices: devices ['cuda:0'] ask for CUDA" in text
@@ -77,15 +100,20 @@ def test_a_clean_job_reports_ok(tmp_path):
 
 
 def test_lr_preview_steps_the_real_scheduler():
-    config = OptimizerConfig(torch.optim.SGD, {"lr": 1.0}, torch.optim.lr_scheduler.StepLR,
-                             {"step_size": 2, "gamma": 0.5})  # fmt: skip
+    config = OptimizerConfig(
+        torch.optim.SGD,
+        {"lr": 1.0},
+        torch.optim.lr_scheduler.StepLR,
+        {"step_size": 2, "gamma": 0.5},
+    )
     preview = lr_preview(config, 4)
     assert preview.lrs[0] == 1.0 and preview.lrs[2] == 0.5 and preview.lrs[4] == 0.25
 
     # OneCycleLR cannot be guessed from its name; the preview must match the class itself.
     kwargs = {"max_lr": 0.01, "total_steps": 50, "pct_start": 0.2, "cycle_momentum": False}
-    config = OptimizerConfig(torch.optim.AdamW, {"lr": 0.01},
-                             torch.optim.lr_scheduler.OneCycleLR, kwargs)  # fmt: skip
+    config = OptimizerConfig(
+        torch.optim.AdamW, {"lr": 0.01}, torch.optim.lr_scheduler.OneCycleLR, kwargs
+    )
     preview = lr_preview(config, 40)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, **kwargs)
@@ -99,8 +127,12 @@ def test_lr_preview_steps_the_real_scheduler():
 
 
 def test_lr_preview_notes_a_schedule_shorter_than_the_run():
-    config = OptimizerConfig(torch.optim.AdamW, {"lr": 0.01}, torch.optim.lr_scheduler.OneCycleLR,
-                             {"max_lr": 0.01, "total_steps": 5})  # fmt: skip
+    config = OptimizerConfig(
+        torch.optim.AdamW,
+        {"lr": 0.01},
+        torch.optim.lr_scheduler.OneCycleLR,
+        {"max_lr": 0.01, "total_steps": 5},
+    )
     preview = lr_preview(config, 20)
     assert "fails at step" in (preview.note or "")
 

@@ -53,8 +53,9 @@ def test_run_writes_checkpoints_metrics_and_plots(trained_run):
 
 
 def test_train_jobs_honour_trainable_patterns(tmp_path):
-    job = tiny_job(tmp_path, "--trainable-pattern", "main.readout.*", num_steps=3,
-                   checkpoint_every=1)  # fmt: skip
+    job = tiny_job(
+        tmp_path, "--trainable-pattern", "main.readout.*", num_steps=3, checkpoint_every=1
+    )
     assert invoke("spec", "run", write_job(tmp_path / "j.json", job), "--no-report").exit_code == 0
     root = tmp_path / "run" / "checkpoints"
     meta = read_strategy_metadata(root)
@@ -66,8 +67,9 @@ def test_train_jobs_honour_trainable_patterns(tmp_path):
 
 
 def test_train_jobs_honour_freeze_patterns(tmp_path):
-    job = tiny_job(tmp_path, "--freeze-pattern", "main.embedding.*", num_steps=3,
-                   checkpoint_every=1)  # fmt: skip
+    job = tiny_job(
+        tmp_path, "--freeze-pattern", "main.embedding.*", num_steps=3, checkpoint_every=1
+    )
     assert invoke("spec", "run", write_job(tmp_path / "j.json", job), "--no-report").exit_code == 0
     root = tmp_path / "run" / "checkpoints"
     first, last = _weights(root, _indices(root)[0]), _weights(root)
@@ -76,17 +78,39 @@ def test_train_jobs_honour_freeze_patterns(tmp_path):
 
 
 def _finetune_job(tmp_path, pretrained, *flags, reuse=False):
-    result = invoke("finetune", "init", "checkpoint", pretrained, "--dataset", TRAIN,
-                    "--output-dir", tmp_path / "ft", "--num-steps", 2, "--batch-size", 4,
-                    "--lr", 2e-5, "--device", "cpu", *flags)  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "checkpoint",
+        pretrained,
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--num-steps",
+        2,
+        "--batch-size",
+        4,
+        "--lr",
+        2e-5,
+        "--device",
+        "cpu",
+        *flags,
+    )
     assert result.exit_code == 0, result.output
     job = json.loads(result.stdout)
     job["dataset"].update({"max_structures": 8, "in_memory": True})
     job["output"]["tensorboard"] = False
     # A payload recipe that differs from the pretraining one (AdamW, weights 10 / 1).
     config = job["strategy"]["optimizer_configs"]["main"][0]
-    config.update({"optimizer_cls": "torch.optim.SGD", "optimizer_kwargs": {"lr": 0.5},
-                   "scheduler_cls": None, "scheduler_kwargs": {}})  # fmt: skip
+    config.update(
+        {
+            "optimizer_cls": "torch.optim.SGD",
+            "optimizer_kwargs": {"lr": 0.5},
+            "scheduler_cls": None,
+            "scheduler_kwargs": {},
+        }
+    )
     job["strategy"]["loss_fn_spec"]["weights"] = [1.0, 100.0]
     job["source"].update({"use_original_loss": reuse, "use_original_opt_class": reuse})
     return job
@@ -114,10 +138,26 @@ def test_use_original_loss_and_opt_class_take_effect(tmp_path, trained_run):
 
 
 def test_finetune_init_reuse_flags_make_a_runnable_job(tmp_path, trained_run):
-    result = invoke("finetune", "init", "checkpoint", trained_run["checkpoints"], "--dataset",
-                    TRAIN, "--output-dir", tmp_path / "ft", "--num-steps", 1, "--batch-size", 4,
-                    "--use-original-loss", "--use-original-opt-class", "--lr", 3e-5,
-                    "--device", "cpu")  # fmt: skip
+    result = invoke(
+        "finetune",
+        "init",
+        "checkpoint",
+        trained_run["checkpoints"],
+        "--dataset",
+        TRAIN,
+        "--output-dir",
+        tmp_path / "ft",
+        "--num-steps",
+        1,
+        "--batch-size",
+        4,
+        "--use-original-loss",
+        "--use-original-opt-class",
+        "--lr",
+        3e-5,
+        "--device",
+        "cpu",
+    )
     job = json.loads(result.stdout)
     assert "loss_fn_spec" not in job["strategy"] and "optimizer_configs" not in job["strategy"]
     job["dataset"].update({"max_structures": 4, "in_memory": True})
@@ -196,8 +236,9 @@ def test_resume_warns_only_about_job_hooks_the_job_dropped(tmp_path):
     assert result.exit_code == 0, result.output
     root = tmp_path / "run" / "checkpoints"
     first = next(e.index for e in CheckpointManifest.read(root).checkpoints if e.step_count == 1)
-    job["source"]["hooks"] = [h for h in job["source"]["hooks"]
-                              if not h["spec"]["cls_path"].endswith("GradientClipHook")]  # fmt: skip
+    job["source"]["hooks"] = [
+        h for h in job["source"]["hooks"] if not h["spec"]["cls_path"].endswith("GradientClipHook")
+    ]
     path = write_job(tmp_path / "job.json", job)
     with warnings.catch_warnings():
         warnings.simplefilter("always")  # shown even under -W ignore

@@ -93,13 +93,33 @@ def test_a_stalled_rank_is_named_with_the_collective_within_the_timeout(tmp_path
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "COLUMNS": "400"}  # fmt: skip
-        procs.append(subprocess.Popen(
-            [*CLI, "spec", "run", path, "--no-report", "--ddp-backend", "gloo",
-             "--dist-timeout", "5"],
-            env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "COLUMNS": "400",
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    *CLI,
+                    "spec",
+                    "run",
+                    path,
+                    "--no-report",
+                    "--ddp-backend",
+                    "gloo",
+                    "--dist-timeout",
+                    "5",
+                ],
+                env=clean_env(env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         _wait_for_rows(tmp_path / "run" / "metrics.jsonl", 3, procs)
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -133,12 +153,26 @@ sys.exit(code)
 """
 
 
-def _launch(module: str, script: Path, codes: tuple[int, int], cwd: Path) -> subprocess.CompletedProcess:
+def _launch(
+    module: str, script: Path, codes: tuple[int, int], cwd: Path
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", module, "--standalone", "--nproc_per_node=2", str(script),
-         *map(str, codes)],
-        cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            module,
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            *map(str, codes),
+        ],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 @pytest.mark.distributed
@@ -171,12 +205,26 @@ def test_preemption_under_the_wrapper_checkpoints_and_exits_75(tmp_path):
     job["output"]["plots"] = False
     path = write_job(tmp_path / "job.json", job)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nvalchemi.distributed.torchrun", "--standalone",
-         "--nproc_per_node=2", "-m", "nvalchemi.training.cli", "spec", "run", str(path),
-         "--no-report", "--ddp-backend", "gloo"],
-        env=clean_env({"COLUMNS": "200"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "nvalchemi.distributed.torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "nvalchemi.training.cli",
+            "spec",
+            "run",
+            str(path),
+            "--no-report",
+            "--ddp-backend",
+            "gloo",
+        ],
+        env=clean_env({"COLUMNS": "200"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
     try:
         _wait_for_rows(tmp_path / "run" / "metrics.jsonl", 3, [proc])
         workers = _children(proc.pid)

@@ -92,7 +92,9 @@ def test_integer_positions_and_labels_are_refused_with_field_and_dtype(field, va
     fields[field] = value
     if field == "cell":
         fields["pbc"] = [True] * 3
-    with pytest.raises(TypeError, match=rf"'{field}'.* must be floating point; got dtype torch\.\w+"):
+    with pytest.raises(
+        TypeError, match=rf"'{field}'.* must be floating point; got dtype torch\.\w+"
+    ):
         AtomicData(**fields)
 
 
@@ -138,7 +140,9 @@ def test_documented_non_canonical_shapes_are_converted(field, value, canonical):
     ],
 )
 def test_every_other_label_shape_is_refused_with_the_expected_shape(field, value, expected):
-    with pytest.raises(ValueError, match=rf"'{field}' has shape .*; expected {expected} \(accepted"):
+    with pytest.raises(
+        ValueError, match=rf"'{field}' has shape .*; expected {expected} \(accepted"
+    ):
         make(**{field: value})
 
 

@@ -183,8 +183,9 @@ def test_edge_vectors_from_batched_lists_stay_differentiable(torch_pass):
     batch = batch_of(mixed_atoms(4))
     compute_neighbors(batch, 3.0)
     positions = batch.positions.clone().requires_grad_(True)
-    vectors = edge_vectors(positions, batch.cell, batch.neighbor_list,
-                           batch.neighbor_list_shifts, batch.batch_idx)  # fmt: skip
+    vectors = edge_vectors(
+        positions, batch.cell, batch.neighbor_list, batch.neighbor_list_shifts, batch.batch_idx
+    )
     assert float(vectors.detach().norm(dim=1).max()) < 3.0
     vectors.norm(dim=1).sum().backward()
     assert positions.grad is not None and torch.isfinite(positions.grad).all()
@@ -242,5 +243,7 @@ def test_the_cpu_sends_small_cells_to_one_pass_and_large_or_lone_tiny_ones_to_ve
     # 256-atom cells: vesin's cell list
     assert _route(cpu, "auto", [256] * 4, [(1, 1, 1)] * 4, [11000.0] * 4) == ([], [0, 1, 2, 3])
     # on an accelerator everything stays in passes on the device
-    groups, by_vesin = _route(torch.device("meta"), "auto", [256, 4], [(1, 1, 1), (3, 3, 3)], [0, 0])
+    groups, by_vesin = _route(
+        torch.device("meta"), "auto", [256, 4], [(1, 1, 1), (3, 3, 3)], [0, 0]
+    )
     assert by_vesin == [] and sorted(m for g in groups for m in g[0]) == [0, 1]

@@ -510,8 +510,11 @@ def test_a_missing_chunk_names_the_store_the_array_and_the_samples(tmp_path):
     (path / "core" / "energy" / "c" / "1" / "0").unlink()  # rows 16..31: an interrupted copy
     reader = AtomicDataZarrReader(path)  # opening reads only the index arrays
     assert_same(reader.read(3)[0], data[3])
-    with pytest.raises(ValueError, match=r"damaged: chunk file core/energy/c/1/0 is missing .*"
-                       r"array core/energy, rows 16-31: samples 16-31\)") as info:  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"damaged: chunk file core/energy/c/1/0 is missing .*"
+        r"array core/energy, rows 16-31: samples 16-31\)",
+    ) as info:
         reader.read(20)
     assert str(path) in str(info.value) and "data check" in str(info.value)
     atom_rows = reader._atoms_ptr
@@ -539,16 +542,22 @@ def test_absurd_sample_counts_in_the_metadata_are_a_clear_error(path):
     AtomicDataZarrWriter(path).write(samples(3))
     root = zarr.open_group(str(path), mode="r+")
     root.attrs["num_samples"] = 10**12
-    with pytest.raises(ValueError, match=r"claims 1,000,000,000,000 samples but meta/atoms_ptr "
-                       r"has 4 rows"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"claims 1,000,000,000,000 samples but meta/atoms_ptr "
+        r"has 4 rows",
+    ):
         AtomicDataZarrReader(path)
     root.attrs["num_samples"] = -1
     with pytest.raises(ValueError, match=r"num_samples attribute .* is -1"):
         AtomicDataZarrReader(path)
     root.attrs["num_samples"] = 3
     root["core/energy"].resize((2, 1))
-    with pytest.raises(ValueError, match=r"array core/energy has 2 rows but the store's 3 samples "
-                       r"need 3"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"array core/energy has 2 rows but the store's 3 samples "
+        r"need 3",
+    ):
         AtomicDataZarrReader(path)
 
 
@@ -591,9 +600,13 @@ def test_stores_of_format_1_and_the_reference_layout_still_read(path):
     meta, core = root.require_group("meta"), root.require_group("core")
     root.require_group("custom")
     ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    for name, values in (("atoms_ptr", ptr), ("edges_ptr", np.zeros(5, np.int64)),
-                         ("samples_mask", np.ones(4, bool)), ("atoms_mask", np.ones(ptr[-1], bool)),
-                         ("edges_mask", np.ones(0, bool))):  # fmt: skip
+    for name, values in (
+        ("atoms_ptr", ptr),
+        ("edges_ptr", np.zeros(5, np.int64)),
+        ("samples_mask", np.ones(4, bool)),
+        ("atoms_mask", np.ones(ptr[-1], bool)),
+        ("edges_mask", np.ones(0, bool)),
+    ):
         meta.create_array(name, data=values)
     levels = {}
     for key, _ in batch:

@@ -532,12 +532,16 @@ def test_a_loader_built_with_budgets_gets_the_budget_sampler_of_its_rank():
     from nvalchemi.data.datapipes import BudgetBatchSampler
 
     data = structures(12)
-    ours = DataLoader(InMemoryDataset(data_list=data), batch_sampler=BudgetBatchSampler(
-        [d.num_nodes for d in data], max_atoms=3, seed=4))  # fmt: skip
+    ours = DataLoader(
+        InMemoryDataset(data_list=data),
+        batch_sampler=BudgetBatchSampler([d.num_nodes for d in data], max_atoms=3, seed=4),
+    )
     plans = []
     for rank in (0, 1):
-        loader = DataLoader(ours.dataset, batch_sampler=BudgetBatchSampler(
-            [d.num_nodes for d in data], max_atoms=3, seed=4))  # fmt: skip
+        loader = DataLoader(
+            ours.dataset,
+            batch_sampler=BudgetBatchSampler([d.num_nodes for d in data], max_atoms=3, seed=4),
+        )
         same = prepared(loader, rank=rank, world_size=2)
         assert same is loader  # in place on our loader
         sampler = loader.batch_sampler
@@ -559,6 +563,8 @@ def test_a_torch_loader_built_with_budgets_is_rebuilt_around_its_rank_sampler():
     assert rebuilt is not loader and rebuilt.collate_fn == Batch.from_data_list
     assert rebuilt.worker_init_fn is print
     assert (rebuilt.batch_sampler.num_replicas, rebuilt.batch_sampler.rank) == (2, 1)
-    assert sum(b.num_graphs for b in rebuilt) + sum(
-        b.num_graphs for b in prepared(loader, rank=0, world_size=2)
-    ) == 12
+    assert (
+        sum(b.num_graphs for b in rebuilt)
+        + sum(b.num_graphs for b in prepared(loader, rank=0, world_size=2))
+        == 12
+    )

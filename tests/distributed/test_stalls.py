@@ -17,8 +17,9 @@ from nvalchemi.distributed.stalls import (
 
 
 def _store():
-    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5),
-                         wait_for_workers=False)  # fmt: skip
+    return dist.TCPStore(
+        "127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+    )
 
 
 def test_silent_ranks_are_those_whose_heartbeat_stopped_or_never_came():
@@ -35,19 +36,29 @@ def test_silent_ranks_are_those_whose_heartbeat_stopped_or_never_came():
 
 def test_the_note_names_the_collective_the_silent_rank_and_the_bound():
     store = _store()
-    exc = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
-                       "for recv operation to complete")  # fmt: skip
+    exc = RuntimeError(
+        "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms "
+        "for recv operation to complete"
+    )
     exc.add_note("raised during training at stage DO_BACKWARD (step 3, ...)")
     assert is_collective_failure(exc) and not is_collective_failure(ValueError("timed out"))
     beat = Heartbeat(store.clone(), 0, 2, interval=0.2)
-    note = collective_failure_note(exc, operation=None, rank=0, world_size=2, timeout_s=5,
-                                   heartbeat=beat, timeout_env="X")  # fmt: skip
+    note = collective_failure_note(
+        exc, operation=None, rank=0, world_size=2, timeout_s=5, heartbeat=beat, timeout_env="X"
+    )
     assert note.startswith("nvalchemi: the gradient all-reduce of DistributedDataParallel")
     assert "failed on rank 0 of 2 (each collective waits at most 5 s)" in note
     assert "no heartbeat from rank 1 (never)" in note and "--dist-timeout" in note
     store.set("nvalchemi/heartbeat/1", repr(time.time()))
-    alive = collective_failure_note(exc, operation="nvalchemi.distributed.barrier()", rank=0,
-                                    world_size=2, timeout_s=5, heartbeat=beat, timeout_env="X")  # fmt: skip
+    alive = collective_failure_note(
+        exc,
+        operation="nvalchemi.distributed.barrier()",
+        rank=0,
+        world_size=2,
+        timeout_s=5,
+        heartbeat=beat,
+        timeout_env="X",
+    )
     assert "barrier()" in alive and "every other rank is alive" in alive
 
 

@@ -18,10 +18,21 @@ EXAMPLES = ROOT / "examples"
 def test_train_painn_bundled_example(tmp_path):
     out = tmp_path / "run"
     result = run_python(
-        [str(EXAMPLES / "train_painn_bundled.py"), "--epochs", "2", "--max-train", "24",
-         "--max-eval", "8", "--hidden", "8", "--out", str(out)],
+        [
+            str(EXAMPLES / "train_painn_bundled.py"),
+            "--epochs",
+            "2",
+            "--max-train",
+            "24",
+            "--max-eval",
+            "8",
+            "--hidden",
+            "8",
+            "--out",
+            str(out),
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 2 and summary["steps"] == 6
     assert summary["test_forces_mae_meV_per_A"] > 0
@@ -40,10 +51,19 @@ def test_train_painn_job_file_runs_with_spec_run(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     result = run_python(
-        ["-m", "nvalchemi.training.cli", "spec", "run", str(path), "--num-steps", "3",
-         "--max-structures", "12"],
+        [
+            "-m",
+            "nvalchemi.training.cli",
+            "spec",
+            "run",
+            str(path),
+            "--num-steps",
+            "3",
+            "--max-structures",
+            "12",
+        ],
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert "Training report: train-painn-bundled-emt" in result.stderr
     assert "Run summary" in result.stderr
     assert (tmp_path / "run" / "checkpoints" / "manifest.json").is_file()

@@ -12,10 +12,17 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "finetune_with_repl
 
 def test_replay_example_reports_forgetting_of_both_fine_tunes(tmp_path):
     args = {
-        "--pretrain-steps": 8, "--finetune-steps": 6, "--pretrain-size": 24,
-        "--finetune-size": 16, "--replay-size": 8, "--holdout-size": 8, "--batch-size": 4,
-        "--hidden": 8, "--interactions": 1, "--out": tmp_path,
-    }  # fmt: skip
+        "--pretrain-steps": 8,
+        "--finetune-steps": 6,
+        "--pretrain-size": 24,
+        "--finetune-size": 16,
+        "--replay-size": 8,
+        "--holdout-size": 8,
+        "--batch-size": 4,
+        "--hidden": 8,
+        "--interactions": 1,
+        "--out": tmp_path,
+    }
     result = run_python([EXAMPLE, *(x for kv in args.items() for x in kv)])  # must exit 0
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     plain, replay = summary["no_replay"], summary["replay"]

@@ -133,8 +133,16 @@ def test_resumed_run_continues_the_file_after_a_crash(tmp_path):
     rows = read_metrics(tmp_path)
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6, 7]
     assert [row["step"] for row in read_metrics(tmp_path, latest_only=False)] == [
-        1, 2, 3, 4, 5, 4, 5, 6, 7,
-    ]  # fmt: skip
+        1,
+        2,
+        3,
+        4,
+        5,
+        4,
+        5,
+        6,
+        7,
+    ]
 
 
 def test_non_finite_values_are_null_and_field_names_are_reserved(tmp_path):

@@ -59,9 +59,14 @@ def test_both_hooks_are_exported_and_imported_only_when_used():
         "print(nvalchemi.training.hooks.TorchProfilerHook is TorchProfilerHook, S is StageTimingHook)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, env=clean_env(), capture_output=True,
-        text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True True"]
 
@@ -71,8 +76,11 @@ def test_settings_are_checked_and_activities_accept_names():
     assert hook.activities == (ProfilerActivity.CPU, ProfilerActivity.CUDA)
     assert TorchProfilerHook("out").activities is None
     assert (hook.record_shapes, hook.profile_memory, hook.with_flops, hook.with_stack) == (
-        True, True, True, False,
-    )  # fmt: skip
+        True,
+        True,
+        True,
+        False,
+    )
     assert (hook.frequency, hook.name, hook.rank_subdirs, hook.stage) == (1, "torch", True, None)
     with pytest.raises(ValueError, match=r"activities\[1\] = 'tpu' is not a profiler activity"):
         TorchProfilerHook("out", activities=("cpu", "tpu"))
@@ -90,8 +98,11 @@ def test_it_runs_at_the_batch_and_training_boundaries_of_any_engine():
     hook = TorchProfilerHook("out")
     assert isinstance(hook, Hook)
     assert [s for s in S if hook._runs_on_stage(s)] == [
-        S.BEFORE_TRAINING, S.BEFORE_BATCH, S.AFTER_BATCH, S.AFTER_TRAINING,
-    ]  # fmt: skip
+        S.BEFORE_TRAINING,
+        S.BEFORE_BATCH,
+        S.AFTER_BATCH,
+        S.AFTER_TRAINING,
+    ]
     assert [s for s in Sim if hook._runs_on_stage(s)] == [Sim.BEFORE_STEP, Sim.AFTER_STEP]
 
 
@@ -235,6 +246,7 @@ teardown()
 def test_each_rank_writes_its_own_folder(tmp_path):
     results = run_ranks(RANK_SCRIPT, args=[str(tmp_path)])
     assert [(r["rank"], r["folder"], r["linears"]) for r in results] == [
-        (0, "rank_0", 4), (1, "rank_1", 4),
-    ]  # fmt: skip
+        (0, "rank_0", 4),
+        (1, "rank_1", 4),
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1"]

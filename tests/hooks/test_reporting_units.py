@@ -23,10 +23,22 @@ STEP, VALIDATION = TrainingStage.AFTER_OPTIMIZER_STEP, TrainingStage.AFTER_VALID
 
 
 def test_metric_keys_carry_units_and_display_in_mev():
-    assert [metric_key(m) for m in ("energy_mae", "energy_per_atom_rmse", "forces_mae",
-                                    "stress_rmse", "num_structures")] == [
-        "energy_mae_eV", "energy_per_atom_rmse_eV_per_atom", "forces_mae_eV_per_A",
-        "stress_rmse_eV_per_A3", "num_structures"]  # fmt: skip
+    assert [
+        metric_key(m)
+        for m in (
+            "energy_mae",
+            "energy_per_atom_rmse",
+            "forces_mae",
+            "stress_rmse",
+            "num_structures",
+        )
+    ] == [
+        "energy_mae_eV",
+        "energy_per_atom_rmse_eV_per_atom",
+        "forces_mae_eV_per_A",
+        "stress_rmse_eV_per_A3",
+        "num_structures",
+    ]
     assert key_unit("validation/stress_mae_eV_per_A3") == "eV/Å³"
     assert display("validation/energy_mae_eV", 1.2345) == ("energy (total) MAE", "1234 meV")
     assert display("validation/forces_rmse_eV_per_A", 0.0171) == ("forces RMSE", "17.1 meV/Å")
@@ -34,10 +46,20 @@ def test_metric_keys_carry_units_and_display_in_mev():
 
 
 def test_loss_terms_are_labelled_with_the_unit_of_their_value():
-    loss = ComposedLossFunction([EnergyMSELoss(per_atom=True), EnergyMAELoss(per_atom=False),
-                                 ForceMSELoss(), StressMSELoss()])  # fmt: skip
-    assert loss_units(loss) == {"EnergyMSELoss": "(eV/atom)²", "EnergyMAELoss": "eV",
-                                "ForceMSELoss": "(eV/Å)²", "StressMSELoss": "(eV/Å³)²"}  # fmt: skip
+    loss = ComposedLossFunction(
+        [
+            EnergyMSELoss(per_atom=True),
+            EnergyMAELoss(per_atom=False),
+            ForceMSELoss(),
+            StressMSELoss(),
+        ]
+    )
+    assert loss_units(loss) == {
+        "EnergyMSELoss": "(eV/atom)²",
+        "EnergyMAELoss": "eV",
+        "ForceMSELoss": "(eV/Å)²",
+        "StressMSELoss": "(eV/Å³)²",
+    }
 
 
 class _EMA:
@@ -48,8 +70,9 @@ def _lines(ctx, summary_source="ema", budget=None):
     console = Console(file=io.StringIO(), width=400)
     custom = None if budget is None else {"budget": lambda c, s: budget}
     reporter = RichReporter(console=console, custom_scalars=custom)
-    with ReportingOrchestrator([reporter], stages={"AFTER_OPTIMIZER_STEP",
-                                                   "AFTER_VALIDATION"}) as hook:  # fmt: skip
+    with ReportingOrchestrator(
+        [reporter], stages={"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"}
+    ) as hook:
         hook(ctx, STEP)
         ctx.validation = {**support.validation_summary(), "model_source": summary_source}
         hook(ctx, VALIDATION)
@@ -67,24 +90,28 @@ def test_progress_and_validation_lines_carry_units_and_the_ema_warm_up():
     train, validation = _lines(_ctx())
     assert "loss 1.50e+00 (weighted sum) [EnergyMSELoss 5.00e-01 (eV/atom)², " in train
     assert "ForceMSELoss 1.00e-01 (eV/Å)²]" in train
-    assert validation.startswith("validation epoch 1 step 0 (EMA weights, warming up: 40 updates, "
-                                 "82% of the average is still the initial weights)")  # fmt: skip
+    assert validation.startswith(
+        "validation epoch 1 step 0 (EMA weights, warming up: 40 updates, "
+        "82% of the average is still the initial weights)"
+    )
     assert "forces MAE 50 meV/Å forces RMSE 65 meV/Å" in validation
     _, live = _lines(_ctx(), summary_source="live")
     assert "EMA" not in live
 
 
 def test_a_time_budget_shows_the_time_left_and_the_planned_end():
-    (train, _) = _lines(_ctx(), budget={"seconds": 300.0, "remaining_s": 200.0,
-                                         "planned_steps": 600.0})  # fmt: skip
+    (train, _) = _lines(
+        _ctx(), budget={"seconds": 300.0, "remaining_s": 200.0, "planned_steps": 600.0}
+    )
     assert "step 1/600" in train and "03:20 left of 05:00" in train
 
 
 def test_metrics_jsonl_says_the_unit_of_every_key_once(tmp_path):
     ctx = _ctx()
     reporter = JSONLinesReporter(tmp_path)
-    with ReportingOrchestrator([reporter], stages={"AFTER_OPTIMIZER_STEP",
-                                                   "AFTER_VALIDATION"}) as hook:  # fmt: skip
+    with ReportingOrchestrator(
+        [reporter], stages={"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"}
+    ) as hook:
         for _ in range(2):
             hook(ctx, STEP)
             support.advance(ctx, energy=0.2)

@@ -124,8 +124,13 @@ def test_validation_table_renders_every_scalar_metric():
     run_epochs(lambda ctx, stage: reporter.report(ctx, stage, state))
     text = render_text(reporter)
     assert "Validation · epoch 2 · step 8" in text
-    for row in ("loss/EnergyMSELoss", "energy_mae_per_atom", "forces MAE", "forces RMSE",
-                "25 meV/Å"):  # metrics with a unit are shown in meV, labelled
+    for row in (
+        "loss/EnergyMSELoss",
+        "energy_mae_per_atom",
+        "forces MAE",
+        "forces RMSE",
+        "25 meV/Å",
+    ):  # metrics with a unit are shown in meV, labelled
         assert row in text
     assert "▼ 50.0%" in text  # loss halved between the two validations
     assert "★ now" in text

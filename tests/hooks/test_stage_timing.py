@@ -204,10 +204,15 @@ def test_nvtx_ranges_span_each_stage_to_the_next(monkeypatch):
     log.clear()  # the availability probe
     train(hook, 2)
     assert log == [
-        ("push", "training/BEFORE_BATCH/0"), ("pop",), ("push", "training/AFTER_FORWARD/0"),
-        ("pop",), ("push", "training/BEFORE_BATCH/1"), ("pop",),
-        ("push", "training/AFTER_FORWARD/1"), ("pop",),
-    ]  # fmt: skip
+        ("push", "training/BEFORE_BATCH/0"),
+        ("pop",),
+        ("push", "training/AFTER_FORWARD/0"),
+        ("pop",),
+        ("push", "training/BEFORE_BATCH/1"),
+        ("pop",),
+        ("push", "training/AFTER_FORWARD/1"),
+        ("pop",),
+    ]
     log.clear()
     custom = StageTimingHook({Sim.BEFORE_STEP, Sim.AFTER_STEP})
     log.clear()

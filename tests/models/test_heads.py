@@ -117,9 +117,14 @@ def test_mace_heads_pick_per_structure_and_hold_their_own_reference_energies(hel
     from nvalchemi.models.mace import MACEWrapper
 
     wrapper = MACEWrapper.from_mace_kwargs(
-        atomic_numbers=[29, 79], r_max=4.0, hidden_irreps="8x0e", num_interactions=1,
-        heads=["pbe", "r2scan"], atomic_energies={29: -1.0}, seed=0,
-    )  # fmt: skip
+        atomic_numbers=[29, 79],
+        r_max=4.0,
+        hidden_irreps="8x0e",
+        num_interactions=1,
+        heads=["pbe", "r2scan"],
+        atomic_energies={29: -1.0},
+        seed=0,
+    )
     assert wrapper.head_names == ("pbe", "r2scan")
     batch = helpers.batch_of([helpers.triclinic_cu_au()] * 2, 4.0)
     wrapper.set_reference_energies({"Cu": -3.0}, head="r2scan")
@@ -142,9 +147,14 @@ def test_mace_add_head_keeps_every_head_and_copies_the_source(helpers, heads):
     from nvalchemi.models.mace import MACEWrapper
 
     wrapper = MACEWrapper.from_mace_kwargs(
-        atomic_numbers=[29, 79], r_max=4.0, hidden_irreps="8x0e + 8x1o", num_interactions=2,
-        heads=heads, atomic_energies={29: -1.0, 79: -2.0}, seed=0,
-    )  # fmt: skip
+        atomic_numbers=[29, 79],
+        r_max=4.0,
+        hidden_irreps="8x0e + 8x1o",
+        num_interactions=2,
+        heads=heads,
+        atomic_energies={29: -1.0, 79: -2.0},
+        seed=0,
+    )
     with torch.no_grad():  # readouts that differ per head
         for p in wrapper.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -35,9 +35,12 @@ def painn(seed: int = 0, elements=(CU, AU, AG), atomic_energies=None, **kwargs) 
     torch.manual_seed(seed)
     energies = {CU: -3.5, AU: -3.0} if atomic_energies is None else atomic_energies
     return PaiNN(
-        elements=list(elements), atomic_energies=energies, scale=0.4, dtype=torch.float64,
+        elements=list(elements),
+        atomic_energies=energies,
+        scale=0.4,
+        dtype=torch.float64,
         **{**SMALL, **kwargs},
-    )  # fmt: skip
+    )
 
 
 def predicted_energies(model, data, head=None) -> list[float]:

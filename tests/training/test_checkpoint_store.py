@@ -197,8 +197,11 @@ def test_from_pretrained_weights_never_imports_a_training_fn_module_named_by_a_s
     model = C.demo_model()
     with pytest.raises(ValueError, match=r"nv_fn_module.*import your module"):
         FineTuningStrategy.from_pretrained_weights(
-            model, model.state_dict(), training_fn="nv_fn_module.training_fn",
-            loss_fn=EnergyMSELoss(), num_steps=1,
+            model,
+            model.state_dict(),
+            training_fn="nv_fn_module.training_fn",
+            loss_fn=EnergyMSELoss(),
+            num_steps=1,
             optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-3}),
-        )  # fmt: skip
+        )
     assert not marker.exists() and "nv_fn_module" not in sys.modules

@@ -111,7 +111,11 @@ def test_recompiles_stay_bounded_over_epochs_of_varying_batches():
     batches = [cells(sizes, torch.float32, seed=10 * i) for i, sizes in enumerate(SIZES)]
     assert len({(b.num_graphs, b.num_nodes, b.num_edges) for b in batches}) == len(batches)
     strategy, seen = train(
-        painn(torch.float32), batches, epochs=3, compile=True, compile_kwargs={"backend": "aot_eager"}
+        painn(torch.float32),
+        batches,
+        epochs=3,
+        compile=True,
+        compile_kwargs={"backend": "aot_eager"},
     )
     graphs = strategy.compiled_graphs
     assert len(graphs) == 3 and len(seen) == 18
@@ -130,7 +134,9 @@ def test_a_model_with_its_own_autograd_forces_says_compile_is_not_supported():
         compile=True,
         compile_kwargs={"backend": "aot_eager"},
     )
-    with pytest.raises(RuntimeError, match=re.escape("compile=True) cannot train model 'main' (TinyModel)")) as info:
+    with pytest.raises(
+        RuntimeError, match=re.escape("compile=True) cannot train model 'main' (TinyModel)")
+    ) as info:
         strategy.run(make_batches(1))
     assert "compile=False" in str(info.value) and "energy_and_derivatives" in str(info.value)
 
@@ -145,7 +151,10 @@ def test_compile_round_trips_through_the_spec():
         compile_kwargs={"mode": "max-autotune", "dynamic": False},
     )
     spec = strategy.to_spec_dict()
-    assert spec["compile"] is True and spec["compile_kwargs"] == {"mode": "max-autotune", "dynamic": False}
+    assert spec["compile"] is True and spec["compile_kwargs"] == {
+        "mode": "max-autotune",
+        "dynamic": False,
+    }
     rebuilt = TrainingStrategy.from_spec_dict(spec, models=painn(torch.float32))
     assert rebuilt.compile is True
     assert rebuilt.compile_kwargs == {"mode": "max-autotune", "dynamic": False}

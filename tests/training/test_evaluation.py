@@ -14,8 +14,9 @@ from nvalchemi.training.evaluation import Evaluation, structure_groups
 
 def _evaluation() -> Evaluation:
     """Two bulk structures predicted well, one slab predicted badly (2 atoms each)."""
-    forces_ref = np.array([[0.05, 0, 0], [0, 0.05, 0], [0.5, 0, 0], [0, 0.5, 0],
-                           [2.0, 0, 0], [0, 0, 4.0]])  # fmt: skip
+    forces_ref = np.array(
+        [[0.05, 0, 0], [0, 0.05, 0], [0.5, 0, 0], [0, 0.5, 0], [2.0, 0, 0], [0, 0, 4.0]]
+    )
     forces_pred = forces_ref + np.array([0.001, 0.001, 0.01, 0.01, 0.3, 0.3])[:, None] * [1, 0, 0]
     stress_ref = np.zeros((3, 9))
     stress_pred = np.zeros((3, 9))
@@ -23,12 +24,16 @@ def _evaluation() -> Evaluation:
     return Evaluation(
         energy_per_atom_pred=np.array([1.001, 2.001, 3.05]),
         energy_per_atom_ref=np.array([1.0, 2.0, 3.0]),
-        forces_pred=forces_pred, forces_ref=forces_ref,
-        stress_pred=stress_pred, stress_ref=stress_ref,
-        species=np.array([29, 29, 29, 79, 79, 79]), num_atoms=6,
+        forces_pred=forces_pred,
+        forces_ref=forces_ref,
+        stress_pred=stress_pred,
+        stress_ref=stress_ref,
+        species=np.array([29, 29, 29, 79, 79, 79]),
+        num_atoms=6,
         atoms_per_structure=np.array([2, 2, 2]),
-        groups=np.array(["bulk", "bulk", "slab"]), sources=np.array(["a.xyz", "a.xyz", "b.xyz"]),
-    )  # fmt: skip
+        groups=np.array(["bulk", "bulk", "slab"]),
+        sources=np.array(["a.xyz", "a.xyz", "b.xyz"]),
+    )
 
 
 def test_errors_per_structure_type_show_what_the_overall_numbers_hide():
@@ -56,7 +61,11 @@ def test_per_element_errors_take_each_elements_atoms_and_structures():
 def test_force_errors_are_binned_by_the_reference_magnitude():
     bins = _evaluation().force_bins()
     assert [(b["low"], b["high"], b["atoms"]) for b in bins] == [
-        (0.0, 0.1, 2), (0.3, 1.0, 2), (1.0, 3.0, 1), (3.0, np.inf, 1)]  # fmt: skip
+        (0.0, 0.1, 2),
+        (0.3, 1.0, 2),
+        (1.0, 3.0, 1),
+        (3.0, np.inf, 1),
+    ]
     assert bins[0]["forces_mae"] == pytest.approx(0.001 / 3)
     assert bins[-1]["relative_mae"] == pytest.approx((0.3 / 3) / 4.0)
 
@@ -90,11 +99,20 @@ def test_structures_are_grouped_by_config_type_a_key_or_atom_count():
 def test_doctests_of_the_library_modules():
     import doctest
 
-    for name in ("nvalchemi._errors", "nvalchemi.training.evaluation",
-                 "nvalchemi.training.time_budget", "nvalchemi.training.strategy_payload",
-                 "nvalchemi.training.devices", "nvalchemi.data.sources", "nvalchemi.data.inspect",
-                 "nvalchemi.training.jobs", "nvalchemi.training.jobs.spec",
-                 "nvalchemi.training.jobs.resolve", "nvalchemi.training.jobs.checks",
-                 "nvalchemi.training.jobs.scaffold", "nvalchemi.hooks.reporting.units"):  # fmt: skip
+    for name in (
+        "nvalchemi._errors",
+        "nvalchemi.training.evaluation",
+        "nvalchemi.training.time_budget",
+        "nvalchemi.training.strategy_payload",
+        "nvalchemi.training.devices",
+        "nvalchemi.data.sources",
+        "nvalchemi.data.inspect",
+        "nvalchemi.training.jobs",
+        "nvalchemi.training.jobs.spec",
+        "nvalchemi.training.jobs.resolve",
+        "nvalchemi.training.jobs.checks",
+        "nvalchemi.training.jobs.scaffold",
+        "nvalchemi.hooks.reporting.units",
+    ):
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, name

@@ -63,9 +63,13 @@ def test_from_a_mace_model(tmp_path):
     from nvalchemi.models.mace import MACEWrapper
 
     source = MACEWrapper.from_mace_kwargs(
-        atomic_numbers=[CU, AU], r_max=4.0, hidden_irreps="8x0e + 8x1o", num_interactions=2,
-        atomic_energies={CU: -3.5, AU: -3.0}, seed=0,
-    )  # fmt: skip
+        atomic_numbers=[CU, AU],
+        r_max=4.0,
+        hidden_irreps="8x0e + 8x1o",
+        num_interactions=2,
+        atomic_energies={CU: -3.5, AU: -3.0},
+        seed=0,
+    )
     source.set_config("active_outputs", {"energy", "forces", "stress"})
     torch.save(source.model, tmp_path / "small.model")
     with pytest.warns(UserWarning, match="pickle"):

@@ -56,8 +56,14 @@ def test_keep_without_new_elements_does_not_run_the_model():
             return super().forward(data, head=head, **kwargs)
 
     torch.manual_seed(0)
-    model = Counting(elements=[CU, AU], atomic_energies={CU: -3.5, AU: -3.0}, cutoff=4.0,
-                     hidden_channels=8, num_interactions=1, dtype=torch.float64)  # fmt: skip
+    model = Counting(
+        elements=[CU, AU],
+        atomic_energies={CU: -3.5, AU: -3.0},
+        cutoff=4.0,
+        hidden_channels=8,
+        num_interactions=1,
+        dtype=torch.float64,
+    )
     stats = compute_finetune_statistics(model, structures(6), e0="keep")
     assert Counting.calls == 0
     assert stats.atomic_energies == {"Cu": -3.5, "Au": -3.0}

@@ -12,16 +12,23 @@ from nvalchemi.models.demo import DemoModel, DemoModelWrapper
 
 def _structures(n=4):
     return [
-        AtomicData(atomic_numbers=torch.tensor([1, 2]), positions=torch.randn(2, 3),
-                   energy=torch.tensor(1.0), forces=torch.zeros(2, 3))
+        AtomicData(
+            atomic_numbers=torch.tensor([1, 2]),
+            positions=torch.randn(2, 3),
+            energy=torch.tensor(1.0),
+            forces=torch.zeros(2, 3),
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("given", [42, None, "data.extxyz", 3.5])
 def test_run_with_something_that_is_not_a_loader_names_it_and_the_fix(given):
-    with pytest.raises(TypeError, match=rf"run\(dataloader\): got {type(given).__name__} .*"
-                       r"collate_fn=Batch\.from_data_list"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=rf"run\(dataloader\): got {type(given).__name__} .*"
+        r"collate_fn=Batch\.from_data_list",
+    ):
         strategy(num_steps=2).run(given)
 
 
@@ -32,15 +39,21 @@ def test_run_with_one_batch_says_to_use_train_batch():
 
 def test_a_loader_of_atomic_data_names_the_loader_what_it_yielded_and_the_fix():
     plain = torch.utils.data.DataLoader(_structures(), batch_size=None)  # single items
-    with pytest.raises(TypeError, match=r"dataloader DataLoader\(collate_fn=.*\) yielded one "
-                       r"AtomicData instead of a Batch.*collate_fn=Batch\.from_data_list"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"dataloader DataLoader\(collate_fn=.*\) yielded one "
+        r"AtomicData instead of a Batch.*collate_fn=Batch\.from_data_list",
+    ):
         strategy(num_steps=2).run(plain)
     listing = torch.utils.data.DataLoader(_structures(), batch_size=2, collate_fn=list)
     with pytest.raises(TypeError, match=r"yielded a list of 2 AtomicData"):
         strategy(num_steps=2).run(listing)
     default = torch.utils.data.DataLoader(_structures(), batch_size=2)  # torch's default_collate
-    with pytest.raises(TypeError, match=r"DataLoader\(collate_fn=default_collate\) cannot "
-                       r"collate AtomicData .*collate_fn=Batch\.from_data_list"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"DataLoader\(collate_fn=default_collate\) cannot "
+        r"collate AtomicData .*collate_fn=Batch\.from_data_list",
+    ):
         strategy(num_steps=2).run(default)
     with pytest.raises(TypeError, match="yielded one AtomicData"):
         strategy(num_steps=2).train_batch(_structures(1)[0])
@@ -49,8 +62,11 @@ def test_a_loader_of_atomic_data_names_the_loader_what_it_yielded_and_the_fix():
 def test_a_float64_batch_for_a_float32_model_says_which_to_change():
     batches = [b.to(dtype=torch.float64) for b in make_batches(2)]
     model = TinyModel()
-    with pytest.raises(TypeError, match=r"float64 positions but model 'main' \(TinyModel\) has "
-                       r"float32 parameters.*dtype=torch\.float32 of the reader.*model\.double\(\)"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"float64 positions but model 'main' \(TinyModel\) has "
+        r"float32 parameters.*dtype=torch\.float32 of the reader.*model\.double\(\)",
+    ):
         strategy(model, num_steps=2).run(batches)
     assert all(p.grad is None for p in model.parameters())  # nothing ran
     trained = strategy(TinyModel().double(), num_steps=2)
@@ -70,8 +86,9 @@ def test_nvalchemi_models_cast_their_inputs_and_are_not_refused():
 
 
 def test_a_loader_of_batches_passes_unchanged():
-    loader = torch.utils.data.DataLoader(_structures(), batch_size=2,
-                                         collate_fn=Batch.from_data_list)  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        _structures(), batch_size=2, collate_fn=Batch.from_data_list
+    )
     s = strategy(num_steps=2)
     s.run(loader)
     assert s.step_count == 2

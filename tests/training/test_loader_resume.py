@@ -38,10 +38,14 @@ def server():
 
 def _job(tmp: Path, kind: str, workers: int, mode: str, name: str, **extra) -> dict:
     return {
-        "loader": kind, "workers": workers, "mode": mode, "root": str(tmp / f"{name}-ckpt"),
-        "loss_file": str(tmp / f"{name}.loss"), "final_file": str(tmp / f"{name}.final.pt"),
+        "loader": kind,
+        "workers": workers,
+        "mode": mode,
+        "root": str(tmp / f"{name}-ckpt"),
+        "loss_file": str(tmp / f"{name}.loss"),
+        "final_file": str(tmp / f"{name}.final.pt"),
         **extra,
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,12 @@ def references(server, tmp_path_factory):
 def test_resume_from_every_checkpoint_is_bitwise_identical(server, references, kind, workers):
     tmp, job = references[kind, workers]
     (tmp / "scratch").mkdir(exist_ok=True)
-    check = {**job, "mode": "resume_all", "scratch": str(tmp / "scratch"),
-             "result_file": str(tmp / "resume_all.json")}  # fmt: skip
+    check = {
+        **job,
+        "mode": "resume_all",
+        "scratch": str(tmp / "scratch"),
+        "result_file": str(tmp / "resume_all.json"),
+    }
     assert server.run(check, tmp / "resume_all.log") == 0, _text(tmp / "resume_all.log")
     results = json.loads(Path(check["result_file"]).read_text())
     assert [r["step"] for r in results] == list(range(1, 13))
@@ -90,8 +98,13 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(
     assert server.wait(pid) == -signal.SIGKILL
     resumed_from = CheckpointManifest.read(Path(first["root"])).entry("latest").step_count
     assert resumed_from == (kill_at - 1) // 3 * 3  # a due save is written at the next batch
-    second = {**first, "mode": "resume", "pause_at_step": None,
-              "loss_file": str(tmp_path / "second.loss"), "final_file": str(tmp_path / "second.pt")}  # fmt: skip
+    second = {
+        **first,
+        "mode": "resume",
+        "pause_at_step": None,
+        "loss_file": str(tmp_path / "second.loss"),
+        "final_file": str(tmp_path / "second.pt"),
+    }
     assert server.run(second, tmp_path / "second.log") == 0, _text(tmp_path / "second.log")
     assert _losses(Path(first["loss_file"])) == ref_losses[:kill_at]
     after = _losses(Path(second["loss_file"]))

@@ -23,9 +23,13 @@ def test_a_template_payload_resolves_to_real_objects():
     assert config.optimizer_cls.__name__ == "AdamW"
     assert config.scheduler_cls.__name__ == "WarmupCosineLR"
     assert [type(c).__name__ for c in resolved.loss_fn.components] == [
-        "EnergyMSELoss", "ForceMSELoss"]  # fmt: skip
+        "EnergyMSELoss",
+        "ForceMSELoss",
+    ]
     assert resolved.model_classes["main"].__name__ == "PaiNN"
-    assert payload.as_spec_dict(finetuning=False).keys().isdisjoint({"freeze_patterns", "new_heads"})
+    assert (
+        payload.as_spec_dict(finetuning=False).keys().isdisjoint({"freeze_patterns", "new_heads"})
+    )
 
 
 def test_every_resolution_problem_is_reported_at_once_with_its_field():
@@ -37,12 +41,16 @@ def test_every_resolution_problem_is_reported_at_once_with_its_field():
         StrategyPayload.model_validate(data).resolve()
     text = str(caught.value)
     assert text.startswith("3 problems: (1) strategy.optimizer_configs.main[0].optimizer_cls")
-    order = [text.index(f) for f in ("optimizer_configs.main[0]", "strategy.loss_fn_spec",
-                                     "strategy.model_specs.main")]  # fmt: skip
+    order = [
+        text.index(f)
+        for f in ("optimizer_configs.main[0]", "strategy.loss_fn_spec", "strategy.model_specs.main")
+    ]
     assert order == sorted(order)  # the payload's order
     assert "did you mean 'torch.optim.AdamW'?" in text
     assert [p.field for p in caught.value.parts][:2] == [
-        "strategy.optimizer_configs.main[0].optimizer_cls", "strategy.loss_fn_spec"]  # fmt: skip
+        "strategy.optimizer_configs.main[0].optimizer_cls",
+        "strategy.loss_fn_spec",
+    ]
 
 
 def test_a_job_with_several_errors_lists_them_all_in_file_order():
@@ -55,13 +63,28 @@ def test_a_job_with_several_errors_lists_them_all_in_file_order():
         validate_job_data(data, "job.yaml")
     text = str(caught.value)
     assert "job.yaml is not a valid job: 4 errors:" in text
-    fields = ["source.fit_to_data", "dataset.batch_size", "output.log_every_n_steps",
-              "strategy.num_steps"]  # fmt: skip
+    fields = [
+        "source.fit_to_data",
+        "dataset.batch_size",
+        "output.log_every_n_steps",
+        "strategy.num_steps",
+    ]
     positions = [text.index(f + ":") for f in fields]
     assert positions == sorted(positions)  # as they come in the file
     # The same payload reordered in the file is reported in that order.
-    reordered = {k: data[k] for k in ("strategy", "output", "dataset", "source", "workflow",
-                                      "name", "minutes", "validation")}  # fmt: skip
+    reordered = {
+        k: data[k]
+        for k in (
+            "strategy",
+            "output",
+            "dataset",
+            "source",
+            "workflow",
+            "name",
+            "minutes",
+            "validation",
+        )
+    }
     with pytest.raises(FieldError) as caught:
         validate_job_data(reordered, "job.yaml")
     text = str(caught.value)

@@ -83,8 +83,9 @@ def test_the_run_fills_the_budget_and_its_schedule_anneals_inside_it():
 
 def test_validation_passes_are_counted_in_the_plan():
     clock = Clock()
-    validation = SimpleNamespace(validation_data=list(range(10)), every_n_epochs=1,
-                                 every_n_steps=None)  # fmt: skip
+    validation = SimpleNamespace(
+        validation_data=list(range(10)), every_n_epochs=1, every_n_steps=None
+    )
     strategy = _Strategy(num_steps=10**9, loader_len=20, validation=validation)
     hook = TimeBudgetHook(100, warmup_steps=3, probe_steps=12, clock=clock)
     _train(hook, strategy, clock, lambda s: 0.5, until=16)
@@ -96,14 +97,20 @@ def test_a_speed_drift_refits_once_without_a_jump_in_the_learning_rate():
     clock, strategy = Clock(), _Strategy(num_steps=10**9)
     optimizer, scheduler = _scheduler()
     hook = TimeBudgetHook(100, warmup_steps=3, probe_steps=12, clock=clock)
-    lrs = _train(hook, strategy, clock, lambda s: 0.5 if s < 15 else 1.0,  # slower after the plan
-                 scheduler=scheduler, optimizer=optimizer)  # fmt: skip
+    lrs = _train(
+        hook,
+        strategy,
+        clock,
+        lambda s: 0.5 if s < 15 else 1.0,  # slower after the plan
+        scheduler=scheduler,
+        optimizer=optimizer,
+    )
     assert hook.plan.refitted
     first_quarter = 15 + (198 - 15) // 4
     assert hook.plan.planned_steps < 198 and strategy.step_count == hook.plan.planned_steps
     assert clock.now <= 100  # the refit keeps the run inside the budget
     jumps = [abs(b - a) for a, b in itertools.pairwise(lrs)]
-    assert jumps[first_quarter - 1] < 5 * max(jumps[first_quarter - 5:first_quarter - 1])
+    assert jumps[first_quarter - 1] < 5 * max(jumps[first_quarter - 5 : first_quarter - 1])
     assert lrs[-1] == pytest.approx(0.01)
 
 
@@ -111,8 +118,14 @@ def test_a_late_slowdown_shortens_the_run_so_the_anneal_still_ends_in_time():
     clock, strategy = Clock(), _Strategy(num_steps=10**9)
     optimizer, scheduler = _scheduler()
     hook = TimeBudgetHook(100, warmup_steps=3, probe_steps=12, clock=clock)
-    lrs = _train(hook, strategy, clock, lambda s: 0.5 if s < 100 else 0.6,  # others joined in
-                 scheduler=scheduler, optimizer=optimizer)  # fmt: skip
+    lrs = _train(
+        hook,
+        strategy,
+        clock,
+        lambda s: 0.5 if s < 100 else 0.6,  # others joined in
+        scheduler=scheduler,
+        optimizer=optimizer,
+    )
     assert not hook.plan.refitted and hook.plan.shortened  # the quarter was fine, 3/4 was not
     assert strategy.step_count == hook.plan.planned_steps < 198
     assert clock.now <= 100 and lrs[-1] == pytest.approx(0.01)
@@ -136,8 +149,7 @@ def test_a_fixed_length_schedule_is_named_when_the_run_is_fitted():
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=50)
     hook = TimeBudgetHook(100, warmup_steps=1, probe_steps=2, clock=clock)
     with pytest.warns(UserWarning, match=r"\['CosineAnnealingLR'\] have a fixed length"):
-        _train(hook, strategy, clock, lambda s: 0.5, scheduler=cosine, optimizer=optimizer,
-               until=4)  # fmt: skip
+        _train(hook, strategy, clock, lambda s: 0.5, scheduler=cosine, optimizer=optimizer, until=4)
 
 
 def test_the_plan_is_checkpointed_and_a_resumed_run_keeps_it():
@@ -200,10 +212,14 @@ def test_a_real_run_stops_at_its_fitted_end_with_the_schedule_annealed():
 
     hook = Ticking(30, warmup_steps=1, probe_steps=3, clock=clock)
     strategy = TrainingStrategy(
-        models=TinyModel(), loss_fn=EnergyMSELoss(), num_steps=10**9, hooks=[hook],
-        optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-3}, WarmupCosineLR,
-                                          {"total_steps": 1000}),
-    )  # fmt: skip
+        models=TinyModel(),
+        loss_fn=EnergyMSELoss(),
+        num_steps=10**9,
+        hooks=[hook],
+        optimizer_configs=OptimizerConfig(
+            torch.optim.Adam, {"lr": 1e-3}, WarmupCosineLR, {"total_steps": 1000}
+        ),
+    )
     strategy.run(make_batches(4))
     planned = hook.plan.planned_steps
     assert planned is not None and strategy.step_count == planned < 30

@@ -150,9 +150,14 @@ def trained(tmp_path_factory):
 def test_seed_resume_and_finetune_load_the_users_own_classes_and_functions(trained):
     out = json.loads(_python(trained, RESUME).strip().splitlines()[-1])
     assert out == {
-        "model": "PairPotential", "fn": "training_fn", "epochs": 2, "after": 3,
-        "fine_steps": 2, "fine_model": "PairPotential", "loaded": "PairPotential",
-    }  # fmt: skip
+        "model": "PairPotential",
+        "fn": "training_fn",
+        "epochs": 2,
+        "after": 3,
+        "fine_steps": 2,
+        "fine_model": "PairPotential",
+        "loaded": "PairPotential",
+    }
 
 
 def test_a_process_that_did_not_import_the_users_module_is_refused_and_imports_nothing(trained):

@@ -209,9 +209,13 @@ def _dataset_cutoff(dataset: Any) -> tuple[float, bool] | None:
 
 # ---------------------------------------------------------------------------- packing
 def _pack(
-    order: list[int], atoms: list[int], edges: list[int], max_atoms: float, max_edges: float,
+    order: list[int],
+    atoms: list[int],
+    edges: list[int],
+    max_atoms: float,
+    max_edges: float,
     window: int,
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """First-fit-decreasing inside windows of ``order``; open batches carry over."""
     cost = [max(a / max_atoms, e / max_edges) for a, e in zip(atoms, edges)]
     done: list[list[int]] = []
@@ -556,9 +560,16 @@ class BudgetBatchSampler(Sampler[list[int]]):
     def shard(self, num_replicas: int, rank: int) -> BudgetBatchSampler:
         """The same sampler (sizes, budgets, seed, epoch) for ``rank`` of ``num_replicas``."""
         out = BudgetBatchSampler(
-            self.atoms, self.max_atoms, self.max_edges, self.edges, shuffle=self.shuffle,
-            seed=self.seed, drop_last=self.drop_last, num_replicas=num_replicas, rank=rank,
-        )  # fmt: skip
+            self.atoms,
+            self.max_atoms,
+            self.max_edges,
+            self.edges,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            num_replicas=num_replicas,
+            rank=rank,
+        )
         out.epoch = self.epoch
         return out
 
@@ -569,10 +580,16 @@ class BudgetBatchSampler(Sampler[list[int]]):
         digest.update(np.asarray(self._edge_list(), dtype=np.int64).tobytes())
         digest.update(
             repr(
-                (self.max_atoms, self.max_edges, self.shuffle, self.seed, self.drop_last,
-                 self.num_replicas)
+                (
+                    self.max_atoms,
+                    self.max_edges,
+                    self.shuffle,
+                    self.seed,
+                    self.drop_last,
+                    self.num_replicas,
+                )
             ).encode()
-        )  # fmt: skip
+        )
         return digest.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:

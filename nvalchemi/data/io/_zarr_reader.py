@@ -111,7 +111,9 @@ class _Rows:
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._present: set[int] = set()
         self._whole: np.ndarray | None = None
-        self._whole_worth = self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
+        self._whole_worth = (
+            self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
+        )
         weakref.finalize(self, _close_fds, self._fds)
 
     def _layout(self, array: Any) -> str:
@@ -331,10 +333,11 @@ class _Rows:
                         size = os.fstat(fd).st_size
                         if size != self.chunk_rows * self.row_bytes:
                             raise _ChunkProblem(
-                                chunk, (start, stop),
+                                chunk,
+                                (start, stop),
                                 f"chunk file {self.chunk_key(chunk)} has {size:,} bytes "
                                 f"instead of {self.chunk_rows * self.row_bytes:,}",
-                            )  # fmt: skip
+                            )
                     else:
                         self.cache.discard((id(self), chunk))
                         self._decoded(chunk)
@@ -430,8 +433,13 @@ class AtomicDataZarrReader(Reader):
         meta = root["meta"]
         arrays: dict[str, _Rows] = {}
         levels: dict[str, str] = {}
-        for name, level in (("atoms_ptr", "ptr"), ("edges_ptr", "ptr"), ("samples_mask", "system"),
-                            ("atoms_mask", "atom"), ("edges_mask", "edge")):  # fmt: skip
+        for name, level in (
+            ("atoms_ptr", "ptr"),
+            ("edges_ptr", "ptr"),
+            ("samples_mask", "system"),
+            ("atoms_mask", "atom"),
+            ("edges_mask", "edge"),
+        ):
             if name in meta:
                 arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache)
                 levels[f"meta/{name}"] = level
@@ -575,7 +583,10 @@ class AtomicDataZarrReader(Reader):
         self._open()
 
     def _close_arrays(self) -> None:
-        for rows in [*getattr(self, "_arrays", {}).values(), *getattr(self, "_meta_arrays", {}).values()]:
+        for rows in [
+            *getattr(self, "_arrays", {}).values(),
+            *getattr(self, "_meta_arrays", {}).values(),
+        ]:
             rows.close()
 
     def close(self) -> None:

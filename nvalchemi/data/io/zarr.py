@@ -634,9 +634,10 @@ class AtomicDataZarrWriter:
         root = self._root(mode="r")
         report = AtomicDataZarrReader(self.store).verify()
         problems = [
-            p for p in report["problems"]
+            p
+            for p in report["problems"]
             if not (report["absent_may_be_zeros"] and " is missing " in p)
-        ]  # fmt: skip
+        ]
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise StoreDamagedError(

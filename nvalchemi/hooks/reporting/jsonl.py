@@ -143,7 +143,9 @@ class JSONLinesReporter(ClosesOnExit):
     def _new_units(self, ctx: Any, scalars: Mapping[str, float]) -> dict[str, str]:
         """Units of the keys whose unit no earlier row gave."""
         loss = loss_units(getattr(getattr(ctx, "workflow", None), "loss_fn", None))
-        new = {k: u for k, u in units_of(list(scalars), loss).items() if k not in self._units_written}
+        new = {
+            k: u for k, u in units_of(list(scalars), loss).items() if k not in self._units_written
+        }
         self._units_written.update(new)
         return new
 

@@ -119,9 +119,10 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
     train = [r for r in rows if r.get("kind") == "train"]
     validation = [r for r in rows if r.get("kind") == "validation"]
     panels = [
-        p for p in _loss_panels(train, validation)
+        p
+        for p in _loss_panels(train, validation)
         if _series(train, p[1])[0] or _series(validation, p[2])[0]
-    ]  # fmt: skip
+    ]
     if not panels:
         raise ValueError(
             f"{metrics_jsonl_path} has no loss values to plot (expected 'loss/total' or "
@@ -133,10 +134,11 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
             k
             for row in validation
             for k in row
-            if k.startswith("validation/") and not k.startswith("validation/loss/")
+            if k.startswith("validation/")
+            and not k.startswith("validation/loss/")
             and not k.startswith(("validation/num_", "validation/ema/"))  # not metrics
         }
-    )  # fmt: skip
+    )
     groups: dict[str, list[str]] = {}
     for key in metric_keys:  # one axis per unit: never meV/atom next to meV/Å
         groups.setdefault(key_unit(key) or "", []).append(key)
@@ -152,9 +154,15 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
         rows_needed,
         columns,
         squeeze=False,
-        gridspec_kw={"wspace": 0.3, "hspace": 0.45, "left": 0.07, "right": 0.98,
-                     "bottom": 0.5 / (3.4 * rows_needed), "top": 1 - 0.35 / (3.4 * rows_needed)},
-    ).ravel()  # fmt: skip
+        gridspec_kw={
+            "wspace": 0.3,
+            "hspace": 0.45,
+            "left": 0.07,
+            "right": 0.98,
+            "bottom": 0.5 / (3.4 * rows_needed),
+            "top": 1 - 0.35 / (3.4 * rows_needed),
+        },
+    ).ravel()
     for axes, (title, train_key, validation_key) in zip(grid, panels):
         drawn = _plot_curve(
             axes, *_series(train, train_key), color=_TRAIN_COLOR, label="train", marker=False
@@ -181,8 +189,14 @@ def plot_learning_curves(metrics_jsonl_path: str | Path, out_png: str | Path) ->
         scale = 1000.0 if unit else 1.0
         for i, key in enumerate(keys):
             steps, values = _series(validation, key)
-            _plot_curve(axes, steps, [scale * v for v in values], color=cycle[i % 10],
-                        label=metric_label(key) or key[11:], marker=True)  # fmt: skip
+            _plot_curve(
+                axes,
+                steps,
+                [scale * v for v in values],
+                color=cycle[i % 10],
+                label=metric_label(key) or key[11:],
+                marker=True,
+            )
         axes.set_yscale("log")
         axes.set_title(f"validation errors [m{unit}]" if unit else "validation metrics")
         if unit:
@@ -255,12 +269,27 @@ def plot_parity(
     pad = 0.05 * (high - low) if high > low else max(abs(high), 1.0) * 0.05
     low, high = low - pad, high + pad
     if predicted.size > 50_000:
-        axes.hexbin(reference, predicted, gridsize=120, bins="log", cmap="viridis", mincnt=1,
-                    extent=(low, high, low, high))  # fmt: skip
+        axes.hexbin(
+            reference,
+            predicted,
+            gridsize=120,
+            bins="log",
+            cmap="viridis",
+            mincnt=1,
+            extent=(low, high, low, high),
+        )
         axes.plot([], [], "s", color="#440154", label=label)
     else:
-        axes.scatter(reference, predicted, s=6, alpha=0.5, color=_TRAIN_COLOR, label=label,
-                     rasterized=True, edgecolors="none")  # fmt: skip
+        axes.scatter(
+            reference,
+            predicted,
+            s=6,
+            alpha=0.5,
+            color=_TRAIN_COLOR,
+            label=label,
+            rasterized=True,
+            edgecolors="none",
+        )
     axes.plot([low, high], [low, high], "--", color="0.4", linewidth=1)
     axes.set_xlim(low, high)
     axes.set_ylim(low, high)
@@ -292,14 +321,22 @@ def parity_plots(
     """
     out_dir = Path(out_dir)
     written = []
-    to_gpa = None if stress_pred is None else _as_array(stress_pred, "stress_pred") * EV_PER_A3_IN_GPA
+    to_gpa = (
+        None if stress_pred is None else _as_array(stress_pred, "stress_pred") * EV_PER_A3_IN_GPA
+    )
     ref_gpa = None if stress_ref is None else _as_array(stress_ref, "stress_ref") * EV_PER_A3_IN_GPA
     plots = (
-        ("energy per atom", energy_per_atom_pred, energy_per_atom_ref,
-         "Energy per atom", "eV/atom", "parity_energy_per_atom.png"),
+        (
+            "energy per atom",
+            energy_per_atom_pred,
+            energy_per_atom_ref,
+            "Energy per atom",
+            "eV/atom",
+            "parity_energy_per_atom.png",
+        ),
         ("forces", forces_pred, forces_ref, "Force components", "eV/Å", "parity_forces.png"),
         ("stress", to_gpa, ref_gpa, "Stress components", "GPa", "parity_stress.png"),
-    )  # fmt: skip
+    )
     for name, pred, ref, title, unit, filename in plots:
         if pred is None and ref is None:
             continue

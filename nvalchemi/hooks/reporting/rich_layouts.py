@@ -312,8 +312,10 @@ def _latest_table(view: RichView, preferred: Sequence[str], title: str) -> Table
 def _validation_rows(values: Mapping[str, float]) -> list[str]:
     loss = [k for k in ("loss",) if k in values]
     components = sorted(k for k in values if k.startswith("loss:"))
-    others = sorted((k for k in values if k != "loss" and not k.startswith(("loss:", "ema/"))),
-                    key=_metric_order)  # fmt: skip
+    others = sorted(
+        (k for k in values if k != "loss" and not k.startswith(("loss:", "ema/"))),
+        key=_metric_order,
+    )
     return loss + components + others
 
 
@@ -322,7 +324,9 @@ _QUANTITY_ORDER = ("energy_per_atom", "forces", "stress", "energy_")
 
 def _metric_order(key: str) -> tuple[int, str]:
     """Per-atom energy, forces and stress errors first, total energy after, then the rest."""
-    rank = next((i for i, q in enumerate(_QUANTITY_ORDER) if key.startswith(q)), len(_QUANTITY_ORDER))
+    rank = next(
+        (i for i, q in enumerate(_QUANTITY_ORDER) if key.startswith(q)), len(_QUANTITY_ORDER)
+    )
     return rank, key
 
 
@@ -514,7 +518,10 @@ class TrainingRichLayout(BaseRichLayout):
         if progress.steps_total is not None or progress.remaining_s is not None:
             total = progress.steps_total
             if total is None:  # a budget still timing its first steps: show the time
-                total, done = progress.budget_s or 1.0, (progress.budget_s or 1.0) - progress.remaining_s
+                total, done = (
+                    progress.budget_s or 1.0,
+                    (progress.budget_s or 1.0) - progress.remaining_s,
+                )
             else:
                 done = progress.steps_done
             grid.add_row(
@@ -610,8 +617,10 @@ def ema_note(values: Mapping[str, float]) -> str | None:
         return None
     updates = int(values.get("ema/updates", 0))
     if share > EMA_WARM_SHARE:
-        return (f"EMA weights, warming up: {updates:,} updates, {share:.0%} of the average "
-                "is still the initial weights")  # fmt: skip
+        return (
+            f"EMA weights, warming up: {updates:,} updates, {share:.0%} of the average "
+            "is still the initial weights"
+        )
     return f"EMA weights, {updates:,} updates"
 
 

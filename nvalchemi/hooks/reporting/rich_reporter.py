@@ -437,20 +437,36 @@ class RichReporter(ScalarReporterBase):
         )
         with reporter._lock:
             reporter._progress = ProgressView(
-                epoch=math.ceil(steps / 40), epochs_total=10, epoch_done=steps % 40 or 40,
+                epoch=math.ceil(steps / 40),
+                epochs_total=10,
+                epoch_done=steps % 40 or 40,
                 epoch_total=40,
-                steps_done=steps, steps_total=400, steps_per_s=12.5, batches_per_s=12.5,
-                structures_per_s=400.0, atoms_per_s=9600.0,
-            )  # fmt: skip
+                steps_done=steps,
+                steps_total=400,
+                steps_per_s=12.5,
+                batches_per_s=12.5,
+                structures_per_s=400.0,
+                atoms_per_s=9600.0,
+            )
             reporter._validation = ValidationView(
                 step=steps,
                 epoch=math.ceil(steps / 40),
-                values={"loss": 0.41, "loss:EnergyMSELoss": 0.02, "energy_mae_per_atom": 0.004,
-                        "forces_mae": 0.061, "forces_rmse": 0.089},
-                previous={"loss": 0.47, "loss:EnergyMSELoss": 0.025, "energy_mae_per_atom": 0.005,
-                          "forces_mae": 0.066, "forces_rmse": 0.087},
+                values={
+                    "loss": 0.41,
+                    "loss:EnergyMSELoss": 0.02,
+                    "energy_mae_per_atom": 0.004,
+                    "forces_mae": 0.061,
+                    "forces_rmse": 0.089,
+                },
+                previous={
+                    "loss": 0.47,
+                    "loss:EnergyMSELoss": 0.025,
+                    "energy_mae_per_atom": 0.005,
+                    "forces_mae": 0.066,
+                    "forces_rmse": 0.087,
+                },
                 best={"forces_rmse": (0.085, steps - 40)},
-            )  # fmt: skip
+            )
         layout = reporter._layout or TrainingRichLayout()
         if reporter.plain:
             reporter._print_line(layout.plain_line(reporter._view()))

@@ -601,8 +601,9 @@ def collect_scalars(
     if include_losses and not validating:
         _add_losses(buffer, getattr(ctx, "loss", None), getattr(ctx, "losses", None))
     if include_validation:
-        _add_validation(buffer, getattr(ctx, "validation", None),
-                        workflow=getattr(ctx, "workflow", None))  # fmt: skip
+        _add_validation(
+            buffer, getattr(ctx, "validation", None), workflow=getattr(ctx, "workflow", None)
+        )
     if include_optimizer_lrs:
         optimizers = getattr(ctx, "optimizers", None)
         _add_optimizer_lrs(buffer, optimizers)

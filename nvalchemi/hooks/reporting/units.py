@@ -43,8 +43,12 @@ _TOKENS = {"eV/atom": "eV_per_atom", "eV": "eV", "eV/Å": "eV_per_A", "eV/Å³":
 _FROM_TOKEN = {token: unit for unit, token in _TOKENS.items()}
 _METRIC = re.compile(r"^(energy_per_atom|energy|forces|stress)_(mae|rmse)$")
 _WITH_UNIT = re.compile(r"^(?:.*/)?(energy_per_atom|energy|forces|stress)_(mae|rmse)_(\w+)$")
-_LABELS = {"energy_per_atom": "energy/atom", "energy": "energy (total)", "forces": "forces",
-           "stress": "stress"}  # fmt: skip
+_LABELS = {
+    "energy_per_atom": "energy/atom",
+    "energy": "energy (total)",
+    "forces": "forces",
+    "stress": "stress",
+}
 
 
 def metric_key(name: str) -> str:
@@ -110,8 +114,14 @@ def loss_units(loss_fn: Any) -> dict[str, str]:
 
 def _unit_of(component: Any) -> str | None:
     cls = type(component).__name__
-    quantity = next((q for prefix, q in (("Energy", "energy"), ("Force", "forces"),
-                                         ("Stress", "stress")) if cls.startswith(prefix)), None)  # fmt: skip
+    quantity = next(
+        (
+            q
+            for prefix, q in (("Energy", "energy"), ("Force", "forces"), ("Stress", "stress"))
+            if cls.startswith(prefix)
+        ),
+        None,
+    )
     if quantity is None:
         return None
     if quantity == "energy" and getattr(component, "per_atom", False):

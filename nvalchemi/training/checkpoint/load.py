@@ -186,15 +186,37 @@ def load_checkpoint(
         return _restore(strategy, files, specs, map_location, validators, patterns)
     meta_path = files.strategy()
     if meta_path is not None and model_names is None:
-        return _rebuild(None, files, specs, meta_path, map_location, hooks, training_fn,
-                        validators, trust, overrides, allow_spec_changes)  # fmt: skip
+        return _rebuild(
+            None,
+            files,
+            specs,
+            meta_path,
+            map_location,
+            hooks,
+            training_fn,
+            validators,
+            trust,
+            overrides,
+            allow_spec_changes,
+        )
     if overrides:
         raise ValueError("load_checkpoint: overrides apply to strategy checkpoints only.")
     return _load_components(files, specs, map_location, model_names, validators)
 
 
-def _rebuild(cls, files, specs, meta_path, map_location, hooks, training_fn, validators, trust,
-             overrides, allow_spec_changes) -> dict[str, Any]:  # fmt: skip
+def _rebuild(
+    cls,
+    files,
+    specs,
+    meta_path,
+    map_location,
+    hooks,
+    training_fn,
+    validators,
+    trust,
+    overrides,
+    allow_spec_changes,
+) -> dict[str, Any]:
     """Build the saved strategy class (``cls`` or a subclass) from its recipe, then restore it."""
     meta = read_json(meta_path, "strategy metadata")
     if not isinstance(meta, Mapping):
@@ -222,9 +244,13 @@ def _rebuild(cls, files, specs, meta_path, map_location, hooks, training_fn, val
     }
     single = bool(meta.get("single_model_input")) and set(models) == {"main"}
     strategy = cls.from_checkpoint_dict(
-        {**meta, "model_specs": {}}, models=models["main"] if single else models,
-        hooks=hooks, training_fn=training_fn, trust=trust, **kwargs,
-    )  # fmt: skip
+        {**meta, "model_specs": {}},
+        models=models["main"] if single else models,
+        hooks=hooks,
+        training_fn=training_fn,
+        trust=trust,
+        **kwargs,
+    )
     if not isinstance(strategy, cls):
         raise TypeError(
             f"Loaded strategy has type {type(strategy).__name__}, expected {cls.__name__}."
@@ -355,12 +381,14 @@ def _load_components(files, specs, map_location, model_names, validators) -> Che
         loaded[name] = _entry(model, spec, assoc)
         loaded[name]["optimizers"] = {
             o: {"optimizer": optimizers[o][0], "spec": optimizers[o][1]}
-            for o in assoc.get("optimizers", []) if o in optimizers
-        }  # fmt: skip
+            for o in assoc.get("optimizers", [])
+            if o in optimizers
+        }
         loaded[name]["schedulers"] = {
             s: {"scheduler": schedulers[s][0], "spec": schedulers[s][1]}
-            for s in assoc.get("schedulers", []) if s in schedulers
-        }  # fmt: skip
+            for s in assoc.get("schedulers", [])
+            if s in schedulers
+        }
     run_validators(validators, loaded, files.root)
     return files.manifest.model_copy(
         update={"models": models, "optimizers": optimizers, "schedulers": schedulers}
@@ -473,9 +501,14 @@ def strategy_restore_checkpoint(
 ) -> Mapping[str, Any]:
     """``TrainingStrategy.restore_checkpoint``: load a checkpoint into ``strategy`` in place."""
     return load_checkpoint(
-        root_folder, checkpoint_index, map_location, strategy=strategy, validators=validators,
-        trust=trust, allow_spec_changes=allow_spec_changes,
-    )  # fmt: skip
+        root_folder,
+        checkpoint_index,
+        map_location,
+        strategy=strategy,
+        validators=validators,
+        trust=trust,
+        allow_spec_changes=allow_spec_changes,
+    )
 
 
 def strategy_load_checkpoint(
@@ -504,5 +537,16 @@ def strategy_load_checkpoint(
             f"(checkpoint {files.entry.index} in {files.root} holds components only); use "
             "load_checkpoint(...) or load_model_from_checkpoint(...)."
         )
-    return _rebuild(cls, files, _Specs(files, trust), meta_path, map_location, hooks, training_fn,
-                    validators, trust, overrides, allow_spec_changes)["strategy"]  # fmt: skip
+    return _rebuild(
+        cls,
+        files,
+        _Specs(files, trust),
+        meta_path,
+        map_location,
+        hooks,
+        training_fn,
+        validators,
+        trust,
+        overrides,
+        allow_spec_changes,
+    )["strategy"]

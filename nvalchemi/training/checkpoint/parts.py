@@ -643,13 +643,16 @@ def _associations(objects: dict[str, dict[str, Any]], given: Mapping[str, Any] |
         out = {
             key: {
                 "optimizers": [
-                    n for n, opt in optimizers.items()
-                    if any(p.data_ptr() in pointers[key] for g in opt.param_groups for p in g["params"])
+                    n
+                    for n, opt in optimizers.items()
+                    if any(
+                        p.data_ptr() in pointers[key] for g in opt.param_groups for p in g["params"]
+                    )
                 ],
                 "schedulers": [],
             }
             for key in models
-        }  # fmt: skip
+        }
     for sched, scheduler in schedulers.items():
         opt = next(
             (n for n, o in optimizers.items() if getattr(scheduler, "optimizer", None) is o), None

@@ -73,9 +73,12 @@ def save_strategy(
             if writer is not None:
                 writer.wait()  # the previous write first: indices stay ordered, buffers free
             snapshot = capture_strategy(
-                strategy, reason=reason, metric=dict(metric) if metric else None,
-                rng_states=states, buffers=buffers,
-            )  # fmt: skip
+                strategy,
+                reason=reason,
+                metric=dict(metric) if metric else None,
+                rng_states=states,
+                buffers=buffers,
+            )
             if allow_spec_changes:
                 snapshot.approved = (*snapshot.approved, "*")
             check_spec_changes(store, snapshot)
@@ -99,9 +102,13 @@ def save_strategy(
 
 def _write(store: CheckpointStore, snapshot: Snapshot, retention: Any, index: int | None) -> int:
     return store.write(
-        snapshot.files, entry=snapshot.entry, top=snapshot.top, retention=retention,
-        index=index, history=snapshot.history,
-    )  # fmt: skip
+        snapshot.files,
+        entry=snapshot.entry,
+        top=snapshot.top,
+        retention=retention,
+        index=index,
+        history=snapshot.history,
+    )
 
 
 def _agree_finite(strategy: Any) -> None:
@@ -231,9 +238,15 @@ def save_checkpoint(
         if models is not None or optimizers or schedulers:
             raise ValueError("save_checkpoint: pass either strategy=... or models=..., not both.")
         return save_strategy(
-            root_folder, strategy, reason=reason, metric=metric, retention=retention, index=index,
-            allow_spec_changes=allow_spec_changes, rank_zero_only=rank_zero_only,
-        )  # fmt: skip
+            root_folder,
+            strategy,
+            reason=reason,
+            metric=metric,
+            retention=retention,
+            index=index,
+            allow_spec_changes=allow_spec_changes,
+            rank_zero_only=rank_zero_only,
+        )
     if models is None:
         raise ValueError("save_checkpoint requires models=... or strategy=....")
     snapshot = capture_components(models, optimizers, schedulers, associations)

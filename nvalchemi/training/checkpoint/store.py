@@ -309,9 +309,13 @@ def _v1_to_v2(data: dict[str, Any], root: Path) -> dict[str, Any]:
     entries = []
     for index in sorted(indices or ()):
         entry: dict[str, Any] = {
-            "index": index, "path": "", "layout": 1, "kind": "components",
-            "reason": "upgraded", **names,
-        }  # fmt: skip
+            "index": index,
+            "path": "",
+            "layout": 1,
+            "kind": "components",
+            "reason": "upgraded",
+            **names,
+        }
         meta = root / "strategy" / "checkpoints" / f"{index}.json"
         if not meta.is_file() and index == latest:
             meta = root / "strategy.json"  # the reference kept only the latest one here
@@ -816,10 +820,12 @@ def _refuse_foreign(root: Path) -> None:
         return
     folder = root / CHECKPOINTS
     found = [
-        p for p in [*_listdir(root), *_listdir(folder)]
-        if p.name != LOCK_FILE and p != folder
+        p
+        for p in [*_listdir(root), *_listdir(folder)]
+        if p.name != LOCK_FILE
+        and p != folder
         and not (p.parent == folder and p.name.startswith(TEMP_PREFIX) and (p / MARKER).is_file())
-    ]  # fmt: skip
+    ]
     if not found:
         return
     shown = ", ".join(sorted(p.relative_to(root).as_posix() for p in found)[:5])

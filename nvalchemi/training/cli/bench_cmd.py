@@ -13,8 +13,9 @@ from nvalchemi.training.cli._console import err_console, print_table
 __all__ = ["bench"]
 
 
-def _named_model(model: str, datasets: tuple[str, ...], batch_size: int, device: str,
-                 structures: int) -> tuple[Any, Any]:  # fmt: skip
+def _named_model(
+    model: str, datasets: tuple[str, ...], batch_size: int, device: str, structures: int
+) -> tuple[Any, Any]:
     """``(make_strategy, loader)`` for a built-in model on ``datasets`` (default: bundled)."""
     import copy
 
@@ -41,9 +42,13 @@ def _named_model(model: str, datasets: tuple[str, ...], batch_size: int, device:
 
     def make(hooks: list[Any]) -> Any:
         return TrainingStrategy(
-            models=copy.deepcopy(template), devices=[device], num_steps=10**9, hooks=hooks,
-            optimizer_configs=QUICKSTART.optimizer_config(None), loss_fn=QUICKSTART.loss_fn(),
-        )  # fmt: skip
+            models=copy.deepcopy(template),
+            devices=[device],
+            num_steps=10**9,
+            hooks=hooks,
+            optimizer_configs=QUICKSTART.optimizer_config(None),
+            loss_fn=QUICKSTART.loss_fn(),
+        )
 
     return make, loader
 
@@ -61,54 +66,103 @@ def _job(path: str, device: str | None, trust: bool) -> tuple[Any, Any]:
 
     def make(hooks: list[Any]) -> Any:
         seed_everything(job.dataset.seed)  # the same initial weights every time
-        own = [h for h, _ in build_hooks(job.source.hooks, trust)
-               if not isinstance(h, CheckpointHook)]  # fmt: skip
-        return build_strategy(job, sources=sources, hooks=[*own, *hooks], trust=trust,
-                              map_location=device)  # fmt: skip
+        own = [
+            h for h, _ in build_hooks(job.source.hooks, trust) if not isinstance(h, CheckpointHook)
+        ]
+        return build_strategy(
+            job, sources=sources, hooks=[*own, *hooks], trust=trust, map_location=device
+        )
 
     strategy = make([])
-    data = make_dataset(sources.train, neighbor_config=neighbor_config_of(strategy.models),
-                        in_memory=job.dataset.in_memory)  # fmt: skip
+    data = make_dataset(
+        sources.train,
+        neighbor_config=neighbor_config_of(strategy.models),
+        in_memory=job.dataset.in_memory,
+    )
     batch_size = job.dataset.batch_size if isinstance(job.dataset.batch_size, int) else 8
     return make, make_loader(data, batch_size=batch_size, shuffle=True, seed=job.dataset.seed)
 
 
-@main.command("bench", epilog="""\b
+@main.command(
+    "bench",
+    epilog="""\b
 Examples:
   nvalchemi-training bench --model painn --steps 50 --json
   nvalchemi-training bench job.yaml --device cuda --precision bf16 --precision fp16
-""")
+""",
+)
 @click.argument("job", required=False, type=click.Path(dir_okay=False))
-@click.option("--model", type=click.Choice(["painn", "demo"]), default="painn", show_default=True,
-              help="A built-in model to measure (when no JOB is given).")
-@click.option("--dataset", "datasets", multiple=True,
-              help="Data for --model (default: the bundled EMT training split).")
-@click.option("--max-structures", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Structures read for --model.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Structures per batch for --model (a JOB uses its own).")
+@click.option(
+    "--model",
+    type=click.Choice(["painn", "demo"]),
+    default="painn",
+    show_default=True,
+    help="A built-in model to measure (when no JOB is given).",
+)
+@click.option(
+    "--dataset",
+    "datasets",
+    multiple=True,
+    help="Data for --model (default: the bundled EMT training split).",
+)
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Structures read for --model.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Structures per batch for --model (a JOB uses its own).",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True)
 @click.option("--device", help="cpu, cuda, cuda:N (default: a JOB's device, else auto).")
-@click.option("--precision", "precisions", multiple=True, type=click.Choice(["bf16", "fp16"]),
-              help="A mixed-precision candidate, compared with float32 eager (repeatable).")
-@click.option("--compile", "compile_", is_flag=True,
-              help="A compiled candidate: TrainingStrategy(compile=True); its warm-up compiles.")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="torch CPU threads.")
+@click.option(
+    "--precision",
+    "precisions",
+    multiple=True,
+    type=click.Choice(["bf16", "fp16"]),
+    help="A mixed-precision candidate, compared with float32 eager (repeatable).",
+)
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    help="A compiled candidate: TrainingStrategy(compile=True); its warm-up compiles.",
+)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--trust", is_flag=True, help="Trust the job file (dotted paths, pickles).")
-@debug_option  # fmt: skip
-def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures: int,
-          batch_size: int, steps: int, warmup: int, device: str | None,
-          precisions: tuple[str, ...], compile_: bool, threads: int, as_json: bool,
-          trust: bool) -> None:  # fmt: skip
+@debug_option
+def bench(
+    job: str | None,
+    model: str,
+    datasets: tuple[str, ...],
+    max_structures: int,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    device: str | None,
+    precisions: tuple[str, ...],
+    compile_: bool,
+    threads: int,
+    as_json: bool,
+    trust: bool,
+) -> None:
     """Measure training on this machine: structures/s, steps/s, peak memory, the loader's
     share of the step, and the loss / gradient-norm error of precision and compile candidates."""
     import torch
 
     from nvalchemi.training.bench import STARVED_SHARE, benchmark
     from nvalchemi.training.devices import check_device, resolve_device
+
     torch.set_num_threads(threads)
     if device is not None:
         check_device(device, field="--device", fix="use --device cpu (or a GPU present here)")
@@ -116,17 +170,23 @@ def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures
         make, loader = _job(job, device, trust)
         name = job
     else:
-        make, loader = _named_model(model, datasets, batch_size, resolve_device(device or "auto"),
-                                    max_structures)  # fmt: skip
+        make, loader = _named_model(
+            model, datasets, batch_size, resolve_device(device or "auto"), max_structures
+        )
         name = f"{model} (batch {batch_size})"
     candidates = [*precisions, *(["compile"] if compile_ else [])]
     result = benchmark(make, loader, steps=steps, warmup=warmup, candidates=candidates, name=name)
     console = err_console()
-    rows = [("device", result.device), ("timed steps", f"{result.steps} (after {result.warmup_steps})"),
-            ("structures/s", f"{result.structures_per_s:,.1f}"), ("steps/s", f"{result.steps_per_s:,.2f}"),
-            ("atoms/s", f"{result.atoms_per_s:,.0f}"), ("median step (ms)", f"{result.step_ms_median:.1f}"),
-            ("loader share of the step", f"{100 * result.loader_share:.1f}%"),
-            (f"peak memory (MiB, {result.memory_kind})", f"{result.peak_memory_mib:,.0f}")]  # fmt: skip
+    rows = [
+        ("device", result.device),
+        ("timed steps", f"{result.steps} (after {result.warmup_steps})"),
+        ("structures/s", f"{result.structures_per_s:,.1f}"),
+        ("steps/s", f"{result.steps_per_s:,.2f}"),
+        ("atoms/s", f"{result.atoms_per_s:,.0f}"),
+        ("median step (ms)", f"{result.step_ms_median:.1f}"),
+        ("loader share of the step", f"{100 * result.loader_share:.1f}%"),
+        (f"peak memory (MiB, {result.memory_kind})", f"{result.peak_memory_mib:,.0f}"),
+    ]
     print_table(console, f"Benchmark: {name}", ["", "value"], rows)
     if result.starved:
         console.print(
@@ -135,12 +195,30 @@ def bench(job: str | None, model: str, datasets: tuple[str, ...], max_structures
             "in_memory data or neighbour lists stored with `data convert --cutoff`"
         )
     if result.candidates:
-        print_table(console, "Candidates against float32 eager (same batches, same start)",
-                    ["candidate", "steps/s", "speedup", "loss rel. err. max", "mean",
-                     "grad-norm rel. err. max", "mean"],
-                    [(c.name, f"{c.steps_per_s:.2f}", f"{c.speedup:.2f}x",
-                      f"{c.loss_rel_error_max:.2e}", f"{c.loss_rel_error_mean:.2e}",
-                      f"{c.grad_norm_rel_error_max:.2e}", f"{c.grad_norm_rel_error_mean:.2e}")
-                     for c in result.candidates])  # fmt: skip
+        print_table(
+            console,
+            "Candidates against float32 eager (same batches, same start)",
+            [
+                "candidate",
+                "steps/s",
+                "speedup",
+                "loss rel. err. max",
+                "mean",
+                "grad-norm rel. err. max",
+                "mean",
+            ],
+            [
+                (
+                    c.name,
+                    f"{c.steps_per_s:.2f}",
+                    f"{c.speedup:.2f}x",
+                    f"{c.loss_rel_error_max:.2e}",
+                    f"{c.loss_rel_error_mean:.2e}",
+                    f"{c.grad_norm_rel_error_max:.2e}",
+                    f"{c.grad_norm_rel_error_mean:.2e}",
+                )
+                for c in result.candidates
+            ],
+        )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

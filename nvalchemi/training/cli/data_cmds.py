@@ -56,11 +56,14 @@ def data() -> None:
     """Convert data sets, verify them and print their statistics."""
 
 
-@data.command("convert", epilog="""\b
+@data.command(
+    "convert",
+    epilog="""\b
 Examples:
   nvalchemi-training data convert data/train.extxyz data/train.zarr --cutoff 5
   nvalchemi-training data convert a.extxyz b.db data/all.zarr --label-key energy=REF_energy
-""")
+""",
+)
 @click.argument("inputs", nargs=-1, required=True)
 @click.argument("output")
 @click.option(
@@ -95,7 +98,7 @@ Examples:
     help="Convert only the first N structures of each input.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a zarr store.")
-@debug_option  # fmt: skip
+@debug_option
 def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     """Convert extxyz / ASE db files (INPUTS) into one zarr store (OUTPUT).
 
@@ -133,11 +136,14 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     console.print(text)
 
 
-@data.command("check", epilog="""\b
+@data.command(
+    "check",
+    epilog="""\b
 Examples:
   nvalchemi-training data check data/train.zarr
   nvalchemi-training data check data/*.extxyz --json > check.json
-""")
+""",
+)
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--label-key",
@@ -146,7 +152,7 @@ Examples:
     help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON on stdout.")
-@debug_option  # fmt: skip
+@debug_option
 def check(paths: tuple[str, ...], label_keys: tuple[str, ...], as_json: bool) -> None:
     """Verify data end to end (run it after copying a store).
 
@@ -199,11 +205,14 @@ def _print_check(console: Any, path: str, report: dict[str, Any]) -> None:
         console.print(f"{path}: OK", markup=False)
 
 
-@data.command("stats", epilog="""\b
+@data.command(
+    "stats",
+    epilog="""\b
 Examples:
   nvalchemi-training data stats data/train.extxyz
   nvalchemi-training data stats data/train.zarr --max-structures 1000 --json
-""")
+""",
+)
 @click.argument("paths", nargs=-1, required=True)
 @click.option(
     "--max-structures",
@@ -217,7 +226,7 @@ Examples:
     help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
-@debug_option  # fmt: skip
+@debug_option
 def stats(
     paths: tuple[str, ...], max_structures: int | None, label_keys: tuple[str, ...], as_json: bool
 ) -> None:
@@ -258,15 +267,20 @@ def _print_stats(result: dict[str, Any]) -> None:
     rows += [(f"with {label}", count) for label, count in result["labels"].items()]
     if "energy_per_atom" in result:
         e = result["energy_per_atom"]
-        rows.append(("energy per atom (eV)",
-                     f"{e['mean']:.4f} ± {e['std']:.4f} [{e['min']:.4f}, {e['max']:.4f}]"))  # fmt: skip
+        rows.append(
+            (
+                "energy per atom (eV)",
+                f"{e['mean']:.4f} ± {e['std']:.4f} [{e['min']:.4f}, {e['max']:.4f}]",
+            )
+        )
     if "forces" in result:
         rows.append(("force component RMS (eV/Å)", result["forces"]["component_rms"]))
         rows.append(("largest force (eV/Å)", result["forces"]["max_norm"]))
     if "stress" in result:
         s = result["stress"]
-        rows.append(("stress component (meV/Å³)",
-                     f"{1000 * s['mean']:.3g} ± {1000 * s['std']:.3g}"))  # fmt: skip
+        rows.append(
+            ("stress component (meV/Å³)", f"{1000 * s['mean']:.3g} ± {1000 * s['std']:.3g}")
+        )
     print_table(console, "Data set", ["", "value"], rows)
     energies = result.get("reference_energies", {})
     print_table(
@@ -274,11 +288,15 @@ def _print_stats(result: dict[str, Any]) -> None:
         "Elements",
         ["element", "atoms", "structures", "E0 (eV)"],
         [
-            (symbol, v["atoms"], v["structures"],
-             "-" if symbol not in energies else f"{energies[symbol]:.4f}")
+            (
+                symbol,
+                v["atoms"],
+                v["structures"],
+                "-" if symbol not in energies else f"{energies[symbol]:.4f}",
+            )
             for symbol, v in result["elements"].items()
         ],
-    )  # fmt: skip
+    )
     if energies:
         console.print("E0: suggested per-element reference energies (least squares on the totals)")
     if result["labels"]["stress"]:

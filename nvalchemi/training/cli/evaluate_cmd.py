@@ -17,19 +17,29 @@ from nvalchemi.training.cli._console import err_console, print_table
 __all__ = ["evaluate", "print_evaluation"]
 
 _ERROR_COLUMNS = ["E MAE", "E RMSE", "F MAE", "F RMSE", "S MAE", "S RMSE"]
-UNITS_NOTE = "E: energy per atom (meV/atom), F: force components (meV/Å), S: stress components (meV/Å³)"
+UNITS_NOTE = (
+    "E: energy per atom (meV/atom), F: force components (meV/Å), S: stress components (meV/Å³)"
+)
 
 
 def _overall_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     from nvalchemi.training.evaluation import DISPLAY, QUANTITIES
 
-    labels = {"energy_per_atom": "energy per atom", "forces": "forces (components)",
-              "stress": "stress (components)"}  # fmt: skip
+    labels = {
+        "energy_per_atom": "energy per atom",
+        "forces": "forces (components)",
+        "stress": "stress (components)",
+    }
     return [
-        (labels[q], f"{1000 * metrics[f'{q}_mae']:.2f}", f"{1000 * metrics[f'{q}_rmse']:.2f}",
-         DISPLAY[q])
-        for q in QUANTITIES if f"{q}_mae" in metrics
-    ]  # fmt: skip
+        (
+            labels[q],
+            f"{1000 * metrics[f'{q}_mae']:.2f}",
+            f"{1000 * metrics[f'{q}_rmse']:.2f}",
+            DISPLAY[q],
+        )
+        for q in QUANTITIES
+        if f"{q}_mae" in metrics
+    ]
 
 
 def _breakdown(console: Any, title: str, first: str, rows: dict[str, dict[str, Any]]) -> None:
@@ -37,8 +47,10 @@ def _breakdown(console: Any, title: str, first: str, rows: dict[str, dict[str, A
 
     if not rows or (len(rows) < 2 and first == "file"):
         return  # one file is the overall table again
-    body = [(name, f"{v.get('structures', 0):,}", f"{v.get('atoms', 0):,}", *error_rows(v))
-            for name, v in rows.items()]  # fmt: skip
+    body = [
+        (name, f"{v.get('structures', 0):,}", f"{v.get('atoms', 0):,}", *error_rows(v))
+        for name, v in rows.items()
+    ]
     print_table(console, title, [first, "structures", "atoms", *_ERROR_COLUMNS], body)
 
 
@@ -48,10 +60,21 @@ def _force_bins(console: Any, bins: list[dict[str, float]]) -> None:
     rows = []
     for b in bins:
         high = "∞" if math.isinf(b["high"]) else f"{b['high']:g}"
-        rows.append((f"{b['low']:g} - {high}", f"{b['atoms']:,}", f"{1000 * b['forces_mae']:.2f}",
-                     f"{1000 * b['forces_rmse']:.2f}", f"{100 * b['relative_mae']:.1f}%"))  # fmt: skip
-    print_table(console, "Force errors by reference force magnitude |F| (eV/Å)",
-                ["|F| eV/Å", "atoms", "MAE meV/Å", "RMSE meV/Å", "MAE / mean |F|"], rows)  # fmt: skip
+        rows.append(
+            (
+                f"{b['low']:g} - {high}",
+                f"{b['atoms']:,}",
+                f"{1000 * b['forces_mae']:.2f}",
+                f"{1000 * b['forces_rmse']:.2f}",
+                f"{100 * b['relative_mae']:.1f}%",
+            )
+        )
+    print_table(
+        console,
+        "Force errors by reference force magnitude |F| (eV/Å)",
+        ["|F| eV/Å", "atoms", "MAE meV/Å", "RMSE meV/Å", "MAE / mean |F|"],
+        rows,
+    )
 
 
 def print_evaluation(console: Any, evaluation: Any, title: str, grouping: str = "") -> dict:
@@ -66,46 +89,91 @@ def print_evaluation(console: Any, evaluation: Any, title: str, grouping: str = 
     )
     by = {"config_type": "config_type", "atoms": "atom count", "": "group"}.get(grouping, grouping)
     _breakdown(console, f"Errors per structure type ({by})", by, report["by_group"])
-    _breakdown(console, "Errors per element (forces: its atoms; E, S: structures with it)",
-               "element", report["per_element"])  # fmt: skip
+    _breakdown(
+        console,
+        "Errors per element (forces: its atoms; E, S: structures with it)",
+        "element",
+        report["per_element"],
+    )
     _breakdown(console, "Errors per input file", "file", report["by_source"])
     _force_bins(console, evaluation.force_bins())
     console.print(UNITS_NOTE)
     return {"grouping": grouping, **report}
 
 
-@main.command("evaluate", epilog="""\b
+@main.command(
+    "evaluate",
+    epilog="""\b
 Examples:
   nvalchemi-training evaluate runs/my/checkpoints --dataset data/test.extxyz
   nvalchemi-training evaluate runs/my/checkpoints --dataset test.extxyz --group-by material --json
-""")
+""",
+)
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
-@click.option("--dataset", "datasets", multiple=True, required=True,
-              help="Data to evaluate on (extxyz / ASE db / zarr; repeatable).")
-@click.option("--checkpoint-index", default="latest", show_default=True,
-              help="An index, 'latest' or 'best'.")
-@click.option("--ema/--no-ema", default=True, show_default=True,
-              help="Use the EMA weights when the checkpoint has them.")
-@click.option("--group-by", metavar="KEY",
-              help="extxyz/db info key that groups structures (default: config_type when "
-              "present, else atom-count ranges).")
+@click.option(
+    "--dataset",
+    "datasets",
+    multiple=True,
+    required=True,
+    help="Data to evaluate on (extxyz / ASE db / zarr; repeatable).",
+)
+@click.option(
+    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
+)
+@click.option(
+    "--ema/--no-ema",
+    default=True,
+    show_default=True,
+    help="Use the EMA weights when the checkpoint has them.",
+)
+@click.option(
+    "--group-by",
+    metavar="KEY",
+    help="extxyz/db info key that groups structures (default: config_type when "
+    "present, else atom-count ranges).",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--max-structures", type=click.IntRange(min=1),
-              help="Evaluate only the first N structures of each file.")
-@click.option("--out-dir", type=click.Path(file_okay=False),
-              help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).")
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    help="Evaluate only the first N structures of each file.",
+)
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False),
+    help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).",
+)
 @click.option("--plots/--no-plots", default=True, show_default=True)
 @click.option("--head", help="Readout head of a multi-head model (default: its default head).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (eV units).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (eV units)."
+)
 @click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
-@click.option("--allow-import", "allow_imports", multiple=True, metavar="PKG",
-              help="Let the checkpoint name classes of this module of yours (repeatable).")
-@debug_option  # fmt: skip
-def evaluate(checkpoint_dir: str, datasets: tuple[str, ...], checkpoint_index: str, ema: bool,
-             group_by: str | None, batch_size: int, device: str, max_structures: int | None,
-             out_dir: str | None, plots: bool, head: str | None, as_json: bool, trust: bool,
-             allow_imports: tuple[str, ...]) -> None:  # fmt: skip
+@click.option(
+    "--allow-import",
+    "allow_imports",
+    multiple=True,
+    metavar="PKG",
+    help="Let the checkpoint name classes of this module of yours (repeatable).",
+)
+@debug_option
+def evaluate(
+    checkpoint_dir: str,
+    datasets: tuple[str, ...],
+    checkpoint_index: str,
+    ema: bool,
+    group_by: str | None,
+    batch_size: int,
+    device: str,
+    max_structures: int | None,
+    out_dir: str | None,
+    plots: bool,
+    head: str | None,
+    as_json: bool,
+    trust: bool,
+    allow_imports: tuple[str, ...],
+) -> None:
     """Evaluate a checkpoint: energy, force and stress errors overall, per structure type,
     element, file and force magnitude, with parity plots."""
     from nvalchemi._errors import FieldError
@@ -123,16 +191,25 @@ def evaluate(checkpoint_dir: str, datasets: tuple[str, ...], checkpoint_index: s
             field="CHECKPOINT_DIR",
             fix="give the checkpoint root a CheckpointHook wrote, e.g. runs/quickstart/checkpoints",
         )
-    model = load_model_from_checkpoint(root, map_location=device, use_ema=ema, trust=trust,
-                                       checkpoint_index=parse_checkpoint_index(checkpoint_index))  # fmt: skip
+    model = load_model_from_checkpoint(
+        root,
+        map_location=device,
+        use_ema=ema,
+        trust=trust,
+        checkpoint_index=parse_checkpoint_index(checkpoint_index),
+    )
     names = getattr(model, "head_names", None)
     if head is not None and (names is None or head not in names):
-        raise FieldError(f"--head {head!r} is not a head of this model (heads: {list(names or [])})",
-                         field="--head", fix="name one of the model's heads, or drop --head")  # fmt: skip
+        raise FieldError(
+            f"--head {head!r} is not a head of this model (heads: {list(names or [])})",
+            field="--head",
+            fix="name one of the model's heads, or drop --head",
+        )
     readers = [open_reader(p, field="--dataset", max_structures=max_structures) for p in datasets]
     try:
-        evaluation, grouping = evaluate_readers(model, readers, batch_size=batch_size,
-                                                device=device, head=head, group_by=group_by)  # fmt: skip
+        evaluation, grouping = evaluate_readers(
+            model, readers, batch_size=batch_size, device=device, head=head, group_by=group_by
+        )
     finally:
         for reader in readers:
             reader.close()

@@ -32,54 +32,108 @@ def _common_options(default_lr: float, *, required: bool = True):
 
     def decorate(fn):
         options = [
-            click.option("--dataset", "datasets", multiple=True, required=required,
-                         help="Training data: extxyz / ASE db file or zarr store (repeat for "
-                              "several; they become one MultiDataset)."),
+            click.option(
+                "--dataset",
+                "datasets",
+                multiple=True,
+                required=required,
+                help="Training data: extxyz / ASE db file or zarr store (repeat for "
+                "several; they become one MultiDataset).",
+            ),
             click.option("--output-dir", required=required, help="Run directory of the job."),
-            click.option("--out", "out", type=click.Path(dir_okay=False),
-                         help="Write the spec here (.json or .yaml); default: stdout."),
-            click.option("--lr", type=float, default=default_lr, show_default=True,
-                         help="Peak learning rate (AdamW)."),
-            click.option("--minutes", type=click.FloatRange(min=0, min_open=True),
-                         help="Time budget: the run's length and learning-rate schedule are "
-                              "fitted to it at run time (train init default: 10)."),
-            click.option("--num-steps", type=click.IntRange(min=1),
-                         help="A fixed length in optimizer steps (fine-tunes: default 1000)."),
-            click.option("--num-epochs", type=click.IntRange(min=1),
-                         help="A fixed length in epochs."),
-            click.option("--device", default="auto", show_default=True,
-                         help="cpu, cuda, cuda:N, or auto (cuda when available)."),
-            click.option("--trainable-pattern", "trainable_patterns", multiple=True,
-                         help="Train only parameters matching this fnmatch pattern over "
-                              "qualified names like 'main.readout.*' (repeatable)."),
-            click.option("--freeze-pattern", "freeze_patterns", multiple=True,
-                         help="Freeze parameters matching this pattern (repeatable)."),
-            click.option("--loss-dtype-policy", type=click.Choice(DTYPE_POLICIES),
-                         default="strict", show_default=True,
-                         help="What the loss does when prediction and label dtypes differ: "
-                              "raise (strict) or cast one to the other."),
-            click.option("--validation-dataset", "validation_datasets", multiple=True,
-                         help="Validation data file(s)."),
-            click.option("--val-fraction", type=click.FloatRange(0, 1, min_open=True,
-                                                                 max_open=True),
-                         help="Hold out this fraction of the training data for validation "
-                              "(seeded)."),
+            click.option(
+                "--out",
+                "out",
+                type=click.Path(dir_okay=False),
+                help="Write the spec here (.json or .yaml); default: stdout.",
+            ),
+            click.option(
+                "--lr",
+                type=float,
+                default=default_lr,
+                show_default=True,
+                help="Peak learning rate (AdamW).",
+            ),
+            click.option(
+                "--minutes",
+                type=click.FloatRange(min=0, min_open=True),
+                help="Time budget: the run's length and learning-rate schedule are "
+                "fitted to it at run time (train init default: 10).",
+            ),
+            click.option(
+                "--num-steps",
+                type=click.IntRange(min=1),
+                help="A fixed length in optimizer steps (fine-tunes: default 1000).",
+            ),
+            click.option(
+                "--num-epochs", type=click.IntRange(min=1), help="A fixed length in epochs."
+            ),
+            click.option(
+                "--device",
+                default="auto",
+                show_default=True,
+                help="cpu, cuda, cuda:N, or auto (cuda when available).",
+            ),
+            click.option(
+                "--trainable-pattern",
+                "trainable_patterns",
+                multiple=True,
+                help="Train only parameters matching this fnmatch pattern over "
+                "qualified names like 'main.readout.*' (repeatable).",
+            ),
+            click.option(
+                "--freeze-pattern",
+                "freeze_patterns",
+                multiple=True,
+                help="Freeze parameters matching this pattern (repeatable).",
+            ),
+            click.option(
+                "--loss-dtype-policy",
+                type=click.Choice(DTYPE_POLICIES),
+                default="strict",
+                show_default=True,
+                help="What the loss does when prediction and label dtypes differ: "
+                "raise (strict) or cast one to the other.",
+            ),
+            click.option(
+                "--validation-dataset",
+                "validation_datasets",
+                multiple=True,
+                help="Validation data file(s).",
+            ),
+            click.option(
+                "--val-fraction",
+                type=click.FloatRange(0, 1, min_open=True, max_open=True),
+                help="Hold out this fraction of the training data for validation (seeded).",
+            ),
             click.option("--validation-every-epochs", type=click.IntRange(min=1)),
             click.option("--validation-every-steps", type=click.IntRange(min=1)),
-            click.option("--batch-size", default=str(QUICKSTART.batch_size), show_default=True,
-                         callback=lambda c, p, v: _batch_size(v),
-                         help="Structures per batch, or auto (an atom budget found by "
-                              "probing the model's memory at run time)."),
-            click.option("--max-atoms", type=click.IntRange(min=1),
-                         help="Batches of at most this many atoms instead of a fixed count."),
-            click.option("--max-edges", type=click.IntRange(min=1),
-                         help="Batches of at most this many neighbour pairs."),
-            click.option("--in-memory/--no-in-memory", default=None,
-                         help="Load the data into memory once (default: when the files are "
-                              "under 1 GB)."),
+            click.option(
+                "--batch-size",
+                default=str(QUICKSTART.batch_size),
+                show_default=True,
+                callback=lambda c, p, v: _batch_size(v),
+                help="Structures per batch, or auto (an atom budget found by "
+                "probing the model's memory at run time).",
+            ),
+            click.option(
+                "--max-atoms",
+                type=click.IntRange(min=1),
+                help="Batches of at most this many atoms instead of a fixed count.",
+            ),
+            click.option(
+                "--max-edges",
+                type=click.IntRange(min=1),
+                help="Batches of at most this many neighbour pairs.",
+            ),
+            click.option(
+                "--in-memory/--no-in-memory",
+                default=None,
+                help="Load the data into memory once (default: when the files are under 1 GB).",
+            ),
             click.option("--name", help="Job name (shown in reports)."),
             debug_option,
-        ]  # fmt: skip
+        ]
         for option in reversed(options):
             fn = option(fn)
         return functools.wraps(fn)(fn)
@@ -107,8 +161,9 @@ def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) 
             fix="a budget (--minutes) or a fixed length (--num-steps / --num-epochs)",
         )
     if options["batch_size"] == "auto" and (options["max_atoms"] or options["max_edges"]):
-        raise CLIError("--batch-size auto finds --max-atoms / --max-edges itself",
-                       fix="give one or the other")  # fmt: skip
+        raise CLIError(
+            "--batch-size auto finds --max-atoms / --max-edges itself", fix="give one or the other"
+        )
 
     if options["validation_every_epochs"] and options["validation_every_steps"]:
         raise CLIError(
@@ -168,8 +223,13 @@ def _describe(job: TrainingJobSpec) -> str:
         what = f"trains {name} ({where}{module}) from scratch"
     else:
         what = "trains your model (fill strategy.model_specs.main)"
-    length = (f"fitted to {job.minutes:g} min" if job.minutes is not None and job.strategy.num_steps
-              is None and job.strategy.num_epochs is None else _fixed_length(job))  # fmt: skip
+    length = (
+        f"fitted to {job.minutes:g} min"
+        if job.minutes is not None
+        and job.strategy.num_steps is None
+        and job.strategy.num_epochs is None
+        else _fixed_length(job)
+    )
     stress = " with stress" if "stress" in (spec.get("active_outputs") or []) else ""
     return f"{what}{stress}, {length}"
 
@@ -201,23 +261,37 @@ def train() -> None:
     """Scaffold a training-from-scratch job."""
 
 
-@train.command("init", epilog="""\b
+@train.command(
+    "init",
+    epilog="""\b
 Examples:
   nvalchemi-training train init --dataset a.extxyz --validation-dataset b.extxyz \\
       --minutes 30 --stress --output-dir runs/my --out job.yaml
   nvalchemi-training train init --dataset data/train.extxyz --val-fraction 0.1 --output-dir runs/my
-""")
+""",
+)
 @_common_options(default_lr=QUICKSTART.lr)
-@click.option("--model", "model_kind", type=click.Choice(["painn", "custom"]), default="painn",
-              show_default=True,
-              help="painn: the built-in PaiNN, fitted to the data at run time; custom: fill "
-                   "strategy.model_specs yourself.")
-@click.option("--cutoff", type=click.FloatRange(min=0, min_open=True),
-              help=f"PaiNN cutoff in Å (default {QUICKSTART.cutoff}).")
-@click.option("--stress/--no-stress", default=None,
-              help="Train on stress too: the stress loss (weight "
-                   f"{QUICKSTART.stress_weight:g}) and the model's stress output. Default: "
-                   "when the training data has stress labels.")  # fmt: skip
+@click.option(
+    "--model",
+    "model_kind",
+    type=click.Choice(["painn", "custom"]),
+    default="painn",
+    show_default=True,
+    help="painn: the built-in PaiNN, fitted to the data at run time; custom: fill "
+    "strategy.model_specs yourself.",
+)
+@click.option(
+    "--cutoff",
+    type=click.FloatRange(min=0, min_open=True),
+    help=f"PaiNN cutoff in Å (default {QUICKSTART.cutoff}).",
+)
+@click.option(
+    "--stress/--no-stress",
+    default=None,
+    help="Train on stress too: the stress loss (weight "
+    f"{QUICKSTART.stress_weight:g}) and the model's stress output. Default: "
+    "when the training data has stress labels.",
+)
 def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **options: Any) -> None:
     """Scaffold a job that trains a model from scratch: the quickstart recipe on your data."""
     extra: dict[str, Any] = {}
@@ -230,8 +304,9 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
             click.echo(
                 f"stress labels found in {counts['stress']:,} of the first {counts['scanned']:,} "
                 f"training structures: adding the stress loss (weight {QUICKSTART.stress_weight:g})"
-                " and the model's stress output (--no-stress to leave them out)", err=True,
-            )  # fmt: skip
+                " and the model's stress output (--no-stress to leave them out)",
+                err=True,
+            )
     extra["stress"] = stress
     extra["structures"] = counts["structures"] if counts else None
     if model_kind == "painn":
@@ -239,7 +314,11 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
 
         extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
         extra["source"] = {"fit_to_data": True}
-        if options["minutes"] is None and options["num_steps"] is None and not options["num_epochs"]:
+        if (
+            options["minutes"] is None
+            and options["num_steps"] is None
+            and not options["num_epochs"]
+        ):
             options["minutes"] = DEFAULT_MINUTES
     _emit(_scaffold("train", "custom", options, **extra), options["out"])
 
@@ -271,45 +350,93 @@ E0_MODES = ("keep", "refit", "estimated", "fixed")
 def _finetune_options(fn):
     """What a fine-tune keeps of its source: the job's ``finetune`` block."""
     options = [
-        click.option("--e0", "e0", type=click.Choice(E0_MODES), default="keep",
-                     show_default=True,
-                     help="Reference energies of the trained head: keep the source's (new "
-                          "elements fitted), refit on the new data, estimated (source + "
-                          "fitted offset of the new labels), fixed (--e0-value)."),
-        click.option("--e0-value", "e0_values", multiple=True, metavar="EL=EV",
-                     help="E0 of one element for --e0 fixed, e.g. Cu=-3.71 (repeatable)."),
-        click.option("--scale-shift", type=click.Choice(["keep", "refit"]), default="keep",
-                     show_default=True, help="Keep or re-estimate scale and shift."),
-        click.option("--head", help="Add a readout head of this name (a copy of the source "
-                                    "head) and train it on the new data."),
+        click.option(
+            "--e0",
+            "e0",
+            type=click.Choice(E0_MODES),
+            default="keep",
+            show_default=True,
+            help="Reference energies of the trained head: keep the source's (new "
+            "elements fitted), refit on the new data, estimated (source + "
+            "fitted offset of the new labels), fixed (--e0-value).",
+        ),
+        click.option(
+            "--e0-value",
+            "e0_values",
+            multiple=True,
+            metavar="EL=EV",
+            help="E0 of one element for --e0 fixed, e.g. Cu=-3.71 (repeatable).",
+        ),
+        click.option(
+            "--scale-shift",
+            type=click.Choice(["keep", "refit"]),
+            default="keep",
+            show_default=True,
+            help="Keep or re-estimate scale and shift.",
+        ),
+        click.option(
+            "--head",
+            help="Add a readout head of this name (a copy of the source "
+            "head) and train it on the new data.",
+        ),
         click.option("--source-head", help="The source head to copy and to label replay with."),
-        click.option("--trunk-lr-scale", type=click.FloatRange(min=0),
-                     help="Learning rate of everything but the trained head, relative to "
-                          "--lr (0 freezes it; for MACE the head is every readout)."),
-        click.option("--replay", "replay", multiple=True,
-                     help="Replay structures mixed in against forgetting (repeatable)."),
-        click.option("--replay-ratio", type=click.FloatRange(0, 1, min_open=True,
-                                                             max_open=True),
-                     help="Share of every batch drawn from replay (default: by size)."),
-        click.option("--replay-weight", type=click.FloatRange(min=0), default=1.0,
-                     show_default=True, help="Loss weight of replay structures."),
-        click.option("--pseudo-label/--replay-labels", default=True, show_default=True,
-                     help="Label replay with the source model (cached once), or use the "
-                          "labels in the replay files."),
-        click.option("--holdout-fraction", type=click.FloatRange(0, 1, min_open=True,
-                                                                 max_open=True),
-                     default=0.1, show_default=True,
-                     help="Replay held out to measure forgetting."),
-    ]  # fmt: skip
+        click.option(
+            "--trunk-lr-scale",
+            type=click.FloatRange(min=0),
+            help="Learning rate of everything but the trained head, relative to "
+            "--lr (0 freezes it; for MACE the head is every readout).",
+        ),
+        click.option(
+            "--replay",
+            "replay",
+            multiple=True,
+            help="Replay structures mixed in against forgetting (repeatable).",
+        ),
+        click.option(
+            "--replay-ratio",
+            type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            help="Share of every batch drawn from replay (default: by size).",
+        ),
+        click.option(
+            "--replay-weight",
+            type=click.FloatRange(min=0),
+            default=1.0,
+            show_default=True,
+            help="Loss weight of replay structures.",
+        ),
+        click.option(
+            "--pseudo-label/--replay-labels",
+            default=True,
+            show_default=True,
+            help="Label replay with the source model (cached once), or use the "
+            "labels in the replay files.",
+        ),
+        click.option(
+            "--holdout-fraction",
+            type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            default=0.1,
+            show_default=True,
+            help="Replay held out to measure forgetting.",
+        ),
+    ]
     for option in reversed(options):
         fn = option(fn)
     return functools.wraps(fn)(fn)
 
 
 _FINETUNE_OPTIONS = (
-    "e0", "e0_values", "scale_shift", "head", "source_head", "trunk_lr_scale", "replay",
-    "replay_ratio", "replay_weight", "pseudo_label", "holdout_fraction",
-)  # fmt: skip
+    "e0",
+    "e0_values",
+    "scale_shift",
+    "head",
+    "source_head",
+    "trunk_lr_scale",
+    "replay",
+    "replay_ratio",
+    "replay_weight",
+    "pseudo_label",
+    "holdout_fraction",
+)
 
 
 def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
@@ -396,14 +523,22 @@ def finetune() -> None:
     """Scaffold and check fine-tuning jobs."""
 
 
-@finetune.group("init", invoke_without_command=True, epilog="""\b
+@finetune.group(
+    "init",
+    invoke_without_command=True,
+    epilog="""\b
 Examples:
   nvalchemi-training finetune init --from runs/pre/checkpoints --dataset new.extxyz \\
       --val-fraction 0.1 --trainable-pattern 'main.readout.*' --output-dir runs/ft --out ft.yaml
   nvalchemi-training finetune init mace small.model --dataset new.extxyz --output-dir runs/ft
-""")
-@click.option("--from", "source", metavar="SOURCE",
-              help="Checkpoint directory, MACE .model file or weights file to fine-tune.")  # fmt: skip
+""",
+)
+@click.option(
+    "--from",
+    "source",
+    metavar="SOURCE",
+    help="Checkpoint directory, MACE .model file or weights file to fine-tune.",
+)
 @_common_options(default_lr=1e-5, required=False)
 @_finetune_options
 @click.pass_context
@@ -427,11 +562,14 @@ def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> Non
     _emit(job, options["out"])
 
 
-@finetune.command("check", epilog="""\b
+@finetune.command(
+    "check",
+    epilog="""\b
 Examples:
   nvalchemi-training finetune check ft.yaml
   nvalchemi-training finetune check ft.yaml --map-location cuda --trust
-""")
+""",
+)
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--map-location", help="Device to build and run the models on (default: cpu).")
 @click.option("--trust", is_flag=True, help="Trust the job file (pickled MACE models).")
@@ -462,20 +600,29 @@ def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None
     click.echo(json.dumps(run.parity.to_dict()))
 
 
-@finetune_init.command("checkpoint", epilog="""\b
+@finetune_init.command(
+    "checkpoint",
+    epilog="""\b
 Examples:
   nvalchemi-training finetune init checkpoint runs/pre/checkpoints --dataset new.extxyz \\
       --use-original-loss --lr 1e-4 --num-steps 500 --output-dir runs/ft --out ft.yaml
-""")
+""",
+)
 @click.argument("checkpoint_dir")
 @_common_options(default_lr=1e-5)
 @_finetune_options
-@click.option("--checkpoint-index", default="-1", show_default=True,
-              help="Which checkpoint: an index, 'latest' or 'best'.")  # fmt: skip
-@click.option("--use-original-loss", is_flag=True,
-              help="Reuse the loss saved in the checkpoint.")  # fmt: skip
-@click.option("--use-original-opt-class", is_flag=True,
-              help="Reuse the saved optimizer/scheduler classes and kwargs (lr set by --lr).")  # fmt: skip
+@click.option(
+    "--checkpoint-index",
+    default="-1",
+    show_default=True,
+    help="Which checkpoint: an index, 'latest' or 'best'.",
+)
+@click.option("--use-original-loss", is_flag=True, help="Reuse the loss saved in the checkpoint.")
+@click.option(
+    "--use-original-opt-class",
+    is_flag=True,
+    help="Reuse the saved optimizer/scheduler classes and kwargs (lr set by --lr).",
+)
 def finetune_checkpoint(
     checkpoint_dir: str,
     checkpoint_index: str,
@@ -506,11 +653,14 @@ def finetune_checkpoint(
     _emit(job, options["out"])
 
 
-@finetune_init.command("mace", epilog="""\b
+@finetune_init.command(
+    "mace",
+    epilog="""\b
 Examples:
   nvalchemi-training finetune init mace models/small.model --dataset new.extxyz \\
       --output-dir runs/ft --out ft.yaml
-""")
+""",
+)
 @click.argument("model_or_checkpoint")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -527,11 +677,14 @@ def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
     _emit(job, options["out"])
 
 
-@finetune_init.command("custom", epilog="""\b
+@finetune_init.command(
+    "custom",
+    epilog="""\b
 Examples:
   nvalchemi-training finetune init custom weights.pt --dataset new.extxyz \\
       --output-dir runs/ft --out ft.yaml     # then fill strategy.model_specs.main
-""")
+""",
+)
 @click.argument("checkpoint_path")
 @_common_options(default_lr=1e-5)
 @_finetune_options
@@ -556,11 +709,14 @@ def _write_text(text: str, out: str | None) -> None:
     click.echo(f"Wrote {out}", err=True)
 
 
-@schema.command("dump", epilog="""\b
+@schema.command(
+    "dump",
+    epilog="""\b
 Examples:
   nvalchemi-training schema dump --out job.schema.json
   nvalchemi-training schema dump | jq '.dataset.properties | keys'
-""")
+""",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the schema to this file.")
 @debug_option
 def schema_dump(out: str | None) -> None:
@@ -570,16 +726,25 @@ def schema_dump(out: str | None) -> None:
     _write_text(json.dumps(section_schemas(), indent=2) + "\n", out)
 
 
-@schema.command("template", epilog="""\b
+@schema.command(
+    "template",
+    epilog="""\b
 Examples:
   nvalchemi-training schema template --out job.yaml
   nvalchemi-training schema template --workflow finetune --model mace --out ft.yaml
-""")
-@click.option("--workflow", type=click.Choice(["train", "finetune"]), default="train",
-              show_default=True)  # fmt: skip
-@click.option("--model", "model", type=click.Choice(["native-checkpoint", "mace", "custom"]),
-              default="native-checkpoint", show_default=True,
-              help="The source of a fine-tune (--workflow finetune).")  # fmt: skip
+""",
+)
+@click.option(
+    "--workflow", type=click.Choice(["train", "finetune"]), default="train", show_default=True
+)
+@click.option(
+    "--model",
+    "model",
+    type=click.Choice(["native-checkpoint", "mace", "custom"]),
+    default="native-checkpoint",
+    show_default=True,
+    help="The source of a fine-tune (--workflow finetune).",
+)
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the template to this file.")
 @debug_option
 def schema_template(workflow: str, model: str, out: str | None) -> None:

@@ -60,11 +60,14 @@ def _run_snippet(code: str) -> str:
     return out.getvalue()
 
 
-@main.command("quickstart", epilog="""\b
+@main.command(
+    "quickstart",
+    epilog="""\b
 Examples:
   nvalchemi-training quickstart                      # about 5 minutes on 2 CPU cores
   nvalchemi-training quickstart --minutes 15 --run-dir runs/qs15
-""")
+""",
+)
 @click.option(
     "--run-dir",
     default="runs/quickstart",
@@ -94,7 +97,7 @@ Examples:
     help="torch CPU threads. This small model gains little from more, and extra "
     "threads slow it down a lot when other processes share the CPU.",
 )
-@debug_option  # fmt: skip
+@debug_option
 def quickstart(
     run_dir: str,
     minutes: float | None,
@@ -113,9 +116,14 @@ def quickstart(
     started = time.perf_counter()
     console = err_console()
     plan = qs.prepare_run(
-        run_dir, resume=resume, overwrite=overwrite, quick=quick, epochs=epochs,
-        minutes=minutes, device=device,
-    )  # fmt: skip
+        run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        quick=quick,
+        epochs=epochs,
+        minutes=minutes,
+        device=device,
+    )
     torch.set_num_threads(threads)
     console.rule("nvalchemi quickstart: PaiNN on the bundled EMT data set")
     splits = qs.load_splits(plan.recipe)
@@ -127,8 +135,11 @@ def quickstart(
     train, val, test = qs.loaders(splits, plan.recipe)
     if plan.resume:
         strategy = qs.resume_strategy(plan, val)
-        target = (f"{plan.recipe.epochs} epochs" if plan.recipe.epochs
-                  else f"the run fitted to {plan.recipe.minutes:g} min")  # fmt: skip
+        target = (
+            f"{plan.recipe.epochs} epochs"
+            if plan.recipe.epochs
+            else f"the run fitted to {plan.recipe.minutes:g} min"
+        )
         console.print(
             f"resuming from step {strategy.step_count:,} (epoch {strategy.epoch_count}) of {target}"
         )
@@ -136,9 +147,12 @@ def quickstart(
         model = qs.build_model(splits, plan.recipe, plan.device)
         qs.save_plan(plan)
         params = sum(p.numel() for p in model.parameters())
-        length = (f"{plan.recipe.epochs} epochs x {len(train)} steps" if not plan.fitted else
-                  f"as many {len(train)}-step epochs as fit in {plan.budget_s / 60:.3g} min "
-                  "(length and schedule fitted after timing the first steps)")  # fmt: skip
+        length = (
+            f"{plan.recipe.epochs} epochs x {len(train)} steps"
+            if not plan.fitted
+            else f"as many {len(train)}-step epochs as fit in {plan.budget_s / 60:.3g} min "
+            "(length and schedule fitted after timing the first steps)"
+        )
         console.print(
             f"model: PaiNN (built-in), {params:,} parameters, cutoff {plan.recipe.cutoff} Å; "
             f"{length} on {plan.device}"
@@ -180,8 +194,9 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     else:
         console.print(PLOTS_HINT)
     console.print(f"metrics:          {plan.run_dir / 'metrics.jsonl'}")
-    console.print(f"checkpoint root:  {plan.checkpoint_dir} (manifest.json; load it with "
-                  "'latest' or 'best')")
+    console.print(
+        f"checkpoint root:  {plan.checkpoint_dir} (manifest.json; load it with 'latest' or 'best')"
+    )
     console.print(f"final checkpoint: index {index} (step {step}), files in {path}")
     console.rule("Use the checkpoint as an ASE calculator")
     snippet = calculator_snippet(plan.checkpoint_dir, _demo_symbol(model))

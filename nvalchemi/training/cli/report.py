@@ -77,9 +77,11 @@ def _intent(job: TrainingJobSpec, resolved: ResolvedJob) -> Table:
     rows = [
         ("workflow", job.workflow),
         ("model source", model),
-        ("model", ", ".join(f"{k}: {model_name(c)}" for k, c in resolved.model_classes.items())
-         or "-"),
-    ]  # fmt: skip
+        (
+            "model",
+            ", ".join(f"{k}: {model_name(c)}" for k, c in resolved.model_classes.items()) or "-",
+        ),
+    ]
     outputs = _outputs(job)
     if outputs:
         rows.append(("model outputs", outputs))
@@ -131,10 +133,15 @@ def _outputs(job: TrainingJobSpec) -> str:
 
 def _batches(data: Any) -> str:
     if data.batch_size == "auto":
-        return ("auto: an atom/edge budget found by probing the model's peak memory on the "
-                "training device at run time")  # fmt: skip
-    budgets = [f"{v:,} {what}" for v, what in ((data.max_atoms, "atoms"),
-                                                (data.max_edges, "neighbour pairs")) if v]  # fmt: skip
+        return (
+            "auto: an atom/edge budget found by probing the model's peak memory on the "
+            "training device at run time"
+        )
+    budgets = [
+        f"{v:,} {what}"
+        for v, what in ((data.max_atoms, "atoms"), (data.max_edges, "neighbour pairs"))
+        if v
+    ]
     if budgets:
         return "at most " + " and ".join(budgets) + " per batch (BudgetBatchSampler)"
     return f"{data.batch_size} structures"
@@ -147,8 +154,10 @@ def _duration(job: TrainingJobSpec) -> str:
     elif payload.num_steps is not None:
         fixed = f"{payload.num_steps:,} steps"
     else:
-        return (f"fitted to {job.minutes:g} min: length and learning-rate schedule set after "
-                "timing the first steps (validation included)")  # fmt: skip
+        return (
+            f"fitted to {job.minutes:g} min: length and learning-rate schedule set after "
+            "timing the first steps (validation included)"
+        )
     return fixed if job.minutes is None else f"{fixed} (capped at {job.minutes:g} min)"
 
 
@@ -287,8 +296,10 @@ def _batch_table(job: TrainingJobSpec) -> Table | None:
     if data.batch_size == "auto" and probe.is_file():
         chosen = json.loads(probe.read_text())
         max_atoms = chosen.get("max_atoms")
-        table.add_row("budget found by the last run", f"{max_atoms:,} atoms, "
-                      f"{chosen.get('max_edges') or '-'} pairs ({probe})")  # fmt: skip
+        table.add_row(
+            "budget found by the last run",
+            f"{max_atoms:,} atoms, {chosen.get('max_edges') or '-'} pairs ({probe})",
+        )
     elif data.batch_size == "auto":
         table.add_row("budget", "probed at run time (written to <run_dir>/batch_budget.json)")
     if max_atoms is None:
@@ -304,8 +315,11 @@ def _batch_table(job: TrainingJobSpec) -> Table | None:
     sampler = BudgetBatchSampler(atoms, max_atoms=max_atoms, seed=data.seed)
     sizes = sorted(len(b) for b in sampler.plan(0))
     loads = sorted(sum(atoms[i] for i in b) for b in sampler.plan(0))
-    table.add_row("atom budget", f"{max_atoms:,} atoms per batch"
-                  + (f" and {data.max_edges:,} neighbour pairs" if data.max_edges else ""))  # fmt: skip
+    table.add_row(
+        "atom budget",
+        f"{max_atoms:,} atoms per batch"
+        + (f" and {data.max_edges:,} neighbour pairs" if data.max_edges else ""),
+    )
     table.add_row("batches per epoch", f"{len(sizes):,} (of {len(atoms):,} structures)")
     table.add_row("structures per batch", _spread(sizes))
     table.add_row("atoms per batch", _spread(loads) + f" (budget {max_atoms:,})")
@@ -314,8 +328,10 @@ def _batch_table(job: TrainingJobSpec) -> Table | None:
 
 def _spread(values: list[int]) -> str:
     n = len(values)
-    return (f"min {values[0]:,}, median {values[n // 2]:,}, max {values[-1]:,}, "
-            f"mean {sum(values) / n:.1f}")  # fmt: skip
+    return (
+        f"min {values[0]:,}, median {values[n // 2]:,}, max {values[-1]:,}, "
+        f"mean {sum(values) / n:.1f}"
+    )
 
 
 def _lr_section(console: Console, job: TrainingJobSpec, resolved: ResolvedJob) -> None:
@@ -323,8 +339,9 @@ def _lr_section(console: Console, job: TrainingJobSpec, resolved: ResolvedJob) -
 
     for key, configs in resolved.optimizer_configs.items():
         for i, config in enumerate(configs):
-            steps, note = preview_steps(job.strategy.num_steps, config,
-                                        budget=job.minutes is not None)  # fmt: skip
+            steps, note = preview_steps(
+                job.strategy.num_steps, config, budget=job.minutes is not None
+            )
             preview = lr_preview(config, steps)
             preview.note = preview.note or note
             title = f"Learning-rate preview: {key}[{i}] {preview.optimizer}"

@@ -23,8 +23,9 @@ _ALLOW_HELP = (
     "Let the job and its checkpoints name classes and functions of this module of yours "
     "(repeatable; also `imports:` in the job file), e.g. --allow-import common."
 )
-allow_import_option = click.option("--allow-import", "allow_imports", multiple=True, metavar="PKG",
-                                   help=_ALLOW_HELP)  # fmt: skip
+allow_import_option = click.option(
+    "--allow-import", "allow_imports", multiple=True, metavar="PKG", help=_ALLOW_HELP
+)
 
 
 def _batch_size(value: str | None) -> int | str | None:
@@ -46,46 +47,78 @@ def spec() -> None:
 
 def _run_options(fn: Any) -> Any:
     options = [
-        click.option("--batch-size", callback=lambda c, p, v: _batch_size(v),
-                     help="Override dataset.batch_size (an int, or auto: an atom budget found "
-                     "by probing the model's memory)."),
-        click.option("--max-atoms", type=click.IntRange(min=1),
-                     help="Batches of at most this many atoms (override dataset.max_atoms)."),
-        click.option("--max-edges", type=click.IntRange(min=1),
-                     help="Batches of at most this many neighbour pairs."),
+        click.option(
+            "--batch-size",
+            callback=lambda c, p, v: _batch_size(v),
+            help="Override dataset.batch_size (an int, or auto: an atom budget found "
+            "by probing the model's memory).",
+        ),
+        click.option(
+            "--max-atoms",
+            type=click.IntRange(min=1),
+            help="Batches of at most this many atoms (override dataset.max_atoms).",
+        ),
+        click.option(
+            "--max-edges",
+            type=click.IntRange(min=1),
+            help="Batches of at most this many neighbour pairs.",
+        ),
         click.option("--shuffle/--no-shuffle", default=None, help="Override dataset.shuffle."),
         click.option("--drop-last", is_flag=True, help="Drop the last incomplete batch."),
-        click.option("--num-workers", type=click.IntRange(min=0),
-                     help="Loader worker processes (override dataset.num_workers)."),
+        click.option(
+            "--num-workers",
+            type=click.IntRange(min=0),
+            help="Loader worker processes (override dataset.num_workers).",
+        ),
         click.option("--map-location", help="Device to load and train on, e.g. cpu or cuda:0."),
-        click.option("--distributed/--no-distributed", default=None,
-                     help="DDP training. Default: on when the launcher started several "
-                     "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1)."),
+        click.option(
+            "--distributed/--no-distributed",
+            default=None,
+            help="DDP training. Default: on when the launcher started several "
+            "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1).",
+        ),
         click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
-        click.option("--dist-timeout", type=click.FloatRange(min=0, min_open=True),
-                     metavar="SECONDS",
-                     help="How long a collective waits for the other ranks before the run "
-                     "fails naming the silent rank (default: the job's distributed.timeout_s, "
-                     "else NVALCHEMI_DIST_TIMEOUT_S, else 600)."),
-        click.option("--validation-dataset", "validation_paths", multiple=True,
-                     help="Validation data file(s) (override the job's)."),
+        click.option(
+            "--dist-timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="SECONDS",
+            help="How long a collective waits for the other ranks before the run "
+            "fails naming the silent rank (default: the job's distributed.timeout_s, "
+            "else NVALCHEMI_DIST_TIMEOUT_S, else 600).",
+        ),
+        click.option(
+            "--validation-dataset",
+            "validation_paths",
+            multiple=True,
+            help="Validation data file(s) (override the job's).",
+        ),
         click.option("--validation-every-epochs", type=click.IntRange(min=1)),
         click.option("--validation-every-steps", type=click.IntRange(min=1)),
-        click.option("--minutes", type=click.FloatRange(min=0, min_open=True),
-                     help="Time budget (override the job's minutes): the run's length and "
-                     "schedule are fitted to it; with a fixed num_steps/num_epochs it caps."),
-        click.option("--threads", type=click.IntRange(min=1), default=DEFAULT_THREADS,
-                     show_default=True,
-                     help="torch CPU threads and neighbour-list threads. Small models gain "
-                     "little from more, and extra threads slow a run down a lot when other "
-                     "processes share the CPU; raise it on a dedicated machine."),
-        click.option("--group-by", metavar="KEY",
-                     help="info key the final evaluation groups structures by (default: "
-                     "output.group_by, else config_type, else atom count)."),
+        click.option(
+            "--minutes",
+            type=click.FloatRange(min=0, min_open=True),
+            help="Time budget (override the job's minutes): the run's length and "
+            "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
+        ),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=DEFAULT_THREADS,
+            show_default=True,
+            help="torch CPU threads and neighbour-list threads. Small models gain "
+            "little from more, and extra threads slow a run down a lot when other "
+            "processes share the CPU; raise it on a dedicated machine.",
+        ),
+        click.option(
+            "--group-by",
+            metavar="KEY",
+            help="info key the final evaluation groups structures by (default: "
+            "output.group_by, else config_type, else atom count).",
+        ),
         click.option("--trust", is_flag=True, help=_TRUST_HELP),
         allow_import_option,
         debug_option,
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         fn = option(fn)
     return functools.wraps(fn)(fn)
@@ -97,9 +130,23 @@ def _options(kwargs: dict[str, Any]) -> Any:
     from nvalchemi.training.jobs.run import RunOptions
 
     torch.set_num_threads(kwargs["threads"])
-    names = ("batch_size", "max_atoms", "max_edges", "shuffle", "drop_last", "num_workers",
-             "map_location", "distributed", "ddp_backend", "validation_every_epochs",
-             "validation_every_steps", "minutes", "threads", "group_by", "trust")  # fmt: skip
+    names = (
+        "batch_size",
+        "max_atoms",
+        "max_edges",
+        "shuffle",
+        "drop_last",
+        "num_workers",
+        "map_location",
+        "distributed",
+        "ddp_backend",
+        "validation_every_epochs",
+        "validation_every_steps",
+        "minutes",
+        "threads",
+        "group_by",
+        "trust",
+    )
     return RunOptions(
         **{name: kwargs[name] for name in names},
         dist_timeout_s=kwargs["dist_timeout"],
@@ -135,7 +182,9 @@ def _summary(result: Any, console: Any) -> None:
     ]
     if result.budget is not None:
         plan = result.budget
-        rows.append(("time budget (min)", f"{plan.seconds / 60:.3g} ({plan.spent_s / 60:.3g} used)"))
+        rows.append(
+            ("time budget (min)", f"{plan.seconds / 60:.3g} ({plan.spent_s / 60:.3g} used)")
+        )
         if plan.step_s is not None:
             rows.append(("measured step time (ms)", f"{1000 * plan.step_s:.0f}"))
     if strategy.stop_reason:
@@ -144,25 +193,34 @@ def _summary(result: Any, console: Any) -> None:
     print_table(console, "Run summary", ["", "value"], rows)
     if result.evaluation is not None:
         weights = "EMA" if result.final_weights == "ema" else "final"
-        print_evaluation(console, result.evaluation,
-                         f"Final model ({weights} weights) on the validation data",
-                         result.grouping)  # fmt: skip
+        print_evaluation(
+            console,
+            result.evaluation,
+            f"Final model ({weights} weights) on the validation data",
+            result.grouping,
+        )
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
-        console.print(f"checkpoints:   {result.checkpoint_dir} (manifest.json + checkpoints/<index>/;"
-                      " load it with evaluate or NvalchemiCalculator.from_checkpoint)")  # fmt: skip
+        console.print(
+            f"checkpoints:   {result.checkpoint_dir} (manifest.json + checkpoints/<index>/;"
+            " load it with evaluate or NvalchemiCalculator.from_checkpoint)"
+        )
     for plot in result.plots:
         console.print(f"plot:          {plot}")
 
 
-@spec.command("report", epilog="""\b
+@spec.command(
+    "report",
+    epilog="""\b
 Examples:
   nvalchemi-training spec report job.yaml
   nvalchemi-training spec report job.yaml --json > normalized.json
-""")
+""",
+)
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True,
-              help="Also print the normalized job as JSON on stdout.")  # fmt: skip
+@click.option(
+    "--json", "as_json", is_flag=True, help="Also print the normalized job as JSON on stdout."
+)
 @click.option("--trust", is_flag=True, help=_TRUST_HELP)
 @allow_import_option
 @debug_option
@@ -179,19 +237,32 @@ def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str,
         click.echo(dump_job(job), nl=False)
 
 
-@spec.command("run", epilog="""\b
+@spec.command(
+    "run",
+    epilog="""\b
 Examples:
   nvalchemi-training spec run job.yaml --minutes 10
   nvalchemi-training spec run job.yaml --num-steps 30 --max-structures 64 --no-report
-""")
+""",
+)
 @click.argument("path", type=click.Path(dir_okay=False))
 @_run_options
-@click.option("--num-steps", type=click.IntRange(min=1),
-              help="Train this many steps instead of the job's duration (e.g. a smoke test).")
-@click.option("--max-structures", type=click.IntRange(min=1),
-              help="Use only the first N structures of each data file.")
-@click.option("--report/--no-report", default=True, show_default=True,
-              help="Render the spec report before training.")  # fmt: skip
+@click.option(
+    "--num-steps",
+    type=click.IntRange(min=1),
+    help="Train this many steps instead of the job's duration (e.g. a smoke test).",
+)
+@click.option(
+    "--max-structures",
+    type=click.IntRange(min=1),
+    help="Use only the first N structures of each data file.",
+)
+@click.option(
+    "--report/--no-report",
+    default=True,
+    show_default=True,
+    help="Render the spec report before training.",
+)
 def spec_run(
     path: str, num_steps: int | None, max_structures: int | None, report: bool, **kwargs: Any
 ) -> None:
@@ -211,31 +282,53 @@ def spec_run(
     if report and is_main:
         render_report(job, resolved, console)
     if num_steps is not None:
-        check_horizons(job.strategy.model_dump()["optimizer_configs"] or {}, num_steps,
-                       warn=is_main)  # fmt: skip
+        check_horizons(
+            job.strategy.model_dump()["optimizer_configs"] or {}, num_steps, warn=is_main
+        )
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
 
 
-@spec.command("resume", epilog="""\b
+@spec.command(
+    "resume",
+    epilog="""\b
 Examples:
   nvalchemi-training spec resume runs/my/checkpoints --spec job.yaml
   nvalchemi-training spec resume runs/my/checkpoints --spec job.yaml --num-steps 20000
-""")
+""",
+)
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
-@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False),
-              help="The job spec the run was started with.")  # fmt: skip
-@click.option("--checkpoint-index", default="latest", show_default=True,
-              help="An index, 'latest' or 'best'.")  # fmt: skip
+@click.option(
+    "--spec",
+    "spec_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The job spec the run was started with.",
+)
+@click.option(
+    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
+)
 @_run_options
-@click.option("--num-steps", type=click.IntRange(min=1),
-              help="Train until this total step count instead of the saved run's duration "
-              "(e.g. to extend a finished run).")
-@click.option("--lr", type=click.FloatRange(min=0.0, min_open=True),
-              help="Continue with this learning rate for every optimizer (recorded in the "
-              "checkpoint history; the resume is then no longer exact).")  # fmt: skip
-def spec_resume(checkpoint_dir: str, spec_path: str, checkpoint_index: str,
-                num_steps: int | None, lr: float | None, **kwargs: Any) -> None:  # fmt: skip
+@click.option(
+    "--num-steps",
+    type=click.IntRange(min=1),
+    help="Train until this total step count instead of the saved run's duration "
+    "(e.g. to extend a finished run).",
+)
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0.0, min_open=True),
+    help="Continue with this learning rate for every optimizer (recorded in the "
+    "checkpoint history; the resume is then no longer exact).",
+)
+def spec_resume(
+    checkpoint_dir: str,
+    spec_path: str,
+    checkpoint_index: str,
+    num_steps: int | None,
+    lr: float | None,
+    **kwargs: Any,
+) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
     change the learning rate with --lr)."""
     from nvalchemi.training.cli._errors import CLIError

@@ -111,9 +111,13 @@ class CheckpointHook(BaseModel):
         if stage is _S.AFTER_EPOCH:
             return self.epoch_interval is not None
         return stage in (
-            _S.SETUP, _S.BEFORE_EPOCH, _S.BEFORE_BATCH, _S.AFTER_BATCH, _S.AFTER_VALIDATION,
+            _S.SETUP,
+            _S.BEFORE_EPOCH,
+            _S.BEFORE_BATCH,
+            _S.AFTER_BATCH,
+            _S.AFTER_VALIDATION,
             _S.AFTER_TRAINING,
-        )  # fmt: skip
+        )
 
     def __call__(self, ctx: Any, stage: TrainingStage) -> None:
         strategy = ctx.workflow
@@ -239,9 +243,11 @@ class CheckpointHook(BaseModel):
         with contextlib.suppress(Exception):  # a broken root is reported by the first save
             manifest = store.manifest()
             self._scores = [
-                e.metric["value"] for e in (manifest.checkpoints if manifest else [])
-                if (e.metric or {}).get("name") == self.best_metric and isinstance(e.metric.get("value"), float)
-            ]  # fmt: skip
+                e.metric["value"]
+                for e in (manifest.checkpoints if manifest else [])
+                if (e.metric or {}).get("name") == self.best_metric
+                and isinstance(e.metric.get("value"), float)
+            ]
         _check_loader_seed(record.get("dataloader_state"), strategy.active_dataloader)
 
     def _request(self, reason: str) -> None:
@@ -263,11 +269,16 @@ class CheckpointHook(BaseModel):
             self._writer = BackgroundWriter(self.async_save)
             self._buffers = SnapshotBuffers()
         save_strategy(
-            self.checkpoint_dir, strategy, reason=reason or pending_reason, metric=metric,
+            self.checkpoint_dir,
+            strategy,
+            reason=reason or pending_reason,
+            metric=metric,
             retention=Retention(self.keep_last, self.keep_best, self.best_metric, self.best_mode),
-            rank_zero_only=self.rank_zero_only, writer=self._writer, buffers=self._buffers,
+            rank_zero_only=self.rank_zero_only,
+            writer=self._writer,
+            buffers=self._buffers,
             on_written=self._written,
-        )  # fmt: skip
+        )
         self._saved_at = (strategy.step_count, strategy.batch_count)
         if metric is not None:
             self._scores.append(metric["value"])

@@ -180,9 +180,7 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
             return self.steps
         return min(self.steps, micro + remaining)
 
-    def __call__(
-        self, ctx: Any, stage: TrainingStage, will_skip: bool = False
-    ) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         n = self.steps
         if n == 1:
             return True, ctx.loss
@@ -251,9 +249,7 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
         _positional("max_norm", max_norm, data, "GradientClipHook")
         super().__init__(**data)
 
-    def __call__(
-        self, ctx: Any, stage: TrainingStage, will_skip: bool = False
-    ) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         if stage is _DO_OPTIMIZER_STEP and not will_skip:
             params = _grad_params(ctx.optimizers)
             norm = _total_norm(params, self.norm_type)
@@ -378,9 +374,7 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         return self._runtime.last_skipped
 
     # ------------------------------------------------------------------ dispatch
-    def __call__(
-        self, ctx: Any, stage: TrainingStage, will_skip: bool = False
-    ) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         state = self._runtime
         if stage is _DO_BACKWARD:
             loss = _supervised_loss(ctx).detach()

@@ -229,9 +229,7 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         return self._runtime.scaler
 
     # ------------------------------------------------------------------ dispatch
-    def __call__(
-        self, ctx: Any, stage: TrainingStage, will_skip: bool = False
-    ) -> tuple[bool, Any]:
+    def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         precision = self.precision
         if precision is torch.float32:
             return True, ctx.loss

@@ -401,7 +401,9 @@ class TrainingUpdateOrchestrator:
 
 
 def _by_priority(hooks: Iterable[Any]) -> list[Any]:
-    return sorted(hooks, key=lambda h: protocol.member(h, "priority", 50))  # stable: ties keep order
+    return sorted(
+        hooks, key=lambda h: protocol.member(h, "priority", 50)
+    )  # stable: ties keep order
 
 
 def _check_exclusive(hooks: list[Any]) -> None:

@@ -105,8 +105,14 @@ def _payload(job: TrainingJobSpec, num_steps: int | None, *, finetuning: bool) -
     return spec
 
 
-def _train(job: TrainingJobSpec, sources: Any, hooks: list[Any], trust: bool, extra: dict,
-           num_steps: int | None) -> Any:  # fmt: skip
+def _train(
+    job: TrainingJobSpec,
+    sources: Any,
+    hooks: list[Any],
+    trust: bool,
+    extra: dict,
+    num_steps: int | None,
+) -> Any:
     payload = job.strategy
     if not payload.model_specs:
         raise FieldError(

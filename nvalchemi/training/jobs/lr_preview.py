@@ -69,8 +69,11 @@ def preview_steps(
         if isinstance(length, int) and length > 0:
             steps = length
             note = f"{kind}: shown over the scheduler's own length"
-            note += (" (fitted to the budget at run time: the shape is kept)" if budget
-                     else " (steps per epoch depend on the data)")  # fmt: skip
+            note += (
+                " (fitted to the budget at run time: the shape is kept)"
+                if budget
+                else " (steps per epoch depend on the data)"
+            )
         else:
             steps = DEFAULT_PREVIEW_STEPS
             note = f"{kind}: first {steps} steps shown (the run's length depends on the data)"

@@ -27,9 +27,17 @@ from nvalchemi.training.jobs.recipe import QUICK, QUICKSTART, PaiNNRecipe
 __all__ = ["QuickstartPlan", "Splits", "build_strategy", "load_splits", "prepare_run"]
 
 CONFIG_FILE = "quickstart.json"
-_OWNED = ("checkpoints", "tensorboard", "metrics.jsonl", CONFIG_FILE, "test_metrics.json",
-          "learning_curves.png", "parity_energy_per_atom.png", "parity_forces.png",
-          "parity_stress.png")  # fmt: skip
+_OWNED = (
+    "checkpoints",
+    "tensorboard",
+    "metrics.jsonl",
+    CONFIG_FILE,
+    "test_metrics.json",
+    "learning_curves.png",
+    "parity_energy_per_atom.png",
+    "parity_forces.png",
+    "parity_stress.png",
+)
 
 
 @dataclass
@@ -214,14 +222,19 @@ def _hooks(plan: QuickstartPlan, console: Any) -> list[Any]:
     if recipe.grad_clip_norm:
         hooks.append(GradientClipHook(recipe.grad_clip_norm))
     hooks += [
-        CheckpointHook(plan.checkpoint_dir, epoch_interval=1, keep_last=recipe.keep_last,
-                       keep_best=1),
-        run_reporting(plan.run_dir, log_every=recipe.log_every_n_steps,
-                      title="nvalchemi quickstart: PaiNN on bundled EMT", console=console,
-                      budget=budget),
+        CheckpointHook(
+            plan.checkpoint_dir, epoch_interval=1, keep_last=recipe.keep_last, keep_best=1
+        ),
+        run_reporting(
+            plan.run_dir,
+            log_every=recipe.log_every_n_steps,
+            title="nvalchemi quickstart: PaiNN on bundled EMT",
+            console=console,
+            budget=budget,
+        ),
         # Ctrl-C: finish the step, checkpoint, evaluate (a second Ctrl-C is ignored).
         PreemptionHandler(signals=(signal.SIGINT,), exit=False),
-    ]  # fmt: skip
+    ]
     if budget is not None:
         hooks.append(budget)
     return hooks

@@ -101,8 +101,10 @@ class PaiNNRecipe:
             StressMSELoss,
         )
 
-        terms, weights = [EnergyMSELoss(per_atom=True), ForceMSELoss()], [
-            self.energy_weight, self.force_weight]  # fmt: skip
+        terms, weights = (
+            [EnergyMSELoss(per_atom=True), ForceMSELoss()],
+            [self.energy_weight, self.force_weight],
+        )
         if stress:
             terms.append(StressMSELoss())
             weights.append(self.stress_weight)

@@ -73,9 +73,10 @@ def allow_user_code(modules: Sequence[str], directory: str | Path, field: str = 
     for i, name in enumerate(modules):
         if not isinstance(name, str) or not _MODULE.fullmatch(name):
             raise FieldError(
-                f"{name!r} is not a module name", field=f"{field}[{i}]",
+                f"{name!r} is not a module name",
+                field=f"{field}[{i}]",
                 fix="list dotted module names such as common or mypkg.models",
-            )  # fmt: skip
+            )
         allow_import_path(name)
     for folder in (str(Path(directory).resolve()), str(Path.cwd())):
         if folder not in sys.path:
@@ -143,8 +144,11 @@ def _stage(value: Any, where: str) -> Any:
             return TrainingStage(value)
         return TrainingStage[str(value).removeprefix("TrainingStage.")]
     except (KeyError, ValueError):
-        raise FieldError(f"unknown stage {value!r}", field=where,
-                         fix=f"use one of {list(TrainingStage.__members__)}") from None  # fmt: skip
+        raise FieldError(
+            f"unknown stage {value!r}",
+            field=where,
+            fix=f"use one of {list(TrainingStage.__members__)}",
+        ) from None
 
 
 def build_hooks(entries: list[RuntimeHookSpec], trust: bool) -> list[tuple[Any, str | None]]:

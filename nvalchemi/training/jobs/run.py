@@ -390,8 +390,11 @@ def _batch_options(job: TrainingJobSpec, options: RunOptions) -> tuple[Any, Any,
     """``(batch_size, max_atoms, max_edges)`` after the options' overrides."""
     data = job.dataset
     if options.max_atoms is not None or options.max_edges is not None:
-        return data.batch_size if options.batch_size is None else options.batch_size, \
-            options.max_atoms, options.max_edges  # fmt: skip
+        return (
+            data.batch_size if options.batch_size is None else options.batch_size,
+            options.max_atoms,
+            options.max_edges,
+        )
     if options.batch_size is not None:
         return options.batch_size, None, None
     return data.batch_size, data.max_atoms, data.max_edges
@@ -403,8 +406,11 @@ def _budget_sampler(dataset: Any, max_atoms: Any, max_edges: Any, **kwargs: Any)
     try:
         return BudgetBatchSampler(dataset, max_atoms=max_atoms, max_edges=max_edges, **kwargs)
     except ValueError as exc:
-        raise FieldError(str(exc), field="dataset.max_edges" if max_edges else "dataset.max_atoms",
-                         fix="give positive budgets (or batch_size: auto)") from None  # fmt: skip
+        raise FieldError(
+            str(exc),
+            field="dataset.max_edges" if max_edges else "dataset.max_atoms",
+            fix="give positive budgets (or batch_size: auto)",
+        ) from None
 
 
 def _probe(strategy: Any, train: Any, run_dir: Path, is_main: bool, console: Any) -> Any:
@@ -413,10 +419,14 @@ def _probe(strategy: Any, train: Any, run_dir: Path, is_main: bool, console: Any
 
     model = strategy.unwrapped_models().get("main")
     if model is None:
-        raise FieldError("needs a model 'main' to probe", field="dataset.batch_size",
-                         fix="give batch_size as a number")  # fmt: skip
-    budget = probe_batch_budget(model, train, strategy.devices[0],
-                                out_dir=run_dir if is_main else None)  # fmt: skip
+        raise FieldError(
+            "needs a model 'main' to probe",
+            field="dataset.batch_size",
+            fix="give batch_size as a number",
+        )
+    budget = probe_batch_budget(
+        model, train, strategy.devices[0], out_dir=run_dir if is_main else None
+    )
     if console is not None:
         edges = "" if budget.max_edges is None else f", {budget.max_edges:,} neighbour pairs"
         console.print(
@@ -427,9 +437,17 @@ def _probe(strategy: Any, train: Any, run_dir: Path, is_main: bool, console: Any
     return budget
 
 
-def _loaders(job: TrainingJobSpec, options: RunOptions, strategy: Any, train: Any,
-             validation: Any, finetune: Any, run_dir: Path, is_main: bool,
-             console: Any) -> tuple[Any, Any, Any]:  # fmt: skip
+def _loaders(
+    job: TrainingJobSpec,
+    options: RunOptions,
+    strategy: Any,
+    train: Any,
+    validation: Any,
+    finetune: Any,
+    run_dir: Path,
+    is_main: bool,
+    console: Any,
+) -> tuple[Any, Any, Any]:
     """``(train loader, validation loader, batch budget of 'auto' or None)``."""
     from nvalchemi.data.datapipes.dataloader import DataLoader
     from nvalchemi.data.sources import make_loader
@@ -440,26 +458,41 @@ def _loaders(job: TrainingJobSpec, options: RunOptions, strategy: Any, train: An
     batch_size, max_atoms, max_edges = _batch_options(job, options)
     probed = None
     if finetune is not None and finetune.batch_sampler is not None:
-        loader = DataLoader(finetune.train, batch_sampler=finetune.batch_sampler,
-                            num_workers=workers)  # fmt: skip
+        loader = DataLoader(
+            finetune.train, batch_sampler=finetune.batch_sampler, num_workers=workers
+        )
     elif batch_size == "auto" or max_atoms is not None or max_edges is not None:
         if batch_size == "auto":
             probed = _probe(strategy, train, run_dir, is_main, console)
             max_atoms, max_edges = probed.max_atoms, probed.max_edges
-        sampler = _budget_sampler(train, max_atoms, max_edges, shuffle=shuffle, seed=data.seed,
-                                  drop_last=options.drop_last)  # fmt: skip
+        sampler = _budget_sampler(
+            train,
+            max_atoms,
+            max_edges,
+            shuffle=shuffle,
+            seed=data.seed,
+            drop_last=options.drop_last,
+        )
         loader = DataLoader(train, batch_sampler=sampler, num_workers=workers)
     else:
-        loader = make_loader(train, batch_size=batch_size, shuffle=shuffle, seed=data.seed,
-                             num_workers=workers, drop_last=options.drop_last,
-                             balance_ranks=True)  # fmt: skip
+        loader = make_loader(
+            train,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=data.seed,
+            num_workers=workers,
+            drop_last=options.drop_last,
+            balance_ranks=True,
+        )
     val_loader = None
     if validation is not None:
         if isinstance(batch_size, int):
             val_loader = make_loader(validation, batch_size=batch_size)
         else:
-            val_loader = DataLoader(validation, batch_sampler=_budget_sampler(
-                validation, max_atoms, max_edges, shuffle=False))  # fmt: skip
+            val_loader = DataLoader(
+                validation,
+                batch_sampler=_budget_sampler(validation, max_atoms, max_edges, shuffle=False),
+            )
     return loader, val_loader, probed
 
 
@@ -475,9 +508,10 @@ def _set_outputs(job: TrainingJobSpec, strategy: Any) -> None:
         if unknown:
             raise FieldError(
                 f"model {key!r} ({type(model).__name__}) cannot produce {sorted(unknown)}; it "
-                f"produces {sorted(config.outputs)}", field="source.active_outputs",
+                f"produces {sorted(config.outputs)}",
+                field="source.active_outputs",
                 fix="remove them (and the loss terms that need them)",
-            )  # fmt: skip
+            )
         config.active_outputs = set(job.source.active_outputs)
 
 
@@ -532,9 +566,16 @@ def _run_job(
     budget = _budget_hook(job, options)
     if budget is not None:
         hooks.append(budget)
-    hooks.append(run_reporting(run_dir, log_every=job.output.log_every_n_steps,
-                               tensorboard=job.output.tensorboard, title=title,
-                               console=console, budget=budget))  # fmt: skip
+    hooks.append(
+        run_reporting(
+            run_dir,
+            log_every=job.output.log_every_n_steps,
+            tensorboard=job.output.tensorboard,
+            title=title,
+            console=console,
+            budget=budget,
+        )
+    )
     if checkpoint_dir is not None:
         hooks.append(PreemptionHandler())
     data = job.dataset
@@ -565,22 +606,32 @@ def _run_job(
             strategy.distributed_manager = manager
         neighbors = neighbor_config_of(strategy.models)
         threads = {"n_threads": options.threads}
-        train = make_dataset(sources.train, neighbor_config=neighbors, in_memory=data.in_memory,
-                             **threads)  # fmt: skip
+        train = make_dataset(
+            sources.train, neighbor_config=neighbors, in_memory=data.in_memory, **threads
+        )
         batch_size, _, _ = _batch_options(job, options)
         finetune = prepare_finetune_run(
-            job, strategy, train, run_dir=run_dir, neighbors=neighbors,
+            job,
+            strategy,
+            train,
+            run_dir=run_dir,
+            neighbors=neighbors,
             batch_size=batch_size if isinstance(batch_size, int) else 8,
             shuffle=data.shuffle if options.shuffle is None else options.shuffle,
-            seed=data.seed, resumed=resume_from is not None, manager=manager,
-            forgetting=forgetting, console=console,
-        )  # fmt: skip
+            seed=data.seed,
+            resumed=resume_from is not None,
+            manager=manager,
+            forgetting=forgetting,
+            console=console,
+        )
         validation = None
         if sources.validation:
-            validation = make_dataset(sources.validation, neighbor_config=neighbors,
-                                      in_memory=data.in_memory, **threads)  # fmt: skip
-        loader, val_loader, probed = _loaders(job, options, strategy, train, validation,
-                                              finetune, run_dir, is_main, console)  # fmt: skip
+            validation = make_dataset(
+                sources.validation, neighbor_config=neighbors, in_memory=data.in_memory, **threads
+            )
+        loader, val_loader, probed = _loaders(
+            job, options, strategy, train, validation, finetune, run_dir, is_main, console
+        )
         if val_loader is not None:
             strategy.validation_config = _validation_config(job, options, val_loader)
         if is_main:
@@ -612,9 +663,12 @@ def _budget_line(budget: Any) -> str:
 
 
 def _final_evaluation(
-    result: RunResult, job: TrainingJobSpec, readers: list[Any], val_loader: Any,
+    result: RunResult,
+    job: TrainingJobSpec,
+    readers: list[Any],
+    val_loader: Any,
     options: RunOptions,
-) -> None:  # fmt: skip
+) -> None:
     """Learning curves; the final model on the validation data: errors, tables, parity plots."""
     from nvalchemi.hooks.reporting.presets import learning_curves, plots_available
     from nvalchemi.training.evaluation import evaluate_final_model
@@ -626,9 +680,13 @@ def _final_evaluation(
     use_ema = job.validation.use_ema if job.validation is not None else "auto"
     batch_size = getattr(val_loader, "batch_size", None) or 16
     evaluation, weights, grouping = evaluate_final_model(
-        result.strategy, readers, batch_size=batch_size, use_ema=use_ema,
-        group_by=options.group_by or job.output.group_by, n_threads=options.threads,
-    )  # fmt: skip
+        result.strategy,
+        readers,
+        batch_size=batch_size,
+        use_ema=use_ema,
+        group_by=options.group_by or job.output.group_by,
+        n_threads=options.threads,
+    )
     if evaluation is None:
         return
     result.evaluation, result.final_weights, result.grouping = evaluation, weights, grouping

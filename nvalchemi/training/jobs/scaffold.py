@@ -60,9 +60,12 @@ def checkpoint_hook_entry(
     cadence = {"step_interval": every_n_steps} if every_n_steps else {"epoch_interval": 1}
     extra = {"keep_best": 1} if keep_best else {}
     return hook_entry(
-        CHECKPOINT_HOOK, checkpoint_dir=checkpoint_dir, keep_last=QUICKSTART.keep_last,
-        **cadence, **extra,
-    )  # fmt: skip
+        CHECKPOINT_HOOK,
+        checkpoint_dir=checkpoint_dir,
+        keep_last=QUICKSTART.keep_last,
+        **cadence,
+        **extra,
+    )
 
 
 def _fine_tune_scheduler(lr: float, num_steps: int | None, has_validation: bool) -> dict:
@@ -131,11 +134,13 @@ def scaffold_payload(
     else:
         config = OptimizerConfig(
             optimizer_cls=torch.optim.AdamW,
-            optimizer_kwargs={"lr": base_lr, "weight_decay": 1e-6 if weight_decay is None
-                              else weight_decay},
+            optimizer_kwargs={
+                "lr": base_lr,
+                "weight_decay": 1e-6 if weight_decay is None else weight_decay,
+            },
             param_groups=groups,
             **_fine_tune_scheduler(base_lr, num_steps, has_validation),
-        )  # fmt: skip
+        )
     loss = QUICKSTART.loss_fn(dtype_policy=dtype_policy, stress=stress)
     return {
         "optimizer_configs": {"main": [config.to_spec().model_dump()]},
@@ -167,8 +172,9 @@ def painn_model_spec(cutoff: float | None = None, *, stress: bool = False) -> di
     return create_model_spec(PaiNN, **kwargs).model_dump()
 
 
-def _steps_of(num_epochs: int, structures: int | None, val_fraction: float | None,
-              batch_size: int) -> int | None:  # fmt: skip
+def _steps_of(
+    num_epochs: int, structures: int | None, val_fraction: float | None, batch_size: int
+) -> int | None:
     if not structures:
         return None
     kept = structures - (round(structures * val_fraction) if val_fraction else 0)
@@ -256,8 +262,11 @@ def scaffold_job(
         "workflow": workflow,
         "source": {"model": model, **(source or {}), "hooks": hooks},
         "dataset": dataset,
-        "output": {"run_dir": output_dir, "checkpoint_dir": checkpoint_dir,
-                   "log_every_n_steps": QUICKSTART.log_every_n_steps},
+        "output": {
+            "run_dir": output_dir,
+            "checkpoint_dir": checkpoint_dir,
+            "log_every_n_steps": QUICKSTART.log_every_n_steps,
+        },
         "strategy": scaffold_payload(
             lr=lr,
             num_steps=num_steps,
@@ -316,13 +325,22 @@ def template_job(workflow: str = "train", model: str = "custom") -> dict[str, An
     budget; ``"finetune"``: a fine-tune of a ``model`` source (``native-checkpoint``,
     ``mace`` or ``custom``) for 1000 steps.
     """
-    common = {"datasets": ["data/train.extxyz"], "device": "cpu", "in_memory": True,
-              "validation_datasets": ("data/valid.extxyz",)}  # fmt: skip
+    common = {
+        "datasets": ["data/train.extxyz"],
+        "device": "cpu",
+        "in_memory": True,
+        "validation_datasets": ("data/valid.extxyz",),
+    }
     if workflow == "train":
         return scaffold_job(
-            "train", "custom", output_dir="runs/train", minutes=10.0,
-            model_specs={"main": painn_model_spec()}, source={"fit_to_data": True}, **common,
-        )  # fmt: skip
+            "train",
+            "custom",
+            output_dir="runs/train",
+            minutes=10.0,
+            model_specs={"main": painn_model_spec()},
+            source={"fit_to_data": True},
+            **common,
+        )
     if model not in ("native-checkpoint", "mace", "custom"):
         raise ValueError(f"unknown model source {model!r}; use native-checkpoint, mace or custom")
     source = {
@@ -330,9 +348,18 @@ def template_job(workflow: str = "train", model: str = "custom") -> dict[str, An
         "custom": {"checkpoint_path": "runs/pretrain/model.pt"},
         "mace": {"checkpoint_path": "models/mace.model", "compile_model": False},
     }[model]
-    patterns = {"native-checkpoint": ("main.readout.*",), "mace": ("main.model.readouts.*",),
-                "custom": ()}[model]  # fmt: skip
+    patterns = {
+        "native-checkpoint": ("main.readout.*",),
+        "mace": ("main.model.readouts.*",),
+        "custom": (),
+    }[model]
     return scaffold_job(
-        "finetune", model, output_dir="runs/finetune", lr=1e-5, num_steps=1000, source=source,
-        trainable_patterns=patterns, **common,
-    )  # fmt: skip
+        "finetune",
+        model,
+        output_dir="runs/finetune",
+        lr=1e-5,
+        num_steps=1000,
+        source=source,
+        trainable_patterns=patterns,
+        **common,
+    )

@@ -58,6 +58,8 @@ __all__ = [
 
 ModelSource = Literal["native-checkpoint", "mace", "custom"]
 DataFormat = Literal["auto", "extxyz", "ase-db", "alchemi-zarr", "alchemi-zarr-multidataset"]
+
+
 class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -359,6 +361,7 @@ class DistributedSpec(_Block):
         "overrides it",
     )
 
+
 class ReplaySpec(_Block):
     """Replay data mixed into a fine-tune against forgetting (``finetune.replay``)."""
 
@@ -512,8 +515,10 @@ class TrainingJobSpec(_Block):
 
     def _check_payload(self) -> None:
         payload = self.strategy
-        reuse = {"optimizer_configs": self.source.use_original_opt_class,
-                 "loss_fn_spec": self.source.use_original_loss}  # fmt: skip
+        reuse = {
+            "optimizer_configs": self.source.use_original_opt_class,
+            "loss_fn_spec": self.source.use_original_loss,
+        }
         missing = [k for k, reused in reuse.items() if not reused and getattr(payload, k) is None]
         if missing:
             raise ValueError(
