@@ -159,7 +159,12 @@ def test_a_budget_run_is_fitted_and_its_lines_show_units_and_time_left(tmp_path)
     validation = next(line for line in lines if line.startswith("validation "))
     assert "meV/atom" in validation and "meV/Å" in validation and "energy (total) MAE" in validation
     assert "EMA weights" in validation
-    assert "end of the run fitted to the 0.05 min budget" in result.stderr
+    # the budget ended the run: at its fitted length, or (on a machine slower than its first
+    # steps said) at the cap; which one depends on real time (the fit is tested with a fake clock)
+    assert (
+        "end of the run fitted to the 0.05 min budget" in result.stderr
+        or "time budget of 0.05 min reached" in result.stderr
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("budget/remaining_s" in r for r in rows)
     final = json.loads((tmp_path / "run" / "final_evaluation.json").read_text())
