@@ -11,6 +11,8 @@ _EXPORTS = {
     "TrainContext": ".context",
     "HookRegistryMixin": ".registry",
     "NeighborListHook": ".neighbor_list",
+    "WrapPeriodicHook": ".periodic",
+    "BiasedPotentialHook": ".bias",
     "StageTimingHook": ".stage_timing",
     "TorchProfilerHook": ".profiler",
     "ReportingOrchestrator": _REPORTING,
