@@ -28,9 +28,11 @@ Importable as ``_ranks`` from tests and from the processes started here
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,7 +48,7 @@ IMPORT_PATHS = [REPO_ROOT] + [
 ]
 INIT_METHOD_VAR = "NVALCHEMI_TEST_INIT_METHOD"
 _RESULT = "RESULT "
-_TAIL = 3000
+_TAIL = 8000
 _LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "NVALCHEMI_DIST_")
 _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"}
 _LAUNCHER_NAMES |= {"MASTER_PORT", INIT_METHOD_VAR}
@@ -72,6 +74,7 @@ def clean_env(extra: Mapping[str, str] | None = None, *, cpu_only: bool = True) 
     paths = [str(p) for p in IMPORT_PATHS] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung rank prints its stacks when aborted
     if cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the rank tests exercise gloo on CPU
     env.update(extra or {})
@@ -148,6 +151,13 @@ def run_ranks(
                 failure = f"rank {rank} did not finish within {timeout} s (hang?)"
                 break
     finally:
+        hung = [proc for proc in procs if proc.poll() is None]
+        if failure is not None:  # every thread's stack (PYTHONFAULTHANDLER) before the kill
+            for proc in hung:
+                proc.send_signal(signal.SIGABRT)
+            for proc in hung:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
         for rank, proc in enumerate(procs):
             if proc.poll() is None:
                 proc.kill()

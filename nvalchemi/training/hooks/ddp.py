@@ -162,6 +162,7 @@ class DDPHook(BaseModel):
                 current = strategy.models.get(key)
                 if current is not original and getattr(current, "module", None) is original:
                     strategy.models[key] = original
+                    _release_reducer(current)
         self._original_models = {}
         self._is_wrapped = False
         self._strategy = None
@@ -572,3 +573,20 @@ def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
             f"with the configured sampler ({exc}). Build the loader with a distributed sampler "
             "yourself."
         ) from exc
+
+
+def _release_reducer(wrapper: Any) -> None:
+    """Drop a DDP wrapper's gradient reducer now, while the process group is registered.
+
+    The reducer owns a reference to the process group and is destroyed with the GIL
+    held. Left to the garbage collector (the wrapper lives on in reference cycles of the
+    finished run), it can be the group's last owner after ``destroy_process_group``;
+    gloo's destructor then joins a communication thread that is waiting for the GIL to
+    free the tensors of its last collective: a deadlock (seen as a rank hanging after
+    ``run()`` returned). Released here, the group's final reference goes with
+    ``destroy_process_group``, whose destructor releases the GIL.
+    """
+    state = getattr(wrapper, "__dict__", {})
+    if state.get("reducer") is not None:
+        state.pop("logger", None)  # DDP's logger holds the reducer too
+        state.pop("reducer")
