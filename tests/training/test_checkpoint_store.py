@@ -115,6 +115,22 @@ def test_an_interrupted_first_save_does_not_block_the_next_one(tmp_path):
     assert not leftover.exists()
 
 
+def test_a_first_save_killed_before_its_manifest_does_not_block_the_next_one(tmp_path):
+    """The folder was renamed into place, the manifest never written (a SIGKILL between)."""
+    root = tmp_path / "ckpt"
+    models, _, _ = C.linear_components()
+    save_checkpoint(root, models)
+    (root / "manifest.json").unlink()  # what the kill left: checkpoints/0 and the lock file
+    kept = sorted(str(p.relative_to(root)) for p in (root / "checkpoints" / "0").rglob("*"))
+    with pytest.warns(RuntimeWarning, match="first save was interrupted"):
+        assert save_checkpoint(root, models) == 0
+    manifest = CheckpointManifest.read(root)
+    (entry,) = manifest.checkpoints
+    assert entry.path != "checkpoints/0" and (root / entry.path).is_dir()  # written beside it
+    after = sorted(str(p.relative_to(root)) for p in (root / "checkpoints" / "0").rglob("*"))
+    assert after == kept  # the interrupted folder is left as it was
+
+
 HOLDER = """
 import sys, time
 from nvalchemi.training.checkpoint import CheckpointStore

@@ -767,6 +767,10 @@ class CheckpointStore:
         listed = {e.path for e in manifest.checkpoints} if manifest is not None else set()
         for path in _listdir(folder):  # interrupted saves of this package
             unlisted = f"{CHECKPOINTS}/{path.name}" not in listed
+            # Without a manifest only temporary folders go: a complete checkpoints/0 may be
+            # the one checkpoint of a root whose manifest was lost (see _refuse_foreign).
+            if manifest is None and not path.name.startswith(TEMP_PREFIX):
+                continue
             if unlisted and (path / MARKER).is_file() and _not_ours(self.root, path, 2) is None:
                 shutil.rmtree(path, ignore_errors=True)
         return manifest
@@ -813,8 +817,10 @@ class CheckpointStore:
 def _refuse_foreign(root: Path) -> None:
     """Raise :class:`CheckpointRootError` if ``root`` has content but no manifest.
 
-    Only this package's own interrupted first save (marked temporary folders) and its lock
-    file count as empty.
+    Only this package's own interrupted first save and its lock file count as empty: marked
+    temporary folders, or a marked ``checkpoints/0`` alone (the first save was killed after
+    renaming its folder into place and before writing the manifest; it is kept, and the
+    next save writes beside it).
     """
     if (root / MANIFEST).is_file():
         return
@@ -827,6 +833,14 @@ def _refuse_foreign(root: Path) -> None:
         and not (p.parent == folder and p.name.startswith(TEMP_PREFIX) and (p / MARKER).is_file())
     ]
     if not found:
+        return
+    if found == [folder / "0"] and (folder / "0" / MARKER).is_file():
+        warnings.warn(
+            f"{folder / '0'} has no manifest entry: a first save was interrupted before its "
+            f"{MANIFEST} was written. It is kept as it is; new checkpoints are written beside it.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return
     shown = ", ".join(sorted(p.relative_to(root).as_posix() for p in found)[:5])
     why = (
