@@ -426,16 +426,7 @@ class _Run:
                 stage = S.BEFORE_LOSS
                 _fire(stage, self.before_loss, ctx, gate)
             stage = "the loss computation"
-            out = compute_supervised_loss(
-                self.loss_fn,
-                predictions,
-                batch,
-                step=d["step_count"],
-                epoch=d["epoch_count"],
-                workflow=self.strategy,
-                target_assembler=self.assembler,
-                target_keys=self.target_keys,
-            )
+            out = self.compute_loss(predictions, batch)
             loss = out["total_loss"]
             if ctx is not None:
                 ctx.loss, ctx.losses = loss, out
@@ -468,6 +459,20 @@ class _Run:
             return self.finish(out, loss, gate, mode)
         predictions = out = loss = None  # free this attempt's graph first
         return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=voted)
+
+    def compute_loss(self, predictions: Any, batch: Any) -> Any:
+        """The loss output of ``predictions`` against ``batch`` at the current counters."""
+        d = self.d
+        return compute_supervised_loss(
+            self.loss_fn,
+            predictions,
+            batch,
+            step=d["step_count"],
+            epoch=d["epoch_count"],
+            workflow=self.strategy,
+            target_assembler=self.assembler,
+            target_keys=self.target_keys,
+        )
 
     def record_loss(self, loss: torch.Tensor, out: Mapping[str, Any]) -> int:
         """Publish the detached loss and record it for the non-finite check; return the mode."""
@@ -676,7 +681,7 @@ class _Run:
 
     def _run_piece(self, piece: Any) -> tuple[Any, Any]:
         """Forward and loss of one piece, with its per-forward stages."""
-        ctx, gate, d = self.ctx, self._piece_gate, self.d
+        ctx, gate = self.ctx, self._piece_gate
         try:
             if ctx is not None:
                 ctx.batch, ctx.predictions, ctx.loss, ctx.losses = piece, None, None, None
@@ -689,16 +694,7 @@ class _Run:
                     _fire(S.AFTER_FORWARD, self.after_forward, ctx, gate)
                 if self.before_loss:
                     _fire(S.BEFORE_LOSS, self.before_loss, ctx, gate)
-            out = compute_supervised_loss(
-                self.loss_fn,
-                predictions,
-                piece,
-                step=d["step_count"],
-                epoch=d["epoch_count"],
-                workflow=self.strategy,
-                target_assembler=self.assembler,
-                target_keys=self.target_keys,
-            )
+            out = self.compute_loss(predictions, piece)
             return predictions, out
         finally:
             if ctx is not None:
