@@ -1069,11 +1069,20 @@ def default_training_fn(model: Any, batch: Any) -> dict[str, torch.Tensor]:
             f"(e.g. {{'energy': ...}}); got {type(outputs).__name__}. Write a training_fn that "
             "returns {'predicted_energy': ...}."
         )
-    return {
-        (k if k.startswith("predicted_") else f"predicted_{k}"): v
-        for k, v in outputs.items()
-        if v is not None
-    }
+    names = _PREDICTED_NAMES
+    predictions = {}
+    for key, value in outputs.items():
+        if value is not None:
+            name = names.get(key)
+            if name is None:
+                name = key if key.startswith("predicted_") else f"predicted_{key}"
+                if len(names) < 1024:
+                    names[key] = name
+            predictions[name] = value
+    return predictions
+
+
+_PREDICTED_NAMES: dict[str, str] = {}  # output key -> prediction key, as computed above
 
 
 def annotate(exc: BaseException, counters: Mapping[str, Any], stage: Any) -> None:

@@ -56,6 +56,7 @@ from typing import Any, ClassVar, Literal, TypedDict, get_args
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from nvalchemi._serialization import init_kwargs_from_attrs
 from nvalchemi.training.losses.schedules import (
@@ -185,6 +186,28 @@ def masked_or_weighted(loss: Any, kwargs: Mapping[str, Any]) -> bool:
     return missing is not None
 
 
+def no_global_module_hooks() -> bool:
+    """Whether no global ``nn.Module`` hook is registered (then a module without hooks of its
+    own runs exactly its ``forward`` when called, so the loss path may call ``forward``)."""
+    hooks = _module_hooks
+    return not (
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
 def per_sample_values(source: Any, valid: torch.Tensor | None) -> torch.Tensor:
     """Materialise recorded per-structure values: NaN where ``valid`` is ``False``."""
     with torch.no_grad():
@@ -298,7 +321,7 @@ class BaseLossFunction(nn.Module, abc.ABC):
             _defined_here(cls, m) for m in ("mask", "compute_residual", "reduce")
         )
         cls._direct = not cls._valid_tensor and all(
-            _defined_here(cls, m) for m in ("align_dtypes", "validate", "normalize")
+            _defined_here(cls, m) for m in ("forward", "align_dtypes", "validate", "normalize")
         )
 
     def __init__(self, *, dtype_policy: DTypePolicy | None = None) -> None:
@@ -752,7 +775,8 @@ class ComposedLossFunction(nn.Module):
         unweighted: dict[str, torch.Tensor] = {}
         samples: list[tuple[str, Any, Any, float]] = []
         total = None
-        for name, leaf, weight in zip(self._names, self._modules["components"], effective):
+        leaves = self._modules["components"]._modules.values()  # (ModuleList.__iter__ is Python)
+        for name, leaf, weight in zip(self._names, leaves, effective):
             try:
                 pred = predictions[leaf.prediction_key]
                 target = targets[leaf.target_key]
@@ -781,7 +805,81 @@ class ComposedLossFunction(nn.Module):
             if total is None:
                 total = value if weight == 1.0 else value * weight
             else:
-                total = torch.add(total, value, alpha=weight)
+                total = total + value if weight == 1.0 else torch.add(total, value, alpha=weight)
+        return {
+            "total_loss": total,
+            "per_component_unweighted": unweighted,
+            "per_component_weight": effective_by_name,
+            "per_component_raw_weight": raw_by_name,
+            "per_component_sample": _PerSampleValues(samples),
+        }
+
+    def plain_output(
+        self,
+        predictions: Mapping[str, torch.Tensor],
+        batch: Any,
+        step: int,
+        epoch: int | None,
+        target_keys: Sequence[str] | None = None,
+    ) -> ComposedLossOutput | None:
+        """``forward``'s output with the targets read from ``batch``, in the plain case; else ``None``.
+
+        The plain case (every training step of a fully labelled batch): ``batch`` (a
+        ``Batch``) has no ``loss_weight`` and no missing labels, no module hook is registered,
+        and every leaf is a built-in template leaf without ``ignore_nonfinite`` whose
+        prediction and target (a batch field) have one dtype and shape. Each leaf's loss is
+        then its :meth:`~BaseLossFunction.unmasked_loss`, which is what ``forward`` computes
+        too, without the checks, masks and calls that cannot apply. ``None`` sends the caller
+        to the general path (which also raises the errors).
+        """
+        get = batch.get
+        if (
+            type(predictions) is not dict
+            or get("loss_weight") is not None
+            or batch.missing_labels
+            or has_module_hooks(self)
+            or not no_global_module_hooks()
+        ):
+            return None
+        kwargs = {"batch": batch}  # metadata, read only by the leaves that need it
+        effective, effective_by_name, raw_by_name = self._weight_dicts(step, epoch)
+        unweighted: dict[str, torch.Tensor] = {}
+        samples: list[tuple[str, Any, Any, float]] = []
+        total = None
+        leaves = self._modules["components"]._modules.values()  # (ModuleList.__iter__ is Python)
+        for name, leaf, weight in zip(self._names, leaves, effective):
+            state = leaf.__dict__
+            key = state.get("target_key")
+            if (
+                not leaf._direct
+                or state.get("ignore_nonfinite", False)
+                or (target_keys is not None and key not in target_keys)
+                or leaf._forward_hooks
+                or leaf._forward_pre_hooks
+                or leaf._backward_hooks
+                or leaf._backward_pre_hooks
+            ):
+                return None
+            pred, target = predictions.get(state.get("prediction_key")), get(key)
+            if (
+                type(pred) is not torch.Tensor
+                or type(target) is not torch.Tensor
+                or pred.dtype != target.dtype
+                or pred.shape != target.shape
+            ):
+                return None
+            state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
+            value = leaf.unmasked_loss(pred, target, _PLAIN, kwargs)
+            if value is None:
+                return None
+            unweighted[name] = value
+            source = state["_per_sample_source"]
+            if source is not None:
+                samples.append((name, source, state["_per_sample_valid"], weight))
+            if total is None:
+                total = value if weight == 1.0 else value * weight
+            else:
+                total = total + value if weight == 1.0 else torch.add(total, value, alpha=weight)
         return {
             "total_loss": total,
             "per_component_unweighted": unweighted,

@@ -12,6 +12,7 @@ also exports them under the import path that specs and job files name.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -21,7 +22,9 @@ from nvalchemi.training.losses.base import (
     BaseLossFunction,
     ComposedLossFunction,
     ComposedLossOutput,
+    has_module_hooks,
     loss_component_to_spec,
+    no_global_module_hooks,
 )
 
 # Specs written before the weight product moved to the weights module name it here.
@@ -118,6 +121,12 @@ def assemble_loss_targets(
     return targets
 
 
+def _is_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a ``Batch`` (without importing the data package)."""
+    module = sys.modules.get("nvalchemi.data.batch")
+    return module is not None and isinstance(batch, module.Batch)
+
+
 _GRAPH_METADATA = ("batch_idx", "num_graphs", "num_nodes_per_graph")
 
 
@@ -148,7 +157,12 @@ def compute_supervised_loss(
     >>> float(out["total_loss"]), out["per_component_weight"]
     (2.0, {'EnergyMSELoss': 1.0})
     """
-    loss_fn = as_composed_loss(loss_fn)
+    if type(loss_fn) is not ComposedLossFunction:
+        loss_fn = as_composed_loss(loss_fn)
+    if target_assembler is assemble_loss_targets and _is_batch(batch):
+        out = loss_fn.plain_output(predictions, batch, step, epoch, target_keys)
+        if out is not None:
+            return out
     targets = target_assembler(
         loss_fn,
         predictions,
@@ -174,4 +188,6 @@ def compute_supervised_loss(
         meta["loss_weight"] = weight
     if missing:
         meta["missing_labels"] = missing
-    return loss_fn(predictions, targets, step=step, epoch=epoch, **meta)
+    hooked = has_module_hooks(loss_fn) or not no_global_module_hooks()
+    evaluate = loss_fn if hooked else loss_fn.forward
+    return evaluate(predictions, targets, step=step, epoch=epoch, **meta)

@@ -48,6 +48,31 @@ __all__ = [
 ]
 
 
+# The kernels behind F.mse_loss, F.l1_loss and F.huber_loss. Their Python wrappers check sizes
+# and broadcast the inputs on every call (a third of a small step's loss time); the leaves
+# call the kernel directly when the shapes are already equal, and the wrapper otherwise.
+_KERNELS = torch._C._nn
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+
+def _mse(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+    if pred.shape == target.shape:
+        return _KERNELS.mse_loss(pred, target, _REDUCTIONS[reduction])
+    return F.mse_loss(pred, target, reduction=reduction)
+
+
+def _l1(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
+    if pred.shape == target.shape:
+        return _KERNELS.l1_loss(pred, target, _REDUCTIONS[reduction])
+    return F.l1_loss(pred, target, reduction=reduction)
+
+
+def _huber(pred: torch.Tensor, target: torch.Tensor, reduction: str, delta: float) -> torch.Tensor:
+    if pred.shape == target.shape:
+        return _KERNELS.huber_loss(pred, target, _REDUCTIONS[reduction], delta)
+    return F.huber_loss(pred, target, reduction=reduction, delta=delta)
+
+
 def _check_delta(delta: float) -> float:
     delta = float(delta)
     if not delta > 0:
@@ -119,9 +144,9 @@ class _EnergyLoss(BaseLossFunction):
         if self.per_atom or "loss_weight" in ctx:
             return None
         if pred.ndim == 1 or (pred.ndim == 2 and pred.shape[1] == 1):
-            pred_values = pred.detach()  # never keep the step's autograd graph alive
-            self.record_per_sample(
-                functools.partial(self._pointwise, pred_values, target, "none"), None
+            # record_per_sample, inlined (the hot path); detached: never keep the step's graph
+            self.__dict__["_per_sample_source"] = functools.partial(
+                self._pointwise, pred.detach(), target, "none"
             )
         return self._pointwise(pred, target, "mean")
 
@@ -153,7 +178,7 @@ class EnergyMSELoss(_EnergyLoss):
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return F.mse_loss(pred, target, reduction=reduction)
+        return _mse(pred, target, reduction)
 
 
 class EnergyMAELoss(_EnergyLoss):
@@ -175,7 +200,7 @@ class EnergyMAELoss(_EnergyLoss):
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return F.l1_loss(pred, target, reduction=reduction)
+        return _l1(pred, target, reduction)
 
 
 class EnergyHuberLoss(_EnergyLoss):
@@ -201,7 +226,7 @@ class EnergyHuberLoss(_EnergyLoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
+        return _huber(pred, target, reduction, self.delta)
 
 
 # ------------------------------------------------------------------------------- forces
@@ -348,7 +373,7 @@ class ForceMSELoss(_ForceLoss):
         self._store(target_key, prediction_key, normalize_by_atom_count, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return F.mse_loss(pred, target, reduction=reduction)
+        return _mse(pred, target, reduction)
 
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
@@ -377,7 +402,7 @@ class ForceHuberLoss(ForceMSELoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
+        return _huber(pred, target, reduction, self.delta)
 
 
 class ForceL2NormLoss(_ForceLoss):
@@ -428,7 +453,7 @@ class StressMSELoss(BaseLossFunction):
         self.ignore_nonfinite = bool(ignore_nonfinite)
 
     def _pointwise(self, pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-        return F.mse_loss(pred, target, reduction=reduction)
+        return _mse(pred, target, reduction)
 
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
@@ -474,4 +499,4 @@ class StressHuberLoss(StressMSELoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
+        return _huber(pred, target, reduction, self.delta)
