@@ -204,34 +204,39 @@ class ValidationLoop:
         validation_fn = validation_fn or config.validation_fn
         if validation_fn is None:
             raise ValueError("validation_fn is required in standalone mode.")
-        ema_keys: list[str] = []
         if model is not None:
             model_arg: Any = unwrap_model(model)
+            ema_keys: list[str] = []
             if isinstance(inference_model, nn.Module) and not isinstance(
                 inference_model, nn.ModuleDict
             ):
                 model_arg, ema_keys = inference_model, ["main"]
-            total = 1
         else:
             model_arg = {k: unwrap_model(m) for k, m in models.items()}
             ema_keys = _apply_slot(model_arg, inference_model)
-            total = len(model_arg)
-        self._setup(
-            data=validation_data,
-            config=config,
-            device=torch.device(device),
-            model_arg=model_arg,
-            loss_fn=as_composed_loss(loss_fn),
-            assembler=loss_target_assembler,
-            fn=validation_fn,
-            autocast=autocast or contextlib.nullcontext,
-            precision="mixed" if autocast is not None else "float32",
-            grad_enabled=grad_enabled,
-            manager=distributed_manager,
-            ema_keys=ema_keys,
-            total_models=total,
-        )
+        self.config = config
+        self.device = torch.device(device)
+        self.loss_fn = as_composed_loss(loss_fn)
+        self.validation_data = validation_data
+        self._model_arg = model_arg
+        self._assembler = loss_target_assembler
+        self._fn = validation_fn
+        self._autocast = autocast or contextlib.nullcontext
+        self._precision = "mixed" if autocast is not None else "float32"
+        self._manager = distributed_manager
+        self._ema_keys = sorted(ema_keys)
+        self._total_models = len(model_arg) if model is None else 1
+        self._strategy: Any = None
         self._counters = (step_count, epoch)
+        self._entered = False
+        self._saved_modes: list[tuple[nn.Module, bool]] = []
+        self._saved_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        if grad_enabled is None:
+            mode = config.grad_mode
+            grad_enabled = (
+                self.loss_fn.requires_eval_grad() if mode == "auto" else mode == "enabled"
+            )
+        self.grad_enabled = bool(grad_enabled)
 
     @classmethod
     def from_training_strategy(
@@ -252,81 +257,31 @@ class ValidationLoop:
                 "ValidationConfig(use_ema='always') requires a populated inference_model slot "
                 "(e.g. via EMAHook)."
             )
-        if strategy.single_model_input:
-            model_arg: Any = models["main"]
-            ema_keys: list[str] = []
-            if isinstance(slot, nn.Module) and not isinstance(slot, nn.ModuleDict):
-                model_arg, ema_keys = slot, ["main"]
-            total = 1
-        else:
-            model_arg = dict(models)
-            ema_keys = _apply_slot(model_arg, slot)
-            total = len(model_arg)
-        if config.use_ema == "always" and len(ema_keys) < total:
-            missing = sorted(set(models) - set(ema_keys))
+        device = strategy.devices[0]
+        autocast, precision = strategy.validation_autocast(device, config.use_mixed_precision)
+        single = strategy.single_model_input
+        loop = cls(
+            validation_data=config.validation_data,
+            config=config,
+            device=device,
+            model=models["main"] if single else None,
+            models=None if single else dict(models),
+            loss_fn=config.loss_fn if config.loss_fn is not None else strategy.loss_fn,
+            loss_target_assembler=strategy.loss_target_assembler,
+            validation_fn=config.validation_fn or strategy.training_fn,
+            inference_model=slot,
+            autocast=autocast,
+            distributed_manager=strategy.distributed_manager,
+        )
+        if config.use_ema == "always" and len(loop._ema_keys) < loop._total_models:
+            missing = sorted(set(models) - set(loop._ema_keys))
             raise RuntimeError(
                 "ValidationConfig(use_ema='always') requires an inference model for every model "
                 f"key; missing: {missing}."
             )
-        device = strategy.devices[0]
-        autocast, precision = strategy.validation_autocast(device, config.use_mixed_precision)
-        loop = cls.__new__(cls)
-        loop._setup(
-            data=config.validation_data,
-            config=config,
-            device=device,
-            model_arg=model_arg,
-            loss_fn=config.loss_fn if config.loss_fn is not None else strategy.loss_fn,
-            assembler=strategy.loss_target_assembler,
-            fn=config.validation_fn or strategy.training_fn,
-            autocast=autocast,
-            precision=precision,
-            grad_enabled=None,
-            manager=strategy.distributed_manager,
-            ema_keys=ema_keys,
-            total_models=total,
-        )
+        loop._precision = precision
         loop._strategy = strategy
         return loop
-
-    def _setup(
-        self,
-        *,
-        data: Iterable[Any],
-        config: ValidationConfig,
-        device: torch.device,
-        model_arg: Any,
-        loss_fn: Any,
-        assembler: Callable[..., Any],
-        fn: Callable[..., Any],
-        autocast: Callable[[], Any],
-        precision: str,
-        grad_enabled: bool | None,
-        manager: Any,
-        ema_keys: list[str],
-        total_models: int,
-    ) -> None:
-        self.config = config
-        self.device = device
-        self.loss_fn = loss_fn
-        self.validation_data = data
-        self._model_arg = model_arg
-        self._assembler = assembler
-        self._fn = fn
-        self._autocast = autocast
-        self._precision = precision
-        self._manager = manager
-        self._ema_keys = sorted(ema_keys)
-        self._total_models = total_models
-        self._strategy: Any = None
-        self._counters = (0, 0)
-        self._entered = False
-        self._saved_modes: list[tuple[nn.Module, bool]] = []
-        self._saved_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        if grad_enabled is None:
-            mode = config.grad_mode
-            grad_enabled = loss_fn.requires_eval_grad() if mode == "auto" else mode == "enabled"
-        self.grad_enabled = bool(grad_enabled)
 
     # ----------------------------------------------------------------- context
     def _modules(self) -> list[nn.Module]:
