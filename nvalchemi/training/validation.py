@@ -330,7 +330,11 @@ class ValidationLoop:
         step, epoch = (
             (strategy.step_count, strategy.epoch_count) if strategy is not None else self._counters
         )
-        before, after = self._forward_hooks()
+        before: tuple[Any, ...] = ()
+        after: tuple[Any, ...] = ()
+        if strategy is not None:  # neighbour lists for batches that come without them
+            before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
+            after = strategy.hooks_for(_AFTER_FORWARD)
         ctx = strategy.new_context() if (before or after) else None
         totals = _Totals(self.loss_fn.component_names, self.device, self.loss_fn.components)
         workflow = strategy if strategy is not None else self
@@ -399,14 +403,6 @@ class ValidationLoop:
             precision=self._precision,
         )
         return summary
-
-    def _forward_hooks(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        if self._strategy is None:
-            return (), ()
-        strategy = self._strategy
-        # neighbour lists for batches that come without (the builders skip the others)
-        before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
-        return before, strategy.hooks_for(_AFTER_FORWARD)
 
 
 # --------------------------------------------------------------------------- accumulation
