@@ -284,31 +284,20 @@ class ValidationLoop:
         return loop
 
     # ----------------------------------------------------------------- context
-    def _modules(self) -> list[nn.Module]:
-        values = (
-            self._model_arg.values() if isinstance(self._model_arg, dict) else [self._model_arg]
-        )
-        unique: dict[int, nn.Module] = {}
-        for module in values:
-            if isinstance(module, nn.Module):
-                unique.setdefault(id(module), module)
-        return list(unique.values())
-
     def __enter__(self) -> ValidationLoop:
-        modules = self._modules()
+        arg = self._model_arg
+        values = arg.values() if isinstance(arg, dict) else [arg]
+        modules = list({id(m): m for m in values if isinstance(m, nn.Module)}.values())
         self._saved_modes = [(m, m.training) for top in modules for m in top.modules()]
         if self.config.set_eval:
             for module in modules:
                 module.eval()
         self._saved_grads = []
         if self.grad_enabled:
-            seen: set[int] = set()
-            for module in modules:
-                for param in module.parameters():
-                    if id(param) not in seen:
-                        seen.add(id(param))
-                        self._saved_grads.append((param, param.grad))
-                        param.grad = None
+            params = {id(p): p for module in modules for p in module.parameters()}
+            self._saved_grads = [(p, p.grad) for p in params.values()]
+            for param in params.values():
+                param.grad = None
         self._entered = True
         return self
 
