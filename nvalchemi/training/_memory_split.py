@@ -432,11 +432,8 @@ class DistributedVote:
         import torch.distributed as dist
 
         self.manager = manager
-        group = None
-        for name in ("process_group", "group"):
-            group = getattr(manager, name, None) if manager is not None else None
-            if group is not None:
-                break
+        found = (getattr(manager, name, None) for name in ("process_group", "group"))
+        group = next((g for g in found if g is not None), None)
         self.gradient_group = group  # the pieces' gradients go where DDP's would
         backend = dist.get_backend(group) if group is not None else dist.get_backend()
         if str(backend).lower() != "gloo":
