@@ -404,17 +404,14 @@ class _Totals:
         self.names = list(component_names)
         self.leaves = list(leaves)
         self.device = device
-        zeros = torch.zeros(self._size(), dtype=torch.float64, device=device)
-        self.sums = zeros  # layout: see _size()
-        self.num_batches = 0
-        self.num_structures = 0
-        self.last_weights: tuple[dict[str, float], dict[str, float]] | None = None
-
-    def _size(self) -> int:
         # total, then per component (unweighted, labelled-sample sum, labelled-sample count),
         # then metric blocks: energy (abs, sq, n, abs/atom, sq/atom), forces (abs, sq, n),
         # stress (abs, sq, n). Counts live on the device too, so nothing syncs per batch.
-        return 1 + 3 * len(self.names) + 5 + 3 + 3
+        size = 1 + 3 * len(self.names) + 5 + 3 + 3
+        self.sums = torch.zeros(size, dtype=torch.float64, device=device)
+        self.num_batches = 0
+        self.num_structures = 0
+        self.last_weights: tuple[dict[str, float], dict[str, float]] | None = None
 
     def add(self, loss: Mapping[str, Any], predictions: Mapping[str, Any], batch: Any) -> None:
         parts = [loss["total_loss"].detach().reshape(())]
