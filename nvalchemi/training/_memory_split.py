@@ -224,18 +224,10 @@ def weighted_total(out: Mapping[str, Any], shares: Mapping[str, float]) -> torch
 
 # ----------------------------------------------------------------------------- the pieces
 class PieceResults:
-    """What training a batch in pieces produced.
-
-    Attributes:
-        grads: the summed gradients of the pieces' weighted losses, aligned with the
-            parameters (``None`` where no piece reached a parameter).
-        total: the whole batch's loss (detached; the sum of the weighted pieces).
-        out: the whole batch's loss output (detached parts, concatenated per-structure
-            values) in the layout of ``compute_supervised_loss``.
-        predictions: the pieces' predictions, detached and concatenated.
-        pieces: ``(atoms, edges)`` of every piece that trained.
-        ran_out: whether some piece ran out of memory.
-    """
+    """What training a batch in pieces produced: the summed gradients (aligned with the
+    parameters), the whole batch's detached loss and loss output (:attr:`out`, in the
+    layout of ``compute_supervised_loss``), the concatenated :attr:`predictions`, the
+    ``(atoms, edges)`` of every piece that trained and whether some piece ran out."""
 
     def __init__(self, count: int) -> None:
         self.grads: list[torch.Tensor | None] = [None] * count
@@ -432,11 +424,8 @@ class DistributedVote:
         import torch.distributed as dist
 
         self.manager = manager
-        group = None
-        for name in ("process_group", "group"):
-            group = getattr(manager, name, None) if manager is not None else None
-            if group is not None:
-                break
+        found = (getattr(manager, name, None) for name in ("process_group", "group"))
+        group = next((g for g in found if g is not None), None)
         self.gradient_group = group  # the pieces' gradients go where DDP's would
         backend = dist.get_backend(group) if group is not None else dist.get_backend()
         if str(backend).lower() != "gloo":

@@ -26,7 +26,6 @@ from nvalchemi.training.spec import create_model_spec_from_json
 __all__ = ["from_checkpoint_dict", "from_spec_dict", "to_checkpoint_dict", "to_spec_dict"]
 
 _REQUIRED = ("optimizer_configs", "devices", "loss_fn_spec")
-_COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
 
 
 def to_spec_dict(strategy: Any) -> dict[str, Any]:
@@ -182,7 +181,10 @@ def from_spec_dict(
             "from_spec_dict: no models; the spec has no rebuildable 'model_specs' and no models= "
             "were passed. Pass models=... (the model(s) to train)."
         )
-    single = _call_mode(spec, merged, runtime_single, models is not None)
+    if models is not None:
+        single = runtime_single and set(merged) == {"main"}
+    else:
+        single = spec.get("single_model_input", True) and set(merged) == {"main"}
     kwargs: dict[str, Any] = {
         "models": merged["main"] if single else merged,
         "optimizer_configs": configs,
@@ -244,9 +246,7 @@ def from_checkpoint_dict(
     return strategy
 
 
-def _rebuild_models(specs: Any, trust: bool) -> dict[str, nn.Module]:
-    if not isinstance(specs, Mapping):
-        raise ValueError(f"'model_specs' must be a mapping; got {type(specs).__name__}.")
+def _rebuild_models(specs: Mapping[str, Any], trust: bool) -> dict[str, nn.Module]:
     out = {}
     for key, data in specs.items():
         try:
@@ -265,19 +265,6 @@ def _rebuild_models(specs: Any, trust: bool) -> dict[str, nn.Module]:
             continue
         out[key] = model
     return out
-
-
-def _call_mode(
-    spec: Mapping[str, Any], merged: dict[str, Any], runtime_single: bool, has_runtime: bool
-) -> bool:
-    if has_runtime:
-        return runtime_single and set(merged) == {"main"}
-    if "single_model_input" in spec:
-        value = spec["single_model_input"]
-        if not isinstance(value, bool):
-            raise ValueError(f"'single_model_input' must be a bool; got {value!r}.")
-        return value and set(merged) == {"main"}
-    return set(merged) == {"main"}
 
 
 def _optimizer_configs(raw: Any, trust: bool) -> dict[str, list[OptimizerConfig]]:

@@ -117,32 +117,17 @@ def _sync(device: Any) -> None:
 
 def _train(strategy: Any, batches: Sequence[Any], device: Any) -> tuple[list[float], float]:
     """Losses of training ``batches`` one by one, and the seconds it took."""
-    losses = []
     _sync(device)
     start = time.perf_counter()
-    for batch in batches:
-        losses.append(strategy.train_batch(batch))
+    losses = [strategy.train_batch(batch) for batch in batches]
     _sync(device)
-    seconds = time.perf_counter() - start
-    return [float(x) for x in losses], seconds
+    return [float(x) for x in losses], time.perf_counter() - start
 
 
 def _relative(values: list[float], reference: list[float]) -> tuple[float, float]:
     errors = [abs(v - r) / max(abs(r), 1e-30) for v, r in zip(values, reference)]
     errors = [e for e in errors if math.isfinite(e)]
     return (max(errors), sum(errors) / len(errors)) if errors else (math.nan, math.nan)
-
-
-def _strategy(make: Callable[[list[Any]], Any], candidate: str | None) -> tuple[Any, _Recorder]:
-    from nvalchemi.training.hooks import GradientClipHook, MixedPrecisionHook
-
-    recorder = _Recorder()
-    hooks = [MixedPrecisionHook(candidate)] if candidate in PRECISIONS else []
-    # A clip that never clips: it computes the gradient norm (after fp16 unscaling).
-    strategy = make([*hooks, GradientClipHook(max_norm=1e30), recorder])
-    if candidate == "compile":
-        strategy.compile = True  # read when the first batch builds the run
-    return strategy, recorder
 
 
 def benchmark(
@@ -252,7 +237,14 @@ def _replay(
     device: Any,
 ) -> tuple[tuple[list[float], list[float]], float]:
     """``((losses, grad norms) of the timed steps, their seconds)`` from fresh weights."""
-    strategy, recorder = _strategy(make, candidate)
+    from nvalchemi.training.hooks import GradientClipHook, MixedPrecisionHook
+
+    recorder = _Recorder()
+    hooks = [MixedPrecisionHook(candidate)] if candidate in PRECISIONS else []
+    # A clip that never clips: it computes the gradient norm (after fp16 unscaling).
+    strategy = make([*hooks, GradientClipHook(max_norm=1e30), recorder])
+    if candidate == "compile":
+        strategy.compile = True  # read when the first batch builds the run
     try:
         _train(strategy, batches[:warmup], device)
         losses, seconds = _train(strategy, batches[warmup:], device)

@@ -291,14 +291,16 @@ def predict(
             graphs, atoms = len(counts), int(batch.num_nodes)
             parts["n"].append(counts.cpu().numpy().astype(np.int64))
             parts["ep"].append((out["energy"].detach().double().reshape(-1) / counts).cpu().numpy())
-            parts["er"].append(_label(batch, "energy", graphs, 1).reshape(-1) / parts["n"][-1])
+            parts["er"].append(
+                _rows(_label(batch, "energy"), graphs, 1).reshape(-1) / parts["n"][-1]
+            )
             parts["z"].append(batch.atomic_numbers.cpu().numpy())
             # Every batch adds rows for every structure and atom (NaN where a model output
             # is absent, e.g. no stress for a batch of molecules), so rows stay aligned.
-            parts["fp"].append(_output(out, "forces", atoms, 3))
-            parts["fr"].append(_label(batch, "forces", atoms, 3))
-            parts["sp"].append(_output(out, "stress", graphs, 9))
-            parts["sr"].append(_label(batch, "stress", graphs, 9))
+            parts["fp"].append(_rows(out.get("forces"), atoms, 3))
+            parts["fr"].append(_rows(_label(batch, "forces"), atoms, 3))
+            parts["sp"].append(_rows(out.get("stress"), graphs, 9))
+            parts["sr"].append(_rows(_label(batch, "stress"), graphs, 9))
     finally:
         model.train(was_training)
         if config is not None:
@@ -324,19 +326,15 @@ def predict(
     )
 
 
-def _output(out: Any, name: str, rows: int, width: int) -> np.ndarray:
-    """A model output as float64 ``(rows, width)``; NaN when the model did not produce it."""
-    value = out.get(name)
+def _rows(value: Any, rows: int, width: int) -> np.ndarray:
+    """An output or label as float64 ``(rows, width)``; NaN when it is absent."""
     if value is None:
         return np.full((rows, width), np.nan)
     return value.detach().double().cpu().numpy().reshape(rows, width)
 
 
-def _label(batch: Any, name: str, rows: int, width: int) -> np.ndarray:
-    """A label of the batch as float64 ``(rows, width)``; NaN where it is missing."""
-    if name not in batch:
-        return np.full((rows, width), np.nan)
-    return getattr(batch, name).detach().double().cpu().numpy().reshape(rows, width)
+def _label(batch: Any, name: str) -> Any:
+    return getattr(batch, name) if name in batch else None
 
 
 # ---------------------------------------------------------------------- structure labels

@@ -66,21 +66,13 @@ _KNOWN_SAMPLERS = (
 def generators(loader: Any) -> list[torch.Generator]:
     """The CPU ``torch.Generator`` objects ``loader`` (or its samplers) draws its order from."""
     batch_sampler = getattr(loader, "batch_sampler", None)
-    candidates = [
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler)
+    found = [
         getattr(obj, "generator", None)
-        for obj in (
-            loader,
-            getattr(loader, "sampler", None),
-            batch_sampler,
-            getattr(batch_sampler, "sampler", None),
-        )
+        for obj in (*owners, getattr(batch_sampler, "sampler", None))
     ]
-    out, seen = [], set()
-    for gen in candidates:
-        if isinstance(gen, torch.Generator) and gen.device.type == "cpu" and id(gen) not in seen:
-            seen.add(id(gen))
-            out.append(gen)
-    return out
+    unique = {id(g): g for g in found if isinstance(g, torch.Generator) and g.device.type == "cpu"}
+    return list(unique.values())
 
 
 def capture(loader: Any, epoch: int) -> dict[str, Any]:

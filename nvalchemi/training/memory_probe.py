@@ -391,12 +391,6 @@ def probe_batch_budget(
         capped=capped,
     )
     if out_dir is not None:
-        _write(Path(out_dir), budget)
+        text = json.dumps(budget.to_dict(), indent=2) + "\n"
+        write_atomic(Path(out_dir) / BUDGET_FILE, text.encode())
     return budget
-
-
-def _write(directory: Path, budget: BatchBudget) -> Path:
-    """``batch_budget.json`` in ``directory``, written atomically."""
-    path = directory / BUDGET_FILE
-    write_atomic(path, (json.dumps(budget.to_dict(), indent=2) + "\n").encode())
-    return path

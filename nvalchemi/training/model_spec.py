@@ -125,10 +125,10 @@ def _value(value: Any, path: str) -> Any:
 def _verify(spec: BaseSpec, module: nn.Module, path: str) -> None:
     layout = _layout(module)
     try:
-        key = (type(module), json.dumps(_without_timestamps(spec.model_dump()), sort_keys=True))
+        kwargs = json.dumps(_without_timestamps(spec.model_dump()), sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{path}: constructor arguments are not JSON-serializable: {exc}") from exc
-    key = (*key, layout)
+    key = (type(module), kwargs, layout)
     if key not in _VERIFIED:
         if len(_VERIFIED) >= _VERIFIED_MAX:
             _VERIFIED.clear()

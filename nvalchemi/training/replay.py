@@ -185,7 +185,13 @@ def mix_replay(
     if ratio is not None:
         if not 0.0 < ratio < 1.0:
             raise ValueError(f"replay ratio must be between 0 and 1 (exclusive); got {ratio}.")
-        counts = _split_batch(batch_size, ratio)
+        if batch_size < 2:
+            raise ValueError(
+                "a replay ratio needs batches of at least 2 structures; got "
+                f"batch_size={batch_size}."
+            )
+        replayed = min(batch_size - 1, max(1, round(batch_size * ratio)))
+        counts = [batch_size - replayed, replayed]
         sampler = MultiDatasetBatchSampler(
             dataset,
             batch_size=batch_size,
@@ -196,15 +202,6 @@ def mix_replay(
             distributed_manager=distributed_manager,
         )
     return ReplayMix(dataset, batch_size, sampler, seed, shuffle)
-
-
-def _split_batch(batch_size: int, ratio: float) -> list[int]:
-    replay = min(batch_size - 1, max(1, round(batch_size * ratio)))
-    if batch_size < 2:
-        raise ValueError(
-            f"a replay ratio needs batches of at least 2 structures; got batch_size={batch_size}."
-        )
-    return [batch_size - replay, replay]
 
 
 # ---------------------------------------------------------------------------- labelling

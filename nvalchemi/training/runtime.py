@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -144,15 +145,8 @@ def move_to_devices(
 
 def _move(model: nn.Module, device: torch.device, non_blocking: bool) -> None:
     # Skip the call when everything is already there: Module.to() walks every tensor.
-    for tensor in _first_tensors(model):
-        if tensor.device != device:
-            model.to(device, non_blocking=non_blocking)
-            return
-
-
-def _first_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
+    if any(t.device != device for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(device, non_blocking=non_blocking)
 
 
 def rehome_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -205,20 +199,13 @@ def configure_dataloader(
         )
     if batch_sampler is not None and sampler is not None:
         raise ValueError("configure_dataloader: pass either sampler or batch_sampler, not both.")
-    if collate_fn is None:
-        collate_fn = _collate_atomic_data
     if batch_sampler is not None:
-        return torch.utils.data.DataLoader(
-            dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **loader_kwargs
-        )
-    resolved_shuffle = sampler is None if shuffle is None else bool(shuffle)
+        loader_kwargs["batch_sampler"] = batch_sampler
+    else:
+        shuffle = sampler is None if shuffle is None else bool(shuffle)
+        loader_kwargs.update(batch_size=batch_size, shuffle=shuffle, sampler=sampler)
     return torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=resolved_shuffle,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        **loader_kwargs,
+        dataset, collate_fn=collate_fn or _collate_atomic_data, **loader_kwargs
     )
 
 

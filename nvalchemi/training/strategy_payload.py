@@ -291,31 +291,31 @@ class StrategyPayload(BaseModel):
         resolved = ResolvedStrategy()
         problems: list[FieldError] = []
 
-        def attempt(fn: Any, *args: Any) -> Any:
+        def attempt(fn: Any, data: Any, where: str) -> Any:
             try:
-                return fn(*args)
-            except FieldError as exc:
-                problems.append(exc)
+                return fn(data, where, trust)
+            except Exception as exc:  # each problem as a FieldError naming its field
+                problems.append(spec_error(where, exc))
                 return None
 
         where = f"{prefix}." if prefix else ""
         if self.optimizer_configs is not None:
             for key, entries in self.optimizer_configs.items():
                 configs = [
-                    attempt(self._optimizer, entry, f"{where}optimizer_configs.{key}[{i}]", trust)
+                    attempt(self._optimizer, entry, f"{where}optimizer_configs.{key}[{i}]")
                     for i, entry in enumerate(entries)
                 ]
                 resolved.optimizer_configs[key] = [c for c in configs if c is not None]
         if self.loss_fn_spec is not None:
-            resolved.loss_fn = attempt(self._loss, f"{where}loss_fn_spec", trust)
-        resolved.devices = attempt(self._devices, f"{where}devices") or []
-        resolved.training_fn = attempt(self._training_fn, f"{where}training_fn", trust)
+            resolved.loss_fn = attempt(self._loss, self.loss_fn_spec, f"{where}loss_fn_spec")
+        resolved.devices = attempt(self._devices, self.devices, f"{where}devices") or []
+        resolved.training_fn = attempt(self._training_fn, self.training_fn, f"{where}training_fn")
         for key, data in self.model_specs.items():
-            cls = attempt(self._model_class, data, f"{where}model_specs.{key}", trust)
+            cls = attempt(self._model_class, data, f"{where}model_specs.{key}")
             if cls is not None:
                 resolved.model_classes[key] = cls
         for target, data in self.module_patches.items():
-            attempt(parse_spec, data, f"{where}module_patches.{target}", trust)
+            attempt(parse_spec, data, f"{where}module_patches.{target}")
         if problems:
             raise combined_error(problems)
         return resolved
@@ -324,39 +324,31 @@ class StrategyPayload(BaseModel):
     def _optimizer(entry: dict[str, Any], where: str, trust: bool) -> Any:
         from nvalchemi.training.optimizers import OptimizerConfig
 
-        spec = parse_spec(entry, where, trust)
-        try:
-            config = OptimizerConfig.from_spec(spec)
-        except Exception as exc:
-            raise spec_error(where, exc) from None
+        config = OptimizerConfig.from_spec(parse_spec(entry, where, trust))
         _check_values(config, where)
         return config
 
-    def _loss(self, where: str, trust: bool) -> Any:
-        spec = parse_spec(self.loss_fn_spec, where, trust)
-        try:
-            return spec.build()
-        except Exception as exc:
-            raise spec_error(where, exc) from None
+    @staticmethod
+    def _loss(data: dict[str, Any], where: str, trust: bool) -> Any:
+        return parse_spec(data, where, trust).build()
 
-    def _devices(self, where: str) -> list[Any]:
+    @staticmethod
+    def _devices(devices: list[str], where: str, trust: bool) -> list[Any]:
         import torch
 
         try:
-            return [torch.device(d) for d in self.devices]
+            return [torch.device(d) for d in devices]
         except (TypeError, RuntimeError) as exc:
             raise spec_error(where, exc, "use 'cpu', 'cuda' or 'cuda:0'") from None
 
-    def _training_fn(self, where: str, trust: bool) -> Any:
+    @staticmethod
+    def _training_fn(path: str, where: str, trust: bool) -> Any:
         from nvalchemi._serialization import import_path
 
-        try:
-            fn = import_path(self.training_fn, trust=trust)
-        except Exception as exc:
-            raise spec_error(where, exc) from None
+        fn = import_path(path, trust=trust)
         if not callable(fn):
             raise FieldError(
-                f"{self.training_fn!r} is not callable",
+                f"{path!r} is not callable",
                 field=where,
                 fix="name a function (model, batch) -> predictions",
             )

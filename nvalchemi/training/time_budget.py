@@ -317,20 +317,13 @@ class TimeBudgetHook:
     def _validation_s_per_step(self, strategy: Any, step_s: float) -> tuple[float, float]:
         """Estimated ``(validation seconds per training step, one final validation)``."""
         config = getattr(strategy, "validation_config", None)
-        data = getattr(config, "validation_data", None)
-        try:
-            batches = len(data) if data is not None else 0
-        except TypeError:
-            batches = 0
-        one = VALIDATION_COST * step_s * batches
+        one = VALIDATION_COST * step_s * (_length(getattr(config, "validation_data", None)) or 0)
         every = getattr(config, "every_n_steps", None)
         if not every and getattr(config, "every_n_epochs", None):
             every = config.every_n_epochs * max(_batches_per_epoch(strategy) or 0, 1)
         return (one / every if every else 0.0), one
 
-    def _steps_that_fit(
-        self, strategy: Any, now: float, step_s: float, per_val: float, final: float
-    ) -> int:
+    def _steps_that_fit(self, now: float, step_s: float, per_val: float, final: float) -> int:
         left = self.seconds * (1.0 - self.reserve) - (now - self._started) - final
         return max(int(left / (step_s + per_val)), 0)
 
@@ -339,7 +332,7 @@ class TimeBudgetHook:
         start, at = self._marks.get("probe", (self._started, self._run_start_step))
         step_s = (now - start) / max(step - at, 1)
         per_val, final = self._validation_s_per_step(strategy, step_s)
-        planned = step + self._steps_that_fit(strategy, now, step_s, per_val, final)
+        planned = step + self._steps_that_fit(now, step_s, per_val, final)
         planned = self._agree(planned)
         self.plan.step_s, self.plan.fitted_at = step_s, step
         self._marks["check"] = (now, step)
@@ -374,7 +367,7 @@ class TimeBudgetHook:
         miss = predicted - self.seconds * (1.0 - self.reserve)
         # The first check re-fits either way; the guards only shorten a run that would overrun.
         off = (abs(miss) if first else miss) > self.tolerance * self.seconds
-        candidate = step + self._steps_that_fit(strategy, now, step_s, 0.0, final) if off else None
+        candidate = step + self._steps_that_fit(now, step_s, 0.0, final) if off else None
         candidate = self._agree(candidate)  # rank 0 decides for every rank
         self._marks["check"] = (now, step)
         if candidate is not None:
@@ -441,12 +434,15 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.3g} min"
 
 
-def _batches_per_epoch(strategy: Any) -> int | None:
-    loader = getattr(strategy, "active_dataloader", None)
+def _length(values: Any) -> int | None:
     try:
-        return len(loader) if loader is not None else None
+        return len(values) if values is not None else None
     except TypeError:
         return None
+
+
+def _batches_per_epoch(strategy: Any) -> int | None:
+    return _length(getattr(strategy, "active_dataloader", None))
 
 
 def _own_length(strategy: Any) -> int | None:

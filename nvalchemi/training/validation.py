@@ -204,34 +204,39 @@ class ValidationLoop:
         validation_fn = validation_fn or config.validation_fn
         if validation_fn is None:
             raise ValueError("validation_fn is required in standalone mode.")
-        ema_keys: list[str] = []
         if model is not None:
             model_arg: Any = unwrap_model(model)
+            ema_keys: list[str] = []
             if isinstance(inference_model, nn.Module) and not isinstance(
                 inference_model, nn.ModuleDict
             ):
                 model_arg, ema_keys = inference_model, ["main"]
-            total = 1
         else:
             model_arg = {k: unwrap_model(m) for k, m in models.items()}
             ema_keys = _apply_slot(model_arg, inference_model)
-            total = len(model_arg)
-        self._setup(
-            data=validation_data,
-            config=config,
-            device=torch.device(device),
-            model_arg=model_arg,
-            loss_fn=as_composed_loss(loss_fn),
-            assembler=loss_target_assembler,
-            fn=validation_fn,
-            autocast=autocast or contextlib.nullcontext,
-            precision="mixed" if autocast is not None else "float32",
-            grad_enabled=grad_enabled,
-            manager=distributed_manager,
-            ema_keys=ema_keys,
-            total_models=total,
-        )
+        self.config = config
+        self.device = torch.device(device)
+        self.loss_fn = as_composed_loss(loss_fn)
+        self.validation_data = validation_data
+        self._model_arg = model_arg
+        self._assembler = loss_target_assembler
+        self._fn = validation_fn
+        self._autocast = autocast or contextlib.nullcontext
+        self._precision = "mixed" if autocast is not None else "float32"
+        self._manager = distributed_manager
+        self._ema_keys = sorted(ema_keys)
+        self._total_models = len(model_arg) if model is None else 1
+        self._strategy: Any = None
         self._counters = (step_count, epoch)
+        self._entered = False
+        self._saved_modes: list[tuple[nn.Module, bool]] = []
+        self._saved_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        if grad_enabled is None:
+            mode = config.grad_mode
+            grad_enabled = (
+                self.loss_fn.requires_eval_grad() if mode == "auto" else mode == "enabled"
+            )
+        self.grad_enabled = bool(grad_enabled)
 
     @classmethod
     def from_training_strategy(
@@ -252,108 +257,47 @@ class ValidationLoop:
                 "ValidationConfig(use_ema='always') requires a populated inference_model slot "
                 "(e.g. via EMAHook)."
             )
-        if strategy.single_model_input:
-            model_arg: Any = models["main"]
-            ema_keys: list[str] = []
-            if isinstance(slot, nn.Module) and not isinstance(slot, nn.ModuleDict):
-                model_arg, ema_keys = slot, ["main"]
-            total = 1
-        else:
-            model_arg = dict(models)
-            ema_keys = _apply_slot(model_arg, slot)
-            total = len(model_arg)
-        if config.use_ema == "always" and len(ema_keys) < total:
-            missing = sorted(set(models) - set(ema_keys))
+        device = strategy.devices[0]
+        autocast, precision = strategy.validation_autocast(device, config.use_mixed_precision)
+        single = strategy.single_model_input
+        loop = cls(
+            validation_data=config.validation_data,
+            config=config,
+            device=device,
+            model=models["main"] if single else None,
+            models=None if single else dict(models),
+            loss_fn=config.loss_fn if config.loss_fn is not None else strategy.loss_fn,
+            loss_target_assembler=strategy.loss_target_assembler,
+            validation_fn=config.validation_fn or strategy.training_fn,
+            inference_model=slot,
+            autocast=autocast,
+            distributed_manager=strategy.distributed_manager,
+        )
+        if config.use_ema == "always" and len(loop._ema_keys) < loop._total_models:
+            missing = sorted(set(models) - set(loop._ema_keys))
             raise RuntimeError(
                 "ValidationConfig(use_ema='always') requires an inference model for every model "
                 f"key; missing: {missing}."
             )
-        device = strategy.devices[0]
-        autocast, precision = strategy.validation_autocast(device, config.use_mixed_precision)
-        loop = cls.__new__(cls)
-        loop._setup(
-            data=config.validation_data,
-            config=config,
-            device=device,
-            model_arg=model_arg,
-            loss_fn=config.loss_fn if config.loss_fn is not None else strategy.loss_fn,
-            assembler=strategy.loss_target_assembler,
-            fn=config.validation_fn or strategy.training_fn,
-            autocast=autocast,
-            precision=precision,
-            grad_enabled=None,
-            manager=strategy.distributed_manager,
-            ema_keys=ema_keys,
-            total_models=total,
-        )
+        loop._precision = precision
         loop._strategy = strategy
         return loop
 
-    def _setup(
-        self,
-        *,
-        data: Iterable[Any],
-        config: ValidationConfig,
-        device: torch.device,
-        model_arg: Any,
-        loss_fn: Any,
-        assembler: Callable[..., Any],
-        fn: Callable[..., Any],
-        autocast: Callable[[], Any],
-        precision: str,
-        grad_enabled: bool | None,
-        manager: Any,
-        ema_keys: list[str],
-        total_models: int,
-    ) -> None:
-        self.config = config
-        self.device = device
-        self.loss_fn = loss_fn
-        self.validation_data = data
-        self._model_arg = model_arg
-        self._assembler = assembler
-        self._fn = fn
-        self._autocast = autocast
-        self._precision = precision
-        self._manager = manager
-        self._ema_keys = sorted(ema_keys)
-        self._total_models = total_models
-        self._strategy: Any = None
-        self._counters = (0, 0)
-        self._entered = False
-        self._saved_modes: list[tuple[nn.Module, bool]] = []
-        self._saved_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        if grad_enabled is None:
-            mode = config.grad_mode
-            grad_enabled = loss_fn.requires_eval_grad() if mode == "auto" else mode == "enabled"
-        self.grad_enabled = bool(grad_enabled)
-
     # ----------------------------------------------------------------- context
-    def _modules(self) -> list[nn.Module]:
-        values = (
-            self._model_arg.values() if isinstance(self._model_arg, dict) else [self._model_arg]
-        )
-        unique: dict[int, nn.Module] = {}
-        for module in values:
-            if isinstance(module, nn.Module):
-                unique.setdefault(id(module), module)
-        return list(unique.values())
-
     def __enter__(self) -> ValidationLoop:
-        modules = self._modules()
+        arg = self._model_arg
+        values = arg.values() if isinstance(arg, dict) else [arg]
+        modules = list({id(m): m for m in values if isinstance(m, nn.Module)}.values())
         self._saved_modes = [(m, m.training) for top in modules for m in top.modules()]
         if self.config.set_eval:
             for module in modules:
                 module.eval()
         self._saved_grads = []
         if self.grad_enabled:
-            seen: set[int] = set()
-            for module in modules:
-                for param in module.parameters():
-                    if id(param) not in seen:
-                        seen.add(id(param))
-                        self._saved_grads.append((param, param.grad))
-                        param.grad = None
+            params = {id(p): p for module in modules for p in module.parameters()}
+            self._saved_grads = [(p, p.grad) for p in params.values()]
+            for param in params.values():
+                param.grad = None
         self._entered = True
         return self
 
@@ -375,7 +319,11 @@ class ValidationLoop:
         step, epoch = (
             (strategy.step_count, strategy.epoch_count) if strategy is not None else self._counters
         )
-        before, after = self._forward_hooks()
+        before: tuple[Any, ...] = ()
+        after: tuple[Any, ...] = ()
+        if strategy is not None:  # neighbour lists for batches that come without them
+            before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
+            after = strategy.hooks_for(_AFTER_FORWARD)
         ctx = strategy.new_context() if (before or after) else None
         totals = _Totals(self.loss_fn.component_names, self.device, self.loss_fn.components)
         workflow = strategy if strategy is not None else self
@@ -445,14 +393,6 @@ class ValidationLoop:
         )
         return summary
 
-    def _forward_hooks(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        if self._strategy is None:
-            return (), ()
-        strategy = self._strategy
-        # neighbour lists for batches that come without (the builders skip the others)
-        before = (*strategy.neighbor_list_builders(), *strategy.hooks_for(_BEFORE_FORWARD))
-        return before, strategy.hooks_for(_AFTER_FORWARD)
-
 
 # --------------------------------------------------------------------------- accumulation
 class _Totals:
@@ -464,17 +404,14 @@ class _Totals:
         self.names = list(component_names)
         self.leaves = list(leaves)
         self.device = device
-        zeros = torch.zeros(self._size(), dtype=torch.float64, device=device)
-        self.sums = zeros  # layout: see _size()
-        self.num_batches = 0
-        self.num_structures = 0
-        self.last_weights: tuple[dict[str, float], dict[str, float]] | None = None
-
-    def _size(self) -> int:
         # total, then per component (unweighted, labelled-sample sum, labelled-sample count),
         # then metric blocks: energy (abs, sq, n, abs/atom, sq/atom), forces (abs, sq, n),
         # stress (abs, sq, n). Counts live on the device too, so nothing syncs per batch.
-        return 1 + 3 * len(self.names) + 5 + 3 + 3
+        size = 1 + 3 * len(self.names) + 5 + 3 + 3
+        self.sums = torch.zeros(size, dtype=torch.float64, device=device)
+        self.num_batches = 0
+        self.num_structures = 0
+        self.last_weights: tuple[dict[str, float], dict[str, float]] | None = None
 
     def add(self, loss: Mapping[str, Any], predictions: Mapping[str, Any], batch: Any) -> None:
         parts = [loss["total_loss"].detach().reshape(())]

@@ -384,16 +384,11 @@ def _keep_live_optimizer_settings(optimizer: Any, scheduler: Any, config: Any, s
 
 def _keep_live_scheduler_settings(scheduler: Any, saved: dict, live: dict) -> None:
     for key, value in live.items():
-        if (
-            key not in ("cls_path", "timestamp")
-            and saved.get(key, object()) != value
-            and hasattr(scheduler, key)
-        ):
-            setattr(
-                scheduler,
-                key,
-                tuple(value) if isinstance(getattr(scheduler, key), tuple) else value,
-            )
+        if key in ("cls_path", "timestamp") or saved.get(key, object()) == value:
+            continue
+        if hasattr(scheduler, key):
+            old = getattr(scheduler, key)
+            setattr(scheduler, key, tuple(value) if isinstance(old, tuple) else value)
 
 
 def _capture_hooks(c: _Capture) -> None:
