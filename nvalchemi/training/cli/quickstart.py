@@ -1,15 +1,8 @@
 """``quickstart``: the main job, from bundled data to an ASE calculator in a few minutes.
 
-Trains the built-in PaiNN on the bundled EMT data set (validation every epoch, EMA,
-a checkpoint every epoch with the last 3 and the best kept, live progress,
-``metrics.jsonl`` and TensorBoard events), evaluates the final checkpoint on the test
-split, writes learning-curve and parity PNGs, and shows -- by printing and running
-a short snippet -- how to use the checkpoint as an ASE calculator.
-
-The settings live in :mod:`nvalchemi.training.jobs.recipe`; the pipeline in
-:mod:`nvalchemi.training.jobs.quickstart`. Without ``--epochs`` the run's length and
-learning-rate schedule are fitted to ``--minutes`` (default 5) by a ``TimeBudgetHook``,
-as ``spec run --minutes`` does.
+Trains the built-in PaiNN on the bundled EMT data (:mod:`nvalchemi.training.jobs.quickstart`,
+settings in :mod:`nvalchemi.training.jobs.recipe`), evaluates the final checkpoint on the
+test split, writes plots, and prints and runs a snippet using the checkpoint from ASE.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``spec report``: a job as tables and warnings, without loading models or data.
 
-Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning (the
-``finetune`` block, and the reference energies a run of the job wrote), Optimizers, Notes
-and a Learning-rate preview computed with the real scheduler
-(:mod:`nvalchemi.training.jobs.lr_preview`).
+Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning, Optimizers,
+Batches, Notes and a Learning-rate preview computed with the real scheduler.
 """
 
 from __future__ import annotations
