@@ -259,7 +259,6 @@ Examples:
 )
 def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **options: Any) -> None:
     """Scaffold a job that trains a model from scratch: the quickstart recipe on your data."""
-    extra: dict[str, Any] = {}
     if model_kind == "custom" and cutoff is not None:
         raise CLIError("--cutoff applies to --model painn only", fix="drop --cutoff")
     counts = _data_labels(options["datasets"])
@@ -272,18 +271,13 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
                 " and the model's stress output (--no-stress to leave them out)",
                 err=True,
             )
-    extra["stress"] = stress
-    extra["structures"] = counts["structures"] if counts else None
+    extra: dict[str, Any] = {"stress": stress, "structures": counts and counts["structures"]}
     if model_kind == "painn":
         from nvalchemi.training.jobs.scaffold import painn_model_spec
 
         extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
         extra["source"] = {"fit_to_data": True}
-        if (
-            options["minutes"] is None
-            and options["num_steps"] is None
-            and not options["num_epochs"]
-        ):
+        if not any(options[k] for k in ("minutes", "num_steps", "num_epochs")):
             options["minutes"] = DEFAULT_MINUTES
     _emit(_scaffold("train", "custom", options, **extra), options["out"])
 

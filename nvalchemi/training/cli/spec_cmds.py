@@ -311,6 +311,15 @@ def spec_resume(
         f"`nvalchemi-training spec resume {checkpoint_dir} --spec {spec_path} --num-steps N` "
         f"with N > {progress.step_count:,}"
     )
+
+    def complete(what: str) -> None:
+        if is_main:
+            console.print(
+                f"The run in {checkpoint_dir} {what}. To train longer: {extend}.",
+                markup=False,
+                soft_wrap=True,
+            )
+
     if num_steps is not None and num_steps <= progress.step_count:
         raise CLIError(
             f"{num_steps:,} steps are not beyond the {progress.step_count:,} the checkpoint "
@@ -319,14 +328,7 @@ def spec_resume(
             fix=f"give more than {progress.step_count:,}",
         )
     if num_steps is None and progress.complete:
-        if is_main:
-            console.print(
-                f"The run in {checkpoint_dir} is already complete ({progress.describe()}); "
-                f"nothing to train. To train longer: {extend}.",
-                markup=False,
-                soft_wrap=True,
-            )
-        return
+        return complete(f"is already complete ({progress.describe()}); nothing to train")
     ranks = launch_env().world_size if distributed_enabled(options.distributed) else 1
     if ranks != progress.world_size:
         launcher = f"torchrun --nproc_per_node={progress.world_size} -m nvalchemi.training.cli"
@@ -348,12 +350,5 @@ def spec_resume(
         job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
     )
     if result.strategy.step_count == progress.step_count and num_steps is None:
-        if is_main:
-            console.print(
-                f"The run in {checkpoint_dir} was already complete ({progress.describe()}); "
-                f"nothing was trained. To train longer: {extend}.",
-                markup=False,
-                soft_wrap=True,
-            )
-        return
+        return complete(f"was already complete ({progress.describe()}); nothing was trained")
     _summary(result, console)
