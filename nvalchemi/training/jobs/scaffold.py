@@ -281,12 +281,11 @@ def scaffold_job(
     if finetune is not None:
         data["finetune"] = dict(finetune)
     if has_validation:
-        cadence = (
+        data["validation"] = (
             {"every_n_steps": validation_every_steps}
             if validation_every_steps
             else {"every_n_epochs": validation_every_epochs or 1}
         )
-        data["validation"] = cadence
     return data
 
 

@@ -178,12 +178,20 @@ class SourceSpec(_Block):
         return self
 
 
-class DatasetSpec(_Block):
+class _Files(_Block):
+    path: str | None = None
+    paths: list[str] = Field(default_factory=list)
+
+    @property
+    def all_paths(self) -> list[str]:
+        """``paths``, else ``[path]``."""
+        return list(self.paths) if self.paths else [str(self.path)]
+
+
+class DatasetSpec(_Files):
     """Training data (several paths: one ``MultiDataset``), and validation data from
     ``validation_path`` (files of their own) or ``val_fraction`` (a seeded split), not both."""
 
-    path: str | None = None
-    paths: list[str] = Field(default_factory=list)
     format: DataFormat = "auto"
     validation_path: str | list[str] | None = None
     val_fraction: float | None = Field(default=None, gt=0, lt=1)
@@ -250,11 +258,6 @@ class DatasetSpec(_Block):
                 f"label_keys has unknown labels {unknown}; use energy, forces, stress, virials"
             )
         return self
-
-    @property
-    def all_paths(self) -> list[str]:
-        """The training paths (``paths``, else ``[path]``)."""
-        return list(self.paths) if self.paths else [str(self.path)]
 
     @property
     def validation_paths(self) -> list[str]:
@@ -339,11 +342,9 @@ class DistributedSpec(_Block):
     )
 
 
-class ReplaySpec(_Block):
+class ReplaySpec(_Files):
     """Replay data mixed into a fine-tune against forgetting (``finetune.replay``)."""
 
-    path: str | None = None
-    paths: list[str] = Field(default_factory=list)
     pseudo_label: bool = Field(
         default=True,
         description="label the replay structures with the source model (once, cached in "
@@ -369,10 +370,6 @@ class ReplaySpec(_Block):
         if self.path is None and not self.paths:
             raise ValueError("finetune.replay needs 'path' (a file) or 'paths' (several)")
         return self
-
-    @property
-    def all_paths(self) -> list[str]:
-        return list(self.paths) if self.paths else [str(self.path)]
 
 
 class FineTuneSpec(_Block):
