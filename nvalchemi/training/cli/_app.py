@@ -115,20 +115,16 @@ class _Main(click.Group):
                 if debug_enabled(ctx):
                     traceback.print_exc()
                 raise
-            except FieldError as exc:  # a library error that names the field and the fix
-                if debug_enabled(ctx):
-                    raise
-                raise CLIError(" ".join(str(exc).split())) from None
             except (click.exceptions.Exit, click.Abort, click.ClickException):
                 raise
-            except KeyboardInterrupt:
+            except (Exception, KeyboardInterrupt) as exc:
                 if debug_enabled(ctx):
                     raise
-                click.echo("Interrupted.", err=True)
-                ctx.exit(130)
-            except Exception as exc:
-                if debug_enabled(ctx):
-                    raise
+                if isinstance(exc, KeyboardInterrupt):
+                    click.echo("Interrupted.", err=True)
+                    ctx.exit(130)
+                if isinstance(exc, FieldError):  # a library error naming the field and the fix
+                    raise CLIError(" ".join(str(exc).split())) from None
                 raise CLIError(
                     user_message(exc) + " (run with --debug for the traceback)"
                 ) from None

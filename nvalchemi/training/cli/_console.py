@@ -47,14 +47,12 @@ def print_table(
     title: str,
     columns: Sequence[str],
     rows: Iterable[Sequence[Any]],
-    *,
-    justify_numbers: bool = True,
 ) -> Table:
     """Print ``title`` on a line of its own, then a table; numbers via :func:`format_number`."""
     console.print(title, style="italic", soft_wrap=True)
     table = Table(show_lines=False)
     for i, name in enumerate(columns):
-        table.add_column(name, justify="right" if justify_numbers and i > 0 else "left")
+        table.add_column(name, justify="right" if i > 0 else "left")
     for row in rows:
         table.add_row(*(format_number(v) if not isinstance(v, str) else v for v in row))
     console.print(table)

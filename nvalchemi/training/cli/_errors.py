@@ -36,19 +36,16 @@ class CLIError(click.ClickException):
         self.fix = fix
 
 
-def enable_debug(ctx: click.Context | None = None) -> None:
+def enable_debug(ctx: click.Context) -> None:
     """Remember that ``--debug`` was given (for the whole command line)."""
-    ctx = ctx or click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.find_root().meta["nvalchemi_debug"] = True
+    ctx.find_root().meta["nvalchemi_debug"] = True
 
 
-def debug_enabled(ctx: click.Context | None = None) -> bool:
+def debug_enabled(ctx: click.Context) -> bool:
     """Whether tracebacks should be shown instead of one-paragraph messages."""
     if os.environ.get("NVALCHEMI_DEBUG", "").lower() in ("1", "true", "yes"):
         return True
-    ctx = ctx or click.get_current_context(silent=True)
-    return bool(ctx is not None and ctx.find_root().meta.get("nvalchemi_debug"))
+    return bool(ctx.find_root().meta.get("nvalchemi_debug"))
 
 
 def _collective_text(exc: BaseException) -> str:

@@ -91,16 +91,7 @@ Examples:
     "threads slow it down a lot when other processes share the CPU.",
 )
 @debug_option
-def quickstart(
-    run_dir: str,
-    minutes: float | None,
-    epochs: int | None,
-    resume: bool,
-    overwrite: bool,
-    device: str,
-    quick: bool,
-    threads: int,
-) -> None:
+def quickstart(threads: int, **options: Any) -> None:
     """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""
     import torch
 
@@ -108,15 +99,7 @@ def quickstart(
 
     started = time.perf_counter()
     console = err_console()
-    plan = qs.prepare_run(
-        run_dir,
-        resume=resume,
-        overwrite=overwrite,
-        quick=quick,
-        epochs=epochs,
-        minutes=minutes,
-        device=device,
-    )
+    plan = qs.prepare_run(**options)  # the other options are prepare_run's parameters
     torch.set_num_threads(threads)
     console.rule("nvalchemi quickstart: PaiNN on the bundled EMT data set")
     splits = qs.load_splits(plan.recipe)
