@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.scaffold import CHECKPOINT_HOOK
 from nvalchemi.training.jobs.spec import TrainingJobSpec
 
 __all__ = ["Horizon", "JobWarning", "check_horizons", "job_warnings", "scheduler_horizons"]
-
-CHECKPOINT_HOOK = "nvalchemi.training.hooks.checkpoint.CheckpointHook"
 
 
 @dataclass(frozen=True)
@@ -344,12 +343,6 @@ class Horizon:
     steps: int
 
 
-def _name(cls: Any) -> str:
-    if isinstance(cls, str):
-        return cls.rsplit(".", 1)[-1]
-    return getattr(cls, "__name__", str(cls))
-
-
 def scheduler_horizons(optimizer_configs: Mapping[str, Any]) -> list[Horizon]:
     """Fixed horizons of the schedulers in ``optimizer_configs`` (job payload or saved recipe).
 
@@ -366,7 +359,12 @@ def scheduler_horizons(optimizer_configs: Mapping[str, Any]) -> list[Horizon]:
                 continue
             kwargs = entry.get("scheduler_kwargs") or {}
             where = f"strategy.optimizer_configs.{key}[{i}].scheduler_kwargs"
-            name = _name(entry["scheduler_cls"])
+            cls = entry["scheduler_cls"]
+            name = (
+                cls.rsplit(".", 1)[-1]
+                if isinstance(cls, str)
+                else getattr(cls, "__name__", str(cls))
+            )
             for horizon_key in _KEYS:
                 value = kwargs.get(horizon_key)
                 if isinstance(value, int) and not isinstance(value, bool):
