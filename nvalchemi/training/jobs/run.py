@@ -325,15 +325,7 @@ def run_job(
     except ValueError:
         main_rank = True  # the launch error is raised with its fix once the run starts
     with SetupSignals(console if main_rank else None) as signals:
-        return _run_job(
-            job,
-            resolved,
-            options,
-            signals,
-            resume_from=resume_from,
-            checkpoint_index=checkpoint_index,
-            console=console,
-        )
+        return _run(job, resolved, options, signals, resume_from, checkpoint_index, console)
 
 
 def _budget_hook(job: TrainingJobSpec, options: RunOptions) -> Any:
@@ -476,12 +468,11 @@ def _set_outputs(job: TrainingJobSpec, strategy: Any) -> None:
         config.active_outputs = set(job.source.active_outputs)
 
 
-def _run_job(
+def _run(
     job: TrainingJobSpec,
     resolved: ResolvedJob,
     options: RunOptions,
     signals: SetupSignals,
-    *,
     resume_from: str | Path | None,
     checkpoint_index: Any,
     console: Any,
@@ -494,11 +485,10 @@ def _run_job(
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
-    if resume_from is not None:
-        _check_root(Path(resume_from))
-    check_devices(
-        job, options, None if resume_from is None else Path(resume_from), checkpoint_index
-    )
+    resume = None if resume_from is None else Path(resume_from)
+    if resume is not None:
+        _check_root(resume)
+    check_devices(job, options, resume, checkpoint_index)
     manager, hooks = _distributed(options, job)
     is_main = get_rank(manager) == 0
     if not is_main:
@@ -517,7 +507,7 @@ def _run_job(
     if forgetting is not None:
         hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
-    if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
+    if resume is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise FieldError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run",
             field="source.hooks (CheckpointHook.checkpoint_dir)",
@@ -549,8 +539,8 @@ def _run_job(
             + (" (in memory)" if data.in_memory else "")
         )
     try:
-        if resume_from is not None:
-            strategy = _load(Path(resume_from), checkpoint_index, options, hooks)
+        if resume is not None:
+            strategy = _load(resume, checkpoint_index, options, hooks)
         else:
             seed_everything(data.seed)  # same job, same initial weights and training
             strategy = build_strategy(
@@ -580,7 +570,7 @@ def _run_job(
             batch_size=batch_size if isinstance(batch_size, int) else 8,
             shuffle=data.shuffle if options.shuffle is None else options.shuffle,
             seed=data.seed,
-            resumed=resume_from is not None,
+            resumed=resume is not None,
             manager=manager,
             forgetting=forgetting,
             console=console,
