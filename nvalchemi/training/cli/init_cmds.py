@@ -696,8 +696,7 @@ Examples:
 @debug_option
 def schema_template(workflow: str, model: str, out: str | None) -> None:
     """Print a complete template job to edit (TrainingJobSpec.template())."""
-    data = TrainingJobSpec.template(workflow, model)
-    text = dump_job(data, out) if out else dump_job(data)
+    text = dump_job(TrainingJobSpec.template(workflow, model), out)
     if out:
         click.echo(f"Wrote {out}", err=True)
     else:
