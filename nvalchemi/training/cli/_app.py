@@ -1,9 +1,7 @@
-"""The ``nvalchemi-training`` click group: global options, error handling, warnings.
+"""The ``nvalchemi-training`` click group: ``--debug``, error handling, plain warnings.
 
-Command modules add their commands to :data:`main`; this module only knows how a
-command line is run: ``--debug`` shows tracebacks, every other failure becomes a
-one-paragraph message on stderr and exit status 1, and Python warnings are printed
-as single ``warning:`` lines instead of ``file:line`` dumps.
+Command modules add their commands to :data:`main`. Failures become a one-paragraph
+message and exit status 1 (``--debug``: the traceback); warnings print as ``warning:`` lines.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import click
 from nvalchemi._errors import FieldError
 from nvalchemi.training.cli._errors import CLIError, debug_enabled, enable_debug, user_message
 
-__all__ = ["debug_option", "main", "parse_checkpoint_index"]
+__all__ = ["batch_size_value", "debug_option", "main", "option_group", "parse_checkpoint_index"]
 
 _EPILOG = """\b
 Examples:
@@ -52,6 +50,30 @@ def debug_option(fn: Any) -> Any:
         callback=_set_debug,
         help="Show full tracebacks instead of one-line error messages.",
     )(fn)
+
+
+def option_group(*options: Any) -> Any:
+    """One decorator applying ``options`` in the order they are listed (as in ``--help``)."""
+
+    def decorate(fn: Any) -> Any:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+def batch_size_value(ctx: Any, param: Any, value: str | None) -> int | str | None:
+    """A ``--batch-size`` value: an int >= 1 or ``"auto"`` (click callback)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
+    return number
 
 
 def parse_checkpoint_index(text: str) -> int | str:
@@ -93,20 +115,16 @@ class _Main(click.Group):
                 if debug_enabled(ctx):
                     traceback.print_exc()
                 raise
-            except FieldError as exc:  # a library error that names the field and the fix
-                if debug_enabled(ctx):
-                    raise
-                raise CLIError(" ".join(str(exc).split())) from None
             except (click.exceptions.Exit, click.Abort, click.ClickException):
                 raise
-            except KeyboardInterrupt:
+            except (Exception, KeyboardInterrupt) as exc:
                 if debug_enabled(ctx):
                     raise
-                click.echo("Interrupted.", err=True)
-                ctx.exit(130)
-            except Exception as exc:
-                if debug_enabled(ctx):
-                    raise
+                if isinstance(exc, KeyboardInterrupt):
+                    click.echo("Interrupted.", err=True)
+                    ctx.exit(130)
+                if isinstance(exc, FieldError):  # a library error naming the field and the fix
+                    raise CLIError(" ".join(str(exc).split())) from None
                 raise CLIError(
                     user_message(exc) + " (run with --debug for the traceback)"
                 ) from None

@@ -1,8 +1,6 @@
 """Where the CLI writes: a rich console on stderr for people, stdout for payloads.
 
-Reports, tables, progress and messages go to stderr; JSON payloads (``--json``,
-scaffolded specs without ``--out``) go to stdout, so ``... > job.json`` and pipes get
-clean data. Off a terminal the console prints plain text at a fixed width.
+JSON payloads (``--json``, specs without ``--out``) go to stdout, so pipes get clean data.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["err_console", "format_number", "print_table", "stdout_console"]
+__all__ = ["err_console", "format_number", "print_table"]
 
 _PLAIN_WIDTH = 110
 
@@ -24,14 +22,6 @@ def err_console() -> Console:
     console = Console(file=sys.stderr, highlight=False)
     if not console.is_terminal:
         console = Console(file=sys.stderr, highlight=False, width=_PLAIN_WIDTH, no_color=True)
-    return console
-
-
-def stdout_console() -> Console:
-    """A console on the current ``sys.stdout`` (for syntax-highlighted JSON)."""
-    console = Console(file=sys.stdout, highlight=False)
-    if not console.is_terminal:
-        console = Console(file=sys.stdout, highlight=False, width=_PLAIN_WIDTH, no_color=True)
     return console
 
 
@@ -57,14 +47,12 @@ def print_table(
     title: str,
     columns: Sequence[str],
     rows: Iterable[Sequence[Any]],
-    *,
-    justify_numbers: bool = True,
 ) -> Table:
     """Print ``title`` on a line of its own, then a table; numbers via :func:`format_number`."""
     console.print(title, style="italic", soft_wrap=True)
     table = Table(show_lines=False)
     for i, name in enumerate(columns):
-        table.add_column(name, justify="right" if justify_numbers and i > 0 else "left")
+        table.add_column(name, justify="right" if i > 0 else "left")
     for row in rows:
         table.add_row(*(format_number(v) if not isinstance(v, str) else v for v in row))
     console.print(table)

@@ -1,12 +1,8 @@
 """User-facing errors: one paragraph naming the field and the fix, never a traceback.
 
-Commands raise :class:`CLIError` for problems they detect themselves; the library
-functions behind them raise :class:`~nvalchemi._errors.FieldError`, whose text already
-names the field and the fix. Anything else that escapes a command (a ``ValueError`` from
-a spec, a pydantic ``ValidationError``, an ``UnsafeImportError`` from the import
-allow-list, a missing file) is turned into the same kind of message by
-:func:`user_message`. ``--debug`` (or
-``NVALCHEMI_DEBUG=1``) re-raises instead, so the traceback is shown.
+Commands raise :class:`CLIError`; library :class:`~nvalchemi._errors.FieldError` texts
+already name the field and the fix; anything else is worded by :func:`user_message`.
+``--debug`` (or ``NVALCHEMI_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -40,25 +36,16 @@ class CLIError(click.ClickException):
         self.fix = fix
 
 
-def enable_debug(ctx: click.Context | None = None) -> None:
+def enable_debug(ctx: click.Context) -> None:
     """Remember that ``--debug`` was given (for the whole command line)."""
-    ctx = ctx or click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.find_root().meta["nvalchemi_debug"] = True
+    ctx.find_root().meta["nvalchemi_debug"] = True
 
 
-def debug_enabled(ctx: click.Context | None = None) -> bool:
+def debug_enabled(ctx: click.Context) -> bool:
     """Whether tracebacks should be shown instead of one-paragraph messages."""
     if os.environ.get("NVALCHEMI_DEBUG", "").lower() in ("1", "true", "yes"):
         return True
-    ctx = ctx or click.get_current_context(silent=True)
-    return bool(ctx is not None and ctx.find_root().meta.get("nvalchemi_debug"))
-
-
-def _collective_failure(exc: BaseException) -> bool:
-    from nvalchemi.distributed.stalls import is_collective_failure
-
-    return is_collective_failure(exc)
+    return bool(ctx.find_root().meta.get("nvalchemi_debug"))
 
 
 def _collective_text(exc: BaseException) -> str:
@@ -81,6 +68,7 @@ def user_message(exc: BaseException) -> str:
     from pydantic import ValidationError
 
     from nvalchemi._errors import validation_lines
+    from nvalchemi.distributed.stalls import is_collective_failure
     from nvalchemi.training.checkpoint.store import CheckpointLockError, CheckpointWriteError
 
     if isinstance(exc, (CheckpointLockError, CheckpointWriteError)):
@@ -97,7 +85,7 @@ def user_message(exc: BaseException) -> str:
         text = str(exc) or type(exc).__name__
     elif isinstance(exc, ImportError):
         text = f"{exc}. Install the missing package (see the README's install section)"
-    elif _collective_failure(exc):
+    elif is_collective_failure(exc):
         text = _collective_text(exc)
     else:
         text = (

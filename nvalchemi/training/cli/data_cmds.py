@@ -37,7 +37,7 @@ def _progress(description: str) -> Iterator[Any]:
         yield update
 
 
-def _label_keys(pairs: tuple[str, ...]) -> dict[str, str]:
+def _label_keys(ctx: Any, param: Any, pairs: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for pair in pairs:
         label, sep, key = pair.partition("=")
@@ -49,6 +49,10 @@ def _label_keys(pairs: tuple[str, ...]) -> dict[str, str]:
             )
         out[label] = key
     return out
+
+
+def _label_key_option(help: str) -> Any:
+    return click.option("--label-key", "label_keys", multiple=True, callback=_label_keys, help=help)
 
 
 @main.group()
@@ -86,12 +90,7 @@ Examples:
     show_default=True,
     help="dtype of positions and labels in the store.",
 )
-@click.option(
-    "--label-key",
-    "label_keys",
-    multiple=True,
-    help="Where a label lives in the input, e.g. energy=REF_energy (repeatable).",
-)
+@_label_key_option("Where a label lives in the input, e.g. energy=REF_energy (repeatable).")
 @click.option(
     "--max-structures",
     type=click.IntRange(min=1),
@@ -114,7 +113,7 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     readers = open_inputs(
         inputs,
         dtype=options["dtype"],
-        label_keys=_label_keys(options["label_keys"]),
+        label_keys=options["label_keys"],
         max_structures=options["max_structures"],
     )
     with _progress(f"writing {output}") as update:
@@ -145,15 +144,10 @@ Examples:
 """,
 )
 @click.argument("paths", nargs=-1, required=True)
-@click.option(
-    "--label-key",
-    "label_keys",
-    multiple=True,
-    help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
-)
+@_label_key_option("Where a label lives in an extxyz/db input, e.g. energy=REF_energy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON on stdout.")
 @debug_option
-def check(paths: tuple[str, ...], label_keys: tuple[str, ...], as_json: bool) -> None:
+def check(paths: tuple[str, ...], label_keys: dict[str, str], as_json: bool) -> None:
     """Verify data end to end (run it after copying a store).
 
     Reads every chunk of every array of a zarr store (missing, truncated or undecodable
@@ -163,11 +157,10 @@ def check(paths: tuple[str, ...], label_keys: tuple[str, ...], as_json: bool) ->
     from nvalchemi.data.inspect import check_data
     from nvalchemi.data.sources import open_reader
 
-    keys = _label_keys(label_keys)
     console = err_console()
     reports, found = [], 0
     for path in paths:
-        reader = open_reader(path, field="PATH", label_keys=keys)
+        reader = open_reader(path, field="PATH", label_keys=label_keys)
         try:
             with _progress(f"checking {path}") as update:
                 report = check_data(reader, progress=update)
@@ -219,16 +212,11 @@ Examples:
     type=click.IntRange(min=1),
     help="Read only the first N structures of each file.",
 )
-@click.option(
-    "--label-key",
-    "label_keys",
-    multiple=True,
-    help="Where a label lives in an extxyz/db input, e.g. energy=REF_energy.",
-)
+@_label_key_option("Where a label lives in an extxyz/db input, e.g. energy=REF_energy.")
 @click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
 @debug_option
 def stats(
-    paths: tuple[str, ...], max_structures: int | None, label_keys: tuple[str, ...], as_json: bool
+    paths: tuple[str, ...], max_structures: int | None, label_keys: dict[str, str], as_json: bool
 ) -> None:
     """Counts, elements, label statistics and suggested per-element reference energies.
 
@@ -236,9 +224,9 @@ def stats(
     from nvalchemi.data.inspect import absent_chunk_warning, data_statistics
     from nvalchemi.data.sources import open_reader
 
-    keys = _label_keys(label_keys)
     readers = [
-        open_reader(p, field="PATH", max_structures=max_structures, label_keys=keys) for p in paths
+        open_reader(p, field="PATH", max_structures=max_structures, label_keys=label_keys)
+        for p in paths
     ]
     try:
         for reader in readers:

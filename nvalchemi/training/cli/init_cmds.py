@@ -1,23 +1,25 @@
 """``train init``, ``finetune init [--from SOURCE | checkpoint|mace|custom]``,
 ``finetune check`` and ``schema dump|template``.
 
-Each init command writes a complete job spec (JSON, or YAML for a ``.yaml`` path) that
-``spec report`` explains and ``spec run`` trains. Without ``--out`` the spec is printed
-to stdout. ``finetune init --from SOURCE`` tells the source kind from the path (a
-checkpoint directory, a ``.model`` MACE file, else a weights file); the fine-tuning
-options (``--e0``, ``--head``, ``--replay``, ...) fill the job's ``finetune`` block.
+Each init command writes a complete job spec (JSON, or YAML for a ``.yaml`` path; stdout
+without ``--out``) that ``spec report`` explains and ``spec run`` trains.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
+from nvalchemi.training.cli._app import (
+    batch_size_value,
+    debug_option,
+    main,
+    option_group,
+    parse_checkpoint_index,
+)
 from nvalchemi.training.cli._errors import CLIError
 from nvalchemi.training.jobs.recipe import QUICKSTART
 from nvalchemi.training.jobs.spec import TrainingJobSpec, dump_job
@@ -29,124 +31,108 @@ DTYPE_POLICIES = ("strict", "prediction_to_target", "target_to_prediction")
 
 def _common_options(default_lr: float, *, required: bool = True):
     """Options shared by every init command (``required=False``: checked by the command)."""
-
-    def decorate(fn):
-        options = [
-            click.option(
-                "--dataset",
-                "datasets",
-                multiple=True,
-                required=required,
-                help="Training data: extxyz / ASE db file or zarr store (repeat for "
-                "several; they become one MultiDataset).",
-            ),
-            click.option("--output-dir", required=required, help="Run directory of the job."),
-            click.option(
-                "--out",
-                "out",
-                type=click.Path(dir_okay=False),
-                help="Write the spec here (.json or .yaml); default: stdout.",
-            ),
-            click.option(
-                "--lr",
-                type=float,
-                default=default_lr,
-                show_default=True,
-                help="Peak learning rate (AdamW).",
-            ),
-            click.option(
-                "--minutes",
-                type=click.FloatRange(min=0, min_open=True),
-                help="Time budget: the run's length and learning-rate schedule are "
-                "fitted to it at run time (train init default: 10).",
-            ),
-            click.option(
-                "--num-steps",
-                type=click.IntRange(min=1),
-                help="A fixed length in optimizer steps (fine-tunes: default 1000).",
-            ),
-            click.option(
-                "--num-epochs", type=click.IntRange(min=1), help="A fixed length in epochs."
-            ),
-            click.option(
-                "--device",
-                default="auto",
-                show_default=True,
-                help="cpu, cuda, cuda:N, or auto (cuda when available).",
-            ),
-            click.option(
-                "--trainable-pattern",
-                "trainable_patterns",
-                multiple=True,
-                help="Train only parameters matching this fnmatch pattern over "
-                "qualified names like 'main.readout.*' (repeatable).",
-            ),
-            click.option(
-                "--freeze-pattern",
-                "freeze_patterns",
-                multiple=True,
-                help="Freeze parameters matching this pattern (repeatable).",
-            ),
-            click.option(
-                "--loss-dtype-policy",
-                type=click.Choice(DTYPE_POLICIES),
-                default="strict",
-                show_default=True,
-                help="What the loss does when prediction and label dtypes differ: "
-                "raise (strict) or cast one to the other.",
-            ),
-            click.option(
-                "--validation-dataset",
-                "validation_datasets",
-                multiple=True,
-                help="Validation data file(s).",
-            ),
-            click.option(
-                "--val-fraction",
-                type=click.FloatRange(0, 1, min_open=True, max_open=True),
-                help="Hold out this fraction of the training data for validation (seeded).",
-            ),
-            click.option("--validation-every-epochs", type=click.IntRange(min=1)),
-            click.option("--validation-every-steps", type=click.IntRange(min=1)),
-            click.option(
-                "--batch-size",
-                default=str(QUICKSTART.batch_size),
-                show_default=True,
-                callback=lambda c, p, v: _batch_size(v),
-                help="Structures per batch, or auto (an atom budget found by "
-                "probing the model's memory at run time).",
-            ),
-            click.option(
-                "--max-atoms",
-                type=click.IntRange(min=1),
-                help="Batches of at most this many atoms instead of a fixed count.",
-            ),
-            click.option(
-                "--max-edges",
-                type=click.IntRange(min=1),
-                help="Batches of at most this many neighbour pairs.",
-            ),
-            click.option(
-                "--in-memory/--no-in-memory",
-                default=None,
-                help="Load the data into memory once (default: when the files are under 1 GB).",
-            ),
-            click.option("--name", help="Job name (shown in reports)."),
-            debug_option,
-        ]
-        for option in reversed(options):
-            fn = option(fn)
-        return functools.wraps(fn)(fn)
-
-    return decorate
-
-
-def _batch_size(value: str) -> int | str:
-    if value == "auto":
-        return value
-    if not value.isdigit() or int(value) < 1:
-        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
-    return int(value)
+    return option_group(
+        click.option(
+            "--dataset",
+            "datasets",
+            multiple=True,
+            required=required,
+            help="Training data: extxyz / ASE db file or zarr store (repeat for "
+            "several; they become one MultiDataset).",
+        ),
+        click.option("--output-dir", required=required, help="Run directory of the job."),
+        click.option(
+            "--out",
+            "out",
+            type=click.Path(dir_okay=False),
+            help="Write the spec here (.json or .yaml); default: stdout.",
+        ),
+        click.option(
+            "--lr",
+            type=float,
+            default=default_lr,
+            show_default=True,
+            help="Peak learning rate (AdamW).",
+        ),
+        click.option(
+            "--minutes",
+            type=click.FloatRange(min=0, min_open=True),
+            help="Time budget: the run's length and learning-rate schedule are "
+            "fitted to it at run time (train init default: 10).",
+        ),
+        click.option(
+            "--num-steps",
+            type=click.IntRange(min=1),
+            help="A fixed length in optimizer steps (fine-tunes: default 1000).",
+        ),
+        click.option("--num-epochs", type=click.IntRange(min=1), help="A fixed length in epochs."),
+        click.option(
+            "--device",
+            default="auto",
+            show_default=True,
+            help="cpu, cuda, cuda:N, or auto (cuda when available).",
+        ),
+        click.option(
+            "--trainable-pattern",
+            "trainable_patterns",
+            multiple=True,
+            help="Train only parameters matching this fnmatch pattern over "
+            "qualified names like 'main.readout.*' (repeatable).",
+        ),
+        click.option(
+            "--freeze-pattern",
+            "freeze_patterns",
+            multiple=True,
+            help="Freeze parameters matching this pattern (repeatable).",
+        ),
+        click.option(
+            "--loss-dtype-policy",
+            "dtype_policy",
+            type=click.Choice(DTYPE_POLICIES),
+            default="strict",
+            show_default=True,
+            help="What the loss does when prediction and label dtypes differ: "
+            "raise (strict) or cast one to the other.",
+        ),
+        click.option(
+            "--validation-dataset",
+            "validation_datasets",
+            multiple=True,
+            help="Validation data file(s).",
+        ),
+        click.option(
+            "--val-fraction",
+            type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            help="Hold out this fraction of the training data for validation (seeded).",
+        ),
+        click.option("--validation-every-epochs", type=click.IntRange(min=1)),
+        click.option("--validation-every-steps", type=click.IntRange(min=1)),
+        click.option(
+            "--batch-size",
+            default=str(QUICKSTART.batch_size),
+            show_default=True,
+            callback=batch_size_value,
+            help="Structures per batch, or auto (an atom budget found by "
+            "probing the model's memory at run time).",
+        ),
+        click.option(
+            "--max-atoms",
+            type=click.IntRange(min=1),
+            help="Batches of at most this many atoms instead of a fixed count.",
+        ),
+        click.option(
+            "--max-edges",
+            type=click.IntRange(min=1),
+            help="Batches of at most this many neighbour pairs.",
+        ),
+        click.option(
+            "--in-memory/--no-in-memory",
+            default=None,
+            help="Load the data into memory once (default: when the files are under 1 GB).",
+        ),
+        click.option("--name", help="Job name (shown in reports)."),
+        debug_option,
+    )
 
 
 def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) -> TrainingJobSpec:
@@ -183,32 +169,11 @@ def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) 
             "--validation-every-* needs validation data",
             fix="add --validation-dataset PATH or --val-fraction 0.1",
         )
-    trainable = tuple(extra.pop("trainable_patterns", options["trainable_patterns"]))
-    data = scaffold_job(
-        workflow,
-        model,
-        datasets=list(options["datasets"]),
-        output_dir=options["output_dir"],
-        lr=options["lr"],
-        minutes=options["minutes"],
-        num_steps=options["num_steps"],
-        num_epochs=options["num_epochs"],
-        device=resolve_device(options["device"]),
-        dtype_policy=options["loss_dtype_policy"],
-        trainable_patterns=trainable,
-        freeze_patterns=tuple(options["freeze_patterns"]),
-        validation_datasets=tuple(options["validation_datasets"]),
-        val_fraction=options["val_fraction"],
-        validation_every_epochs=options["validation_every_epochs"],
-        validation_every_steps=options["validation_every_steps"],
-        batch_size=options["batch_size"],
-        max_atoms=options["max_atoms"],
-        max_edges=options["max_edges"],
-        in_memory=options["in_memory"],
-        name=options["name"],
-        **extra,
-    )
-    return TrainingJobSpec.model_validate(data)
+    # The click names of the common options are scaffold_job's parameters.
+    kwargs = {k: v for k, v in options.items() if k != "out"}
+    kwargs["device"] = resolve_device(options["device"])
+    kwargs.update(extra)
+    return TrainingJobSpec.model_validate(scaffold_job(workflow, model, **kwargs))
 
 
 def _describe(job: TrainingJobSpec) -> str:
@@ -294,7 +259,6 @@ Examples:
 )
 def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **options: Any) -> None:
     """Scaffold a job that trains a model from scratch: the quickstart recipe on your data."""
-    extra: dict[str, Any] = {}
     if model_kind == "custom" and cutoff is not None:
         raise CLIError("--cutoff applies to --model painn only", fix="drop --cutoff")
     counts = _data_labels(options["datasets"])
@@ -307,18 +271,13 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
                 " and the model's stress output (--no-stress to leave them out)",
                 err=True,
             )
-    extra["stress"] = stress
-    extra["structures"] = counts["structures"] if counts else None
+    extra: dict[str, Any] = {"stress": stress, "structures": counts and counts["structures"]}
     if model_kind == "painn":
         from nvalchemi.training.jobs.scaffold import painn_model_spec
 
         extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
         extra["source"] = {"fit_to_data": True}
-        if (
-            options["minutes"] is None
-            and options["num_steps"] is None
-            and not options["num_epochs"]
-        ):
+        if not any(options[k] for k in ("minutes", "num_steps", "num_epochs")):
             options["minutes"] = DEFAULT_MINUTES
     _emit(_scaffold("train", "custom", options, **extra), options["out"])
 
@@ -347,81 +306,77 @@ def _data_labels(paths: tuple[str, ...]) -> dict[str, int] | None:
 E0_MODES = ("keep", "refit", "estimated", "fixed")
 
 
-def _finetune_options(fn):
-    """What a fine-tune keeps of its source: the job's ``finetune`` block."""
-    options = [
-        click.option(
-            "--e0",
-            "e0",
-            type=click.Choice(E0_MODES),
-            default="keep",
-            show_default=True,
-            help="Reference energies of the trained head: keep the source's (new "
-            "elements fitted), refit on the new data, estimated (source + "
-            "fitted offset of the new labels), fixed (--e0-value).",
-        ),
-        click.option(
-            "--e0-value",
-            "e0_values",
-            multiple=True,
-            metavar="EL=EV",
-            help="E0 of one element for --e0 fixed, e.g. Cu=-3.71 (repeatable).",
-        ),
-        click.option(
-            "--scale-shift",
-            type=click.Choice(["keep", "refit"]),
-            default="keep",
-            show_default=True,
-            help="Keep or re-estimate scale and shift.",
-        ),
-        click.option(
-            "--head",
-            help="Add a readout head of this name (a copy of the source "
-            "head) and train it on the new data.",
-        ),
-        click.option("--source-head", help="The source head to copy and to label replay with."),
-        click.option(
-            "--trunk-lr-scale",
-            type=click.FloatRange(min=0),
-            help="Learning rate of everything but the trained head, relative to "
-            "--lr (0 freezes it; for MACE the head is every readout).",
-        ),
-        click.option(
-            "--replay",
-            "replay",
-            multiple=True,
-            help="Replay structures mixed in against forgetting (repeatable).",
-        ),
-        click.option(
-            "--replay-ratio",
-            type=click.FloatRange(0, 1, min_open=True, max_open=True),
-            help="Share of every batch drawn from replay (default: by size).",
-        ),
-        click.option(
-            "--replay-weight",
-            type=click.FloatRange(min=0),
-            default=1.0,
-            show_default=True,
-            help="Loss weight of replay structures.",
-        ),
-        click.option(
-            "--pseudo-label/--replay-labels",
-            default=True,
-            show_default=True,
-            help="Label replay with the source model (cached once), or use the "
-            "labels in the replay files.",
-        ),
-        click.option(
-            "--holdout-fraction",
-            type=click.FloatRange(0, 1, min_open=True, max_open=True),
-            default=0.1,
-            show_default=True,
-            help="Replay held out to measure forgetting.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return functools.wraps(fn)(fn)
+_finetune_options = option_group(
+    click.option(
+        "--e0",
+        "e0",
+        type=click.Choice(E0_MODES),
+        default="keep",
+        show_default=True,
+        help="Reference energies of the trained head: keep the source's (new "
+        "elements fitted), refit on the new data, estimated (source + "
+        "fitted offset of the new labels), fixed (--e0-value).",
+    ),
+    click.option(
+        "--e0-value",
+        "e0_values",
+        multiple=True,
+        metavar="EL=EV",
+        help="E0 of one element for --e0 fixed, e.g. Cu=-3.71 (repeatable).",
+    ),
+    click.option(
+        "--scale-shift",
+        type=click.Choice(["keep", "refit"]),
+        default="keep",
+        show_default=True,
+        help="Keep or re-estimate scale and shift.",
+    ),
+    click.option(
+        "--head",
+        help="Add a readout head of this name (a copy of the source "
+        "head) and train it on the new data.",
+    ),
+    click.option("--source-head", help="The source head to copy and to label replay with."),
+    click.option(
+        "--trunk-lr-scale",
+        type=click.FloatRange(min=0),
+        help="Learning rate of everything but the trained head, relative to "
+        "--lr (0 freezes it; for MACE the head is every readout).",
+    ),
+    click.option(
+        "--replay",
+        "replay",
+        multiple=True,
+        help="Replay structures mixed in against forgetting (repeatable).",
+    ),
+    click.option(
+        "--replay-ratio",
+        type=click.FloatRange(0, 1, min_open=True, max_open=True),
+        help="Share of every batch drawn from replay (default: by size).",
+    ),
+    click.option(
+        "--replay-weight",
+        type=click.FloatRange(min=0),
+        default=1.0,
+        show_default=True,
+        help="Loss weight of replay structures.",
+    ),
+    click.option(
+        "--pseudo-label/--replay-labels",
+        default=True,
+        show_default=True,
+        help="Label replay with the source model (cached once), or use the "
+        "labels in the replay files.",
+    ),
+    click.option(
+        "--holdout-fraction",
+        type=click.FloatRange(0, 1, min_open=True, max_open=True),
+        default=0.1,
+        show_default=True,
+        help="Replay held out to measure forgetting.",
+    ),
+)
+"""What a fine-tune keeps of its source: the job's ``finetune`` block."""
 
 
 _FINETUNE_OPTIONS = (
@@ -488,8 +443,13 @@ def _e0_values(items: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _finetune_job(model: str, options: dict[str, Any], **extra: Any) -> TrainingJobSpec:
+def _finetune_job(model: str, options: dict[str, Any], source: dict[str, Any]) -> TrainingJobSpec:
     """A fine-tuning job: the common scaffold plus the ``finetune`` block and head lr."""
+    extra: dict[str, Any] = {"source": source}
+    if model == "mace" and not options["trainable_patterns"]:
+        options["trainable_patterns"] = ("main.model.readouts.*",)  # the readouts train
+    if model == "native-checkpoint":
+        source["optimizer_lr"] = options["lr"]
     block = _finetune_block(options)
     trunk = options.pop("_trunk_lr_scale")
     head = (block or {}).get("head")
@@ -553,13 +513,7 @@ def finetune_init(ctx: click.Context, source: str | None, **options: Any) -> Non
     if missing:
         raise CLIError(f"missing {' and '.join(missing)}", fix="give the new data and a run dir")
     model, keys = _source_kind(source)
-    patterns = options["trainable_patterns"]
-    if model == "mace" and not patterns:
-        patterns = ("main.model.readouts.*",)
-    if model == "native-checkpoint":
-        keys.update(optimizer_lr=options["lr"])
-    job = _finetune_job(model, options, trainable_patterns=patterns, source=keys)
-    _emit(job, options["out"])
+    _emit(_finetune_job(model, options, keys), options["out"])
 
 
 @finetune.command(
@@ -635,12 +589,11 @@ def finetune_checkpoint(
     job = _finetune_job(
         "native-checkpoint",
         options,
-        source={
+        {
             "checkpoint_path": checkpoint_dir,
             "checkpoint_index": index,
             "use_original_loss": use_original_loss,
             "use_original_opt_class": use_original_opt_class,
-            "optimizer_lr": options["lr"],
         },
     )
     if use_original_loss or use_original_opt_class:
@@ -667,13 +620,7 @@ Examples:
 def finetune_mace(model_or_checkpoint: str, **options: Any) -> None:
     """Fine-tune a mace-torch model file (default: only the readouts train)."""
     key = "checkpoint_path" if Path(model_or_checkpoint).suffix else "model_id"
-    patterns = options["trainable_patterns"] or ("main.model.readouts.*",)
-    job = _finetune_job(
-        "mace",
-        options,
-        trainable_patterns=patterns,
-        source={key: model_or_checkpoint, "compile_model": False},
-    )
+    job = _finetune_job("mace", options, {key: model_or_checkpoint, "compile_model": False})
     _emit(job, options["out"])
 
 
@@ -690,7 +637,7 @@ Examples:
 @_finetune_options
 def finetune_custom(checkpoint_path: str, **options: Any) -> None:
     """Fine-tune your own model class from a weights file (fill strategy.model_specs)."""
-    job = _finetune_job("custom", options, source={"checkpoint_path": checkpoint_path})
+    job = _finetune_job("custom", options, {"checkpoint_path": checkpoint_path})
     _emit(job, options["out"])
 
 
@@ -749,8 +696,7 @@ Examples:
 @debug_option
 def schema_template(workflow: str, model: str, out: str | None) -> None:
     """Print a complete template job to edit (TrainingJobSpec.template())."""
-    data = TrainingJobSpec.template(workflow, model)
-    text = dump_job(data, out) if out else dump_job(data)
+    text = dump_job(TrainingJobSpec.template(workflow, model), out)
     if out:
         click.echo(f"Wrote {out}", err=True)
     else:

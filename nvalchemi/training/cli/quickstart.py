@@ -1,15 +1,8 @@
 """``quickstart``: the main job, from bundled data to an ASE calculator in a few minutes.
 
-Trains the built-in PaiNN on the bundled EMT data set (validation every epoch, EMA,
-a checkpoint every epoch with the last 3 and the best kept, live progress,
-``metrics.jsonl`` and TensorBoard events), evaluates the final checkpoint on the test
-split, writes learning-curve and parity PNGs, and shows -- by printing and running
-a short snippet -- how to use the checkpoint as an ASE calculator.
-
-The settings live in :mod:`nvalchemi.training.jobs.recipe`; the pipeline in
-:mod:`nvalchemi.training.jobs.quickstart`. Without ``--epochs`` the run's length and
-learning-rate schedule are fitted to ``--minutes`` (default 5) by a ``TimeBudgetHook``,
-as ``spec run --minutes`` does.
+Trains the built-in PaiNN on the bundled EMT data (:mod:`nvalchemi.training.jobs.quickstart`,
+settings in :mod:`nvalchemi.training.jobs.recipe`), evaluates the final checkpoint on the
+test split, writes plots, and prints and runs a snippet using the checkpoint from ASE.
 """
 
 from __future__ import annotations
@@ -98,16 +91,7 @@ Examples:
     "threads slow it down a lot when other processes share the CPU.",
 )
 @debug_option
-def quickstart(
-    run_dir: str,
-    minutes: float | None,
-    epochs: int | None,
-    resume: bool,
-    overwrite: bool,
-    device: str,
-    quick: bool,
-    threads: int,
-) -> None:
+def quickstart(threads: int, **options: Any) -> None:
     """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""
     import torch
 
@@ -115,15 +99,7 @@ def quickstart(
 
     started = time.perf_counter()
     console = err_console()
-    plan = qs.prepare_run(
-        run_dir,
-        resume=resume,
-        overwrite=overwrite,
-        quick=quick,
-        epochs=epochs,
-        minutes=minutes,
-        device=device,
-    )
+    plan = qs.prepare_run(**options)  # the other options are prepare_run's parameters
     torch.set_num_threads(threads)
     console.rule("nvalchemi quickstart: PaiNN on the bundled EMT data set")
     splits = qs.load_splits(plan.recipe)

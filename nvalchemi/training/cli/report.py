@@ -1,13 +1,14 @@
 """``spec report``: a job as tables and warnings, without loading models or data.
 
-Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning (the
-``finetune`` block, and the reference energies a run of the job wrote), Optimizers, Notes
-and a Learning-rate preview computed with the real scheduler
-(:mod:`nvalchemi.training.jobs.lr_preview`).
+Sections: Training Intent, Hook Firing Order, Warnings, Strategy, Fine-tuning, Optimizers,
+Batches, Notes and a Learning-rate preview computed with the real scheduler.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -58,8 +59,7 @@ def _loss_rows(resolved: ResolvedJob) -> list[tuple[str, str]]:
         weight_text = format_number(weight) if isinstance(weight, float) else type(weight).__name__
         extra = " (per atom)" if getattr(component, "per_atom", False) else ""
         rows.append(("loss term", f"{weight_text} x {name}{extra}"))
-    policy = loss.dtype_policy or "strict"
-    rows.append(("loss dtype policy", policy))
+    rows.append(("loss dtype policy", loss.dtype_policy or "strict"))
     rows.append(("normalize weights", str(loss.normalize_weights)))
     return rows
 
@@ -188,14 +188,12 @@ def _hook_table(resolved: ResolvedJob) -> Table:
             names = ", ".join(s.name for s in stages[:3]) + f" (+{len(stages) - 3})"
         else:
             names = ", ".join(s.name for s in stages)
-        settings = ""
+        settings = "-"
         dump = getattr(hook, "model_dump", None)
         if callable(dump):
-            try:
+            with contextlib.suppress(Exception):
                 settings = _kwargs(dump(exclude_defaults=True, exclude_none=True))
-            except Exception:
-                settings = ""
-        table.add_row(str(i), type(hook).__name__, names, settings or "-")
+        table.add_row(str(i), type(hook).__name__, names, settings)
     if not entries:
         table.add_row("-", "none", "-", "spec run adds reporting (progress, metrics.jsonl)")
     return table
@@ -235,8 +233,6 @@ def _finetune_table(job: TrainingJobSpec) -> Table | None:
     spec = job.finetune
     if spec is None:
         return None
-    from pathlib import Path
-
     from nvalchemi.training.finetune_statistics import read_finetune_statistics
 
     table = _table("Fine-tuning", "setting", "value")
@@ -286,9 +282,6 @@ def _optimizer_table(resolved: ResolvedJob) -> Table:
 
 def _batch_table(job: TrainingJobSpec) -> Table | None:
     """The chosen atom budget and the batch-size distribution it gives (reads atom counts)."""
-    import json
-    from pathlib import Path
-
     data = job.dataset
     probe = Path(job.output.run_dir) / "batch_budget.json"
     max_atoms = data.max_atoms

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
+from nvalchemi.training.cli._app import (
+    batch_size_value,
+    debug_option,
+    main,
+    option_group,
+    parse_checkpoint_index,
+)
 from nvalchemi.training.cli._console import err_console, print_table
 
 __all__ = ["spec"]
@@ -28,131 +33,95 @@ allow_import_option = click.option(
 )
 
 
-def _batch_size(value: str | None) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
-    return number
-
-
 @main.group()
 def spec() -> None:
     """Explain, run and resume job specs."""
 
 
-def _run_options(fn: Any) -> Any:
-    options = [
-        click.option(
-            "--batch-size",
-            callback=lambda c, p, v: _batch_size(v),
-            help="Override dataset.batch_size (an int, or auto: an atom budget found "
-            "by probing the model's memory).",
-        ),
-        click.option(
-            "--max-atoms",
-            type=click.IntRange(min=1),
-            help="Batches of at most this many atoms (override dataset.max_atoms).",
-        ),
-        click.option(
-            "--max-edges",
-            type=click.IntRange(min=1),
-            help="Batches of at most this many neighbour pairs.",
-        ),
-        click.option("--shuffle/--no-shuffle", default=None, help="Override dataset.shuffle."),
-        click.option("--drop-last", is_flag=True, help="Drop the last incomplete batch."),
-        click.option(
-            "--num-workers",
-            type=click.IntRange(min=0),
-            help="Loader worker processes (override dataset.num_workers).",
-        ),
-        click.option("--map-location", help="Device to load and train on, e.g. cpu or cuda:0."),
-        click.option(
-            "--distributed/--no-distributed",
-            default=None,
-            help="DDP training. Default: on when the launcher started several "
-            "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1).",
-        ),
-        click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
-        click.option(
-            "--dist-timeout",
-            type=click.FloatRange(min=0, min_open=True),
-            metavar="SECONDS",
-            help="How long a collective waits for the other ranks before the run "
-            "fails naming the silent rank (default: the job's distributed.timeout_s, "
-            "else NVALCHEMI_DIST_TIMEOUT_S, else 600).",
-        ),
-        click.option(
-            "--validation-dataset",
-            "validation_paths",
-            multiple=True,
-            help="Validation data file(s) (override the job's).",
-        ),
-        click.option("--validation-every-epochs", type=click.IntRange(min=1)),
-        click.option("--validation-every-steps", type=click.IntRange(min=1)),
-        click.option(
-            "--minutes",
-            type=click.FloatRange(min=0, min_open=True),
-            help="Time budget (override the job's minutes): the run's length and "
-            "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
-        ),
-        click.option(
-            "--threads",
-            type=click.IntRange(min=1),
-            default=DEFAULT_THREADS,
-            show_default=True,
-            help="torch CPU threads and neighbour-list threads. Small models gain "
-            "little from more, and extra threads slow a run down a lot when other "
-            "processes share the CPU; raise it on a dedicated machine.",
-        ),
-        click.option(
-            "--group-by",
-            metavar="KEY",
-            help="info key the final evaluation groups structures by (default: "
-            "output.group_by, else config_type, else atom count).",
-        ),
-        click.option("--trust", is_flag=True, help=_TRUST_HELP),
-        allow_import_option,
-        debug_option,
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return functools.wraps(fn)(fn)
+_run_options = option_group(
+    click.option(
+        "--batch-size",
+        callback=batch_size_value,
+        help="Override dataset.batch_size (an int, or auto: an atom budget found "
+        "by probing the model's memory).",
+    ),
+    click.option(
+        "--max-atoms",
+        type=click.IntRange(min=1),
+        help="Batches of at most this many atoms (override dataset.max_atoms).",
+    ),
+    click.option(
+        "--max-edges",
+        type=click.IntRange(min=1),
+        help="Batches of at most this many neighbour pairs.",
+    ),
+    click.option("--shuffle/--no-shuffle", default=None, help="Override dataset.shuffle."),
+    click.option("--drop-last", is_flag=True, help="Drop the last incomplete batch."),
+    click.option(
+        "--num-workers",
+        type=click.IntRange(min=0),
+        help="Loader worker processes (override dataset.num_workers).",
+    ),
+    click.option("--map-location", help="Device to load and train on, e.g. cpu or cuda:0."),
+    click.option(
+        "--distributed/--no-distributed",
+        default=None,
+        help="DDP training. Default: on when the launcher started several "
+        "ranks (torchrun: WORLD_SIZE > 1; Slurm srun: SLURM_NTASKS > 1).",
+    ),
+    click.option("--ddp-backend", type=click.Choice(["nccl", "gloo"])),
+    click.option(
+        "--dist-timeout",
+        "dist_timeout_s",
+        type=click.FloatRange(min=0, min_open=True),
+        metavar="SECONDS",
+        help="How long a collective waits for the other ranks before the run "
+        "fails naming the silent rank (default: the job's distributed.timeout_s, "
+        "else NVALCHEMI_DIST_TIMEOUT_S, else 600).",
+    ),
+    click.option(
+        "--validation-dataset",
+        "validation_paths",
+        multiple=True,
+        help="Validation data file(s) (override the job's).",
+    ),
+    click.option("--validation-every-epochs", type=click.IntRange(min=1)),
+    click.option("--validation-every-steps", type=click.IntRange(min=1)),
+    click.option(
+        "--minutes",
+        type=click.FloatRange(min=0, min_open=True),
+        help="Time budget (override the job's minutes): the run's length and "
+        "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=DEFAULT_THREADS,
+        show_default=True,
+        help="torch CPU threads and neighbour-list threads. Small models gain "
+        "little from more, and extra threads slow a run down a lot when other "
+        "processes share the CPU; raise it on a dedicated machine.",
+    ),
+    click.option(
+        "--group-by",
+        metavar="KEY",
+        help="info key the final evaluation groups structures by (default: "
+        "output.group_by, else config_type, else atom count).",
+    ),
+    click.option("--trust", is_flag=True, help=_TRUST_HELP),
+    allow_import_option,
+    debug_option,
+)
 
 
 def _options(kwargs: dict[str, Any]) -> Any:
+    """The :class:`RunOptions` of the command line (the click names are its fields)."""
     import torch
 
     from nvalchemi.training.jobs.run import RunOptions
 
     torch.set_num_threads(kwargs["threads"])
-    names = (
-        "batch_size",
-        "max_atoms",
-        "max_edges",
-        "shuffle",
-        "drop_last",
-        "num_workers",
-        "map_location",
-        "distributed",
-        "ddp_backend",
-        "validation_every_epochs",
-        "validation_every_steps",
-        "minutes",
-        "threads",
-        "group_by",
-        "trust",
-    )
-    return RunOptions(
-        **{name: kwargs[name] for name in names},
-        dist_timeout_s=kwargs["dist_timeout"],
-        validation_paths=tuple(kwargs["validation_paths"]),
-        allow_imports=tuple(kwargs["allow_imports"]),
-    )
+    return RunOptions(**kwargs)
 
 
 def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
@@ -263,9 +232,7 @@ Examples:
     show_default=True,
     help="Render the spec report before training.",
 )
-def spec_run(
-    path: str, num_steps: int | None, max_structures: int | None, report: bool, **kwargs: Any
-) -> None:
+def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any) -> None:
     """Train a job spec."""
     from nvalchemi.training.cli.report import render_report
     from nvalchemi.training.jobs.checks import check_horizons
@@ -273,7 +240,6 @@ def spec_run(
     from nvalchemi.training.jobs.run import launch_env, run_job
 
     options = _options(kwargs)
-    options.num_steps = num_steps
     job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
     is_main = launch_env().rank == 0
     if max_structures is not None:
@@ -281,9 +247,9 @@ def spec_run(
     console = err_console()
     if report and is_main:
         render_report(job, resolved, console)
-    if num_steps is not None:
+    if options.num_steps is not None:
         check_horizons(
-            job.strategy.model_dump()["optimizer_configs"] or {}, num_steps, warn=is_main
+            job.strategy.model_dump()["optimizer_configs"] or {}, options.num_steps, warn=is_main
         )
     result = run_job(job, resolved, options, console=console)
     _summary(result, console)
@@ -325,8 +291,6 @@ def spec_resume(
     checkpoint_dir: str,
     spec_path: str,
     checkpoint_index: str,
-    num_steps: int | None,
-    lr: float | None,
     **kwargs: Any,
 ) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
@@ -338,8 +302,7 @@ def spec_resume(
 
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
-    options.num_steps = num_steps
-    options.lr = lr
+    num_steps = options.num_steps
     job, resolved = load_job(spec_path, trust=options.trust, allow_imports=options.allow_imports)
     console = err_console()
     is_main = launch_env().rank == 0
@@ -348,6 +311,15 @@ def spec_resume(
         f"`nvalchemi-training spec resume {checkpoint_dir} --spec {spec_path} --num-steps N` "
         f"with N > {progress.step_count:,}"
     )
+
+    def complete(what: str) -> None:
+        if is_main:
+            console.print(
+                f"The run in {checkpoint_dir} {what}. To train longer: {extend}.",
+                markup=False,
+                soft_wrap=True,
+            )
+
     if num_steps is not None and num_steps <= progress.step_count:
         raise CLIError(
             f"{num_steps:,} steps are not beyond the {progress.step_count:,} the checkpoint "
@@ -356,14 +328,7 @@ def spec_resume(
             fix=f"give more than {progress.step_count:,}",
         )
     if num_steps is None and progress.complete:
-        if is_main:
-            console.print(
-                f"The run in {checkpoint_dir} is already complete ({progress.describe()}); "
-                f"nothing to train. To train longer: {extend}.",
-                markup=False,
-                soft_wrap=True,
-            )
-        return
+        return complete(f"is already complete ({progress.describe()}); nothing to train")
     ranks = launch_env().world_size if distributed_enabled(options.distributed) else 1
     if ranks != progress.world_size:
         launcher = f"torchrun --nproc_per_node={progress.world_size} -m nvalchemi.training.cli"
@@ -385,12 +350,5 @@ def spec_resume(
         job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
     )
     if result.strategy.step_count == progress.step_count and num_steps is None:
-        if is_main:
-            console.print(
-                f"The run in {checkpoint_dir} was already complete ({progress.describe()}); "
-                f"nothing was trained. To train longer: {extend}.",
-                markup=False,
-                soft_wrap=True,
-            )
-        return
+        return complete(f"was already complete ({progress.describe()}); nothing was trained")
     _summary(result, console)

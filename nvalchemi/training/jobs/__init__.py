@@ -1,15 +1,10 @@
 """Job files: a whole training or fine-tuning run described in one JSON/YAML file.
 
 What ``nvalchemi-training`` does with a job is a function here, usable from Python:
-
-* :class:`TrainingJobSpec` (the file's schema; :meth:`TrainingJobSpec.template` is a
-  complete job), :func:`load_job` (read, validate and resolve a file),
-  :func:`scaffold_job` (what ``train init`` / ``finetune init`` write);
-* :func:`job_warnings` (what ``spec report`` warns about), :func:`lr_preview`;
-* :func:`run_job` (``spec run`` / ``spec resume``: data, strategy, hooks, validation, a
-  time budget, reporting, the final evaluation);
-* the quickstart pipeline (:mod:`nvalchemi.training.jobs.quickstart`) and its recipe
-  (:mod:`nvalchemi.training.jobs.recipe`).
+:class:`TrainingJobSpec` (the schema), :func:`load_job` (read, validate, resolve),
+:func:`scaffold_job` (``train init`` / ``finetune init``), :func:`job_warnings`
+(``spec report``), :func:`lr_preview`, :func:`run_job` (``spec run`` / ``spec resume``),
+and the quickstart pipeline (:mod:`.quickstart`, :mod:`.recipe`).
 
 Example:
     >>> from nvalchemi.training.jobs import TrainingJobSpec, check_job

@@ -1,21 +1,11 @@
 """Build the strategy of a job (``spec run``), by workflow and model source.
 
-* ``train``: models are built from ``strategy.model_specs`` (fitted to the training
-  data first when ``source.fit_to_data`` is set and the class has ``from_data``). A job
-  with freeze/trainable patterns or module patches becomes a ``FineTuningStrategy``
-  (which applies them; a plain ``TrainingStrategy`` would ignore them), otherwise a
-  ``TrainingStrategy``.
-* ``finetune`` from a ``native-checkpoint``: ``FineTuningStrategy.from_pretrained_checkpoint``
-  with the job's ``use_original_loss`` / ``use_original_opt_class`` / ``optimizer_lr``;
-  the flags win over the payload's loss and optimizer configs.
-* ``finetune`` of a ``mace`` model file: ``FineTuningStrategy.from_mace`` (a pickle:
-  needs ``--trust``).
-* ``finetune`` of a ``custom`` model: built from ``strategy.model_specs``, weights read
-  from ``source.checkpoint_path`` (a state dict, no pickle).
-
-A ``finetune.head`` adds that readout head (``new_heads``, a copy of
-``finetune.source_head``); the rest of the ``finetune`` block is applied after the
-strategy exists (:mod:`nvalchemi.training.jobs.finetune`).
+``train`` builds the models from ``strategy.model_specs`` (fitted to the data with
+``source.fit_to_data``), as a ``FineTuningStrategy`` when the job has freeze/trainable
+patterns or module patches; ``finetune`` starts from a native checkpoint, a MACE model
+file (a pickle: ``--trust``) or a custom model's state dict. ``finetune.head`` adds that
+head as a copy of ``finetune.source_head``; the rest of the block is
+:mod:`nvalchemi.training.jobs.finetune`'s.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Warnings about a job that is valid but probably not what you want, each with its fix.
 
-:func:`job_warnings` inspects a :class:`TrainingJobSpec` without loading models or data
-and returns :class:`JobWarning` rows (level, check, message, the field and the fix) for
-``spec report``. :func:`check_horizons` tells whether a learning-rate schedule with a
-fixed length covers the steps a run will train (``--num-steps N`` changes how long a run
-trains but not the schedule: a ``CosineAnnealingLR(T_max=1000)`` trained for 5000 steps
-climbs back to the initial rate after step 1000, and ``OneCycleLR(total_steps=1000)``
-fails at step 1001).
+:func:`job_warnings` inspects a job without loading models or data (``spec report``).
+:func:`check_horizons` tells whether a fixed-length schedule covers the steps a run trains
+(``--num-steps`` changes the run's length, not the schedule's: a cosine climbs back up,
+``OneCycleLR`` fails).
 
 Example:
     >>> from nvalchemi.training.jobs import TrainingJobSpec
@@ -19,17 +16,16 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
+from nvalchemi.training.jobs.scaffold import CHECKPOINT_HOOK
 from nvalchemi.training.jobs.spec import TrainingJobSpec
 
 __all__ = ["Horizon", "JobWarning", "check_horizons", "job_warnings", "scheduler_horizons"]
-
-CHECKPOINT_HOOK = "nvalchemi.training.hooks.checkpoint.CheckpointHook"
 
 
 @dataclass(frozen=True)
@@ -54,10 +50,11 @@ def _local_paths(job: TrainingJobSpec) -> list[tuple[str, str]]:
 
 
 def _optimizer_entries(job: TrainingJobSpec) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for key, entries in (job.strategy.optimizer_configs or {}).items():
-        out += [(f"strategy.optimizer_configs.{key}[{i}]", e) for i, e in enumerate(entries)]
-    return out
+    return [
+        (f"strategy.optimizer_configs.{key}[{i}]", e)
+        for key, entries in (job.strategy.optimizer_configs or {}).items()
+        for i, e in enumerate(entries)
+    ]
 
 
 def _max_lr(job: TrainingJobSpec) -> tuple[float, str] | None:
@@ -78,37 +75,33 @@ def _checkpoint_hooks(job: TrainingJobSpec) -> list[tuple[int, dict[str, Any]]]:
     ]
 
 
-def _devices(job: TrainingJobSpec) -> list[JobWarning]:
+def _devices(job: TrainingJobSpec) -> Iterator[JobWarning]:
     devices = [str(d) for d in job.strategy.devices]
     if any(d.startswith("cuda") for d in devices):
         import torch
 
         if not torch.cuda.is_available():
-            return [
-                JobWarning(
-                    "danger",
-                    "Device selection",
-                    f"devices {devices} ask for CUDA, which is not available here",
-                    "strategy.devices",
-                    "set strategy.devices to ['cpu'], or run on a GPU machine",
-                )
-            ]
-        return []
-    return [
-        JobWarning(
-            "info",
-            "Device selection",
-            f"training runs on {devices[0]} (no GPU requested)",
-            "strategy.devices",
-        )
-    ]
+            yield JobWarning(
+                "danger",
+                "Device selection",
+                f"devices {devices} ask for CUDA, which is not available here",
+                "strategy.devices",
+                "set strategy.devices to ['cpu'], or run on a GPU machine",
+            )
+        return
+    yield JobWarning(
+        "info",
+        "Device selection",
+        f"training runs on {devices[0]} (no GPU requested)",
+        "strategy.devices",
+    )
 
 
-def _dtype(job: TrainingJobSpec) -> list[JobWarning]:
+def _dtype(job: TrainingJobSpec) -> Iterator[JobWarning]:
     """Likely model/label dtype mismatch under the strict loss dtype policy."""
     loss = job.strategy.loss_fn_spec or {}
     if loss.get("dtype_policy") not in (None, "strict"):
-        return []
+        return
     labels = f"float{job.dataset.dtype[-2:]}"
     if job.source.model == "mace":
         model = "float64 (mace-torch models usually are)"
@@ -122,249 +115,211 @@ def _dtype(job: TrainingJobSpec) -> list[JobWarning]:
         model = ", ".join(sorted(dtypes))
         mismatch = bool(dtypes) and dtypes != {labels}
     if not mismatch:
-        return []
-    return [
-        JobWarning(
-            "warning",
-            "Loss dtype",
-            f"model outputs are {model} but labels read from extxyz/db files are {labels} "
-            "(dataset.dtype) and the loss is strict",
-            "strategy.loss_fn_spec.dtype_policy",
-            "set it to target_to_prediction (train init --loss-dtype-policy), or set dataset.dtype",
-        )
-    ]
+        return
+    yield JobWarning(
+        "warning",
+        "Loss dtype",
+        f"model outputs are {model} but labels read from extxyz/db files are {labels} "
+        "(dataset.dtype) and the loss is strict",
+        "strategy.loss_fn_spec.dtype_policy",
+        "set it to target_to_prediction (train init --loss-dtype-policy), or set dataset.dtype",
+    )
 
 
-def _length(job: TrainingJobSpec) -> list[JobWarning]:
+def _length(job: TrainingJobSpec) -> Iterator[JobWarning]:
     payload = job.strategy
     fixed = payload.num_steps is not None or payload.num_epochs is not None
     if job.minutes is None:
-        return []
+        return
     if fixed:
         which = "num_steps" if payload.num_steps is not None else "num_epochs"
-        return [
-            JobWarning(
-                "info",
-                "Time budget",
-                f"the job has a fixed length (strategy.{which}) and minutes: {job.minutes:g}; the "
-                "fixed length wins and the budget only caps the run (a warning says so when "
-                "the first steps show that it is too short)",
-                f"strategy.{which}",
-                f"set strategy.{which} to null to fit the run to the budget",
-            )
-        ]
+        yield JobWarning(
+            "info",
+            "Time budget",
+            f"the job has a fixed length (strategy.{which}) and minutes: {job.minutes:g}; the "
+            "fixed length wins and the budget only caps the run (a warning says so when "
+            "the first steps show that it is too short)",
+            f"strategy.{which}",
+            f"set strategy.{which} to null to fit the run to the budget",
+        )
+        return
     fitted = [
         w
         for w, e in _optimizer_entries(job)
         if str(e.get("scheduler_cls", "")).endswith("WarmupCosineLR")
     ]
     others = [w for w, e in _optimizer_entries(job) if e.get("scheduler_cls") and w not in fitted]
-    out = [
-        JobWarning(
-            "info",
-            "Time budget",
-            f"the run's length is fitted to {job.minutes:g} min after timing its first steps "
-            "(validation and checkpoints included)"
-            + ("; so is the learning-rate schedule (WarmupCosineLR)" if fitted else ""),
-            "minutes",
-            "spec run --minutes M overrides it",
-        )
-    ]
+    yield JobWarning(
+        "info",
+        "Time budget",
+        f"the run's length is fitted to {job.minutes:g} min after timing its first steps "
+        "(validation and checkpoints included)"
+        + ("; so is the learning-rate schedule (WarmupCosineLR)" if fitted else ""),
+        "minutes",
+        "spec run --minutes M overrides it",
+    )
     if others:
-        out.append(
-            JobWarning(
-                "warning",
-                "Schedule not fitted",
-                f"the scheduler of {others[0]} has a fixed length: it is not fitted to the budget",
-                f"{others[0]}.scheduler_cls",
-                "use nvalchemi.training.time_budget.WarmupCosineLR (what train init writes)",
-            )
+        yield JobWarning(
+            "warning",
+            "Schedule not fitted",
+            f"the scheduler of {others[0]} has a fixed length: it is not fitted to the budget",
+            f"{others[0]}.scheduler_cls",
+            "use nvalchemi.training.time_budget.WarmupCosineLR (what train init writes)",
         )
-    return out
 
 
-def _checkpoints(job: TrainingJobSpec) -> list[JobWarning]:
+def _checkpoints(job: TrainingJobSpec) -> Iterator[JobWarning]:
     hooks = _checkpoint_hooks(job)
     out_dir = job.output.checkpoint_dir
     if not out_dir and not hooks:
-        return [
-            JobWarning(
-                "warning",
-                "Restart checkpoints",
-                "no CheckpointHook in source.hooks: the run cannot be resumed",
-                "source.hooks",
-                "add a CheckpointHook (train init writes one)",
-            )
-        ]
+        yield JobWarning(
+            "warning",
+            "Restart checkpoints",
+            "no CheckpointHook in source.hooks: the run cannot be resumed",
+            "source.hooks",
+            "add a CheckpointHook (train init writes one)",
+        )
+        return
     if not hooks:
-        return [
-            JobWarning(
-                "warning",
-                "Checkpoint hook",
-                f"output.checkpoint_dir is {out_dir} but source.hooks has no CheckpointHook, so "
-                "nothing is written there",
-                "source.hooks",
-                "add a CheckpointHook writing there",
-            )
-        ]
-    out = []
+        yield JobWarning(
+            "warning",
+            "Checkpoint hook",
+            f"output.checkpoint_dir is {out_dir} but source.hooks has no CheckpointHook, so "
+            "nothing is written there",
+            "source.hooks",
+            "add a CheckpointHook writing there",
+        )
+        return
     index, first = hooks[0]
     if out_dir and all(Path(str(h.get("checkpoint_dir"))) != Path(out_dir) for _, h in hooks):
-        out.append(
-            JobWarning(
-                "warning",
-                "Checkpoint hook",
-                f"the CheckpointHook writes to {first.get('checkpoint_dir')}, not to "
-                f"output.checkpoint_dir ({out_dir})",
-                f"source.hooks[{index}].spec.checkpoint_dir",
-                "make the two paths the same",
-            )
+        yield JobWarning(
+            "warning",
+            "Checkpoint hook",
+            f"the CheckpointHook writes to {first.get('checkpoint_dir')}, not to "
+            f"output.checkpoint_dir ({out_dir})",
+            f"source.hooks[{index}].spec.checkpoint_dir",
+            "make the two paths the same",
         )
     source = job.source.checkpoint_path
     if source and any(
         Path(str(h.get("checkpoint_dir"))).resolve() == Path(source).resolve() for _, h in hooks
     ):
-        out.append(
-            JobWarning(
-                "danger",
-                "Checkpoint overwrite",
-                f"the CheckpointHook writes into the source checkpoint {source}",
-                f"source.hooks[{index}].spec.checkpoint_dir",
-                "use a new output directory",
-            )
+        yield JobWarning(
+            "danger",
+            "Checkpoint overwrite",
+            f"the CheckpointHook writes into the source checkpoint {source}",
+            f"source.hooks[{index}].spec.checkpoint_dir",
+            "use a new output directory",
         )
-    return out
 
 
-def _fine_tune(job: TrainingJobSpec) -> list[JobWarning]:
+def _fine_tune(job: TrainingJobSpec) -> Iterator[JobWarning]:
     source, payload = job.source, job.strategy
     freeze, trainable = job.patterns
-    out = []
     if source.model == "mace" and source.compile_model:
-        out.append(
-            JobWarning(
-                "warning",
-                "MACE compile",
-                "compile_model=true is not supported by this build's MACEWrapper; it is ignored",
-                "source.compile_model",
-                "remove it",
-            )
+        yield JobWarning(
+            "warning",
+            "MACE compile",
+            "compile_model=true is not supported by this build's MACEWrapper; it is ignored",
+            "source.compile_model",
+            "remove it",
         )
     if not (freeze or trainable):
-        out.append(
-            JobWarning(
-                "warning",
-                "Full model update",
-                "no freeze/trainable patterns: every parameter of the pretrained model trains",
-                "strategy.trainable_patterns",
-                "e.g. --trainable-pattern 'main.readout.*'",
-            )
+        yield JobWarning(
+            "warning",
+            "Full model update",
+            "no freeze/trainable patterns: every parameter of the pretrained model trains",
+            "strategy.trainable_patterns",
+            "e.g. --trainable-pattern 'main.readout.*'",
         )
     if not (trainable or payload.module_patches):
-        out.append(
-            JobWarning(
-                "info",
-                "No adaptation boundary",
-                "no trainable patterns or module patches: consider training only the readout",
-                "strategy.trainable_patterns",
-                "e.g. --trainable-pattern 'main.readout.*'",
-            )
+        yield JobWarning(
+            "info",
+            "No adaptation boundary",
+            "no trainable patterns or module patches: consider training only the readout",
+            "strategy.trainable_patterns",
+            "e.g. --trainable-pattern 'main.readout.*'",
         )
     peak = _max_lr(job)
     if peak is not None and peak[0] > 1e-4:
-        out.append(
-            JobWarning(
-                "warning",
-                "Learning rate",
-                f"peak learning rate {peak[0]:g} is high for fine-tuning (> 1e-4); pretrained "
-                "features may be destroyed",
-                peak[1],
-                "lower it to 1e-5 .. 1e-4",
-            )
+        yield JobWarning(
+            "warning",
+            "Learning rate",
+            f"peak learning rate {peak[0]:g} is high for fine-tuning (> 1e-4); pretrained "
+            "features may be destroyed",
+            peak[1],
+            "lower it to 1e-5 .. 1e-4",
         )
     if source.model == "custom":
-        out.append(
-            JobWarning(
-                "info",
-                "Custom model reload",
-                "the model is rebuilt from strategy.model_specs and its weights are read from "
-                f"{source.checkpoint_path} (a state dict, loaded without pickle)",
-                "source.checkpoint_path",
-            )
+        yield JobWarning(
+            "info",
+            "Custom model reload",
+            "the model is rebuilt from strategy.model_specs and its weights are read from "
+            f"{source.checkpoint_path} (a state dict, loaded without pickle)",
+            "source.checkpoint_path",
         )
     if source.model == "mace":
-        out.append(
-            JobWarning(
-                "warning",
-                "Pickle file",
-                "MACE model files are Python pickles: spec run needs --trust to load them",
-                "source.checkpoint_path",
-                "pass --trust",
-            )
+        yield JobWarning(
+            "warning",
+            "Pickle file",
+            "MACE model files are Python pickles: spec run needs --trust to load them",
+            "source.checkpoint_path",
+            "pass --trust",
         )
-    return out
 
 
 def job_warnings(job: TrainingJobSpec) -> list[JobWarning]:
     """Every warning that applies to ``job`` (empty when it looks fine), in file order."""
-    out: list[JobWarning] = []
+    return list(_warnings(job))
+
+
+def _warnings(job: TrainingJobSpec) -> Iterator[JobWarning]:
     for field, path in _local_paths(job):
         if not Path(path).exists():
-            out.append(
-                JobWarning(
-                    "danger",
-                    "Missing local path",
-                    f"{path} does not exist",
-                    field,
-                    "check the path (relative paths are relative to the job file)",
-                )
+            yield JobWarning(
+                "danger",
+                "Missing local path",
+                f"{path} does not exist",
+                field,
+                "check the path (relative paths are relative to the job file)",
             )
     if job.workflow == "finetune":
-        out += _fine_tune(job)
+        yield from _fine_tune(job)
     if not job.dataset.has_validation:
-        out.append(
-            JobWarning(
-                "warning",
-                "Validation data",
-                "no validation data: nothing tracks generalization and no best checkpoint is kept",
-                "dataset.val_fraction",
-                "set dataset.validation_path or dataset.val_fraction",
-            )
+        yield JobWarning(
+            "warning",
+            "Validation data",
+            "no validation data: nothing tracks generalization and no best checkpoint is kept",
+            "dataset.val_fraction",
+            "set dataset.validation_path or dataset.val_fraction",
         )
-    out += _checkpoints(job)
+    yield from _checkpoints(job)
     if job.source.use_original_opt_class:
-        out.append(
-            JobWarning(
-                "info",
-                "Optimizer reuse",
-                "optimizer/scheduler classes and kwargs come from the checkpoint; lr is set to "
-                f"source.optimizer_lr={job.source.optimizer_lr}",
-                "source.use_original_opt_class",
-            )
+        yield JobWarning(
+            "info",
+            "Optimizer reuse",
+            "optimizer/scheduler classes and kwargs come from the checkpoint; lr is set to "
+            f"source.optimizer_lr={job.source.optimizer_lr}",
+            "source.use_original_opt_class",
         )
     if job.source.use_original_loss:
-        out.append(
-            JobWarning(
-                "info",
-                "Loss reuse",
-                "the loss comes from the checkpoint",
-                "source.use_original_loss",
-            )
+        yield JobWarning(
+            "info",
+            "Loss reuse",
+            "the loss comes from the checkpoint",
+            "source.use_original_loss",
         )
     if job.workflow == "train" and not job.strategy.model_specs:
-        out.append(
-            JobWarning(
-                "danger",
-                "Model spec",
-                "strategy.model_specs is empty: spec run has no model to train",
-                "strategy.model_specs",
-                "scaffold with `train init --model painn`, or add a create_model_spec(...) dump",
-            )
+        yield JobWarning(
+            "danger",
+            "Model spec",
+            "strategy.model_specs is empty: spec run has no model to train",
+            "strategy.model_specs",
+            "scaffold with `train init --model painn`, or add a create_model_spec(...) dump",
         )
-    out += _length(job)
-    out += _dtype(job)
-    out += _devices(job)
-    return out
+    yield from _length(job)
+    yield from _dtype(job)
+    yield from _devices(job)
 
 
 # ---------------------------------------------------------------------- schedule lengths
@@ -388,12 +343,6 @@ class Horizon:
     steps: int
 
 
-def _name(cls: Any) -> str:
-    if isinstance(cls, str):
-        return cls.rsplit(".", 1)[-1]
-    return getattr(cls, "__name__", str(cls))
-
-
 def scheduler_horizons(optimizer_configs: Mapping[str, Any]) -> list[Horizon]:
     """Fixed horizons of the schedulers in ``optimizer_configs`` (job payload or saved recipe).
 
@@ -410,7 +359,12 @@ def scheduler_horizons(optimizer_configs: Mapping[str, Any]) -> list[Horizon]:
                 continue
             kwargs = entry.get("scheduler_kwargs") or {}
             where = f"strategy.optimizer_configs.{key}[{i}].scheduler_kwargs"
-            name = _name(entry["scheduler_cls"])
+            cls = entry["scheduler_cls"]
+            name = (
+                cls.rsplit(".", 1)[-1]
+                if isinstance(cls, str)
+                else getattr(cls, "__name__", str(cls))
+            )
             for horizon_key in _KEYS:
                 value = kwargs.get(horizon_key)
                 if isinstance(value, int) and not isinstance(value, bool):

@@ -1,25 +1,12 @@
 """A job's ``finetune`` block at run time: statistics, the zero-step check, replay, forgetting.
 
-``spec run`` calls :func:`prepare_finetune_run` between building the strategy and
-training. In order:
-
-1. a copy of the source model is kept (it labels the replay data and is the reference
-   of the zero-step check);
-2. the reference energies (and, with ``scale_shift: refit``, scale and shift) of the
-   trained head are computed on rank 0 from the training data, applied on every rank
-   and written to ``<run_dir>/finetune_statistics.json``;
-3. the zero-step check compares the fine-tune-ready model with the source on the first
-   ``parity_structures`` training structures (``<run_dir>/finetune_parity.json``);
-4. the replay data is labelled by the source (``pseudo_label``; cached once in
-   ``<run_dir>/replay_labels.zarr``, so a resumed run reuses the labels), a seeded
-   ``holdout_fraction`` is held out, and the rest is mixed into the training data
-   with its weight and ratio;
-5. the :class:`~nvalchemi.training.hooks.ForgettingHook` that :func:`forgetting_hook`
-   placed in the hooks gets the held-out replay data.
-
-A resumed run (``spec resume``) skips 1-3 (its model already carries them) and reads the
-cached replay labels. ``finetune check`` runs 1-3 without training
-(:func:`finetune_check`).
+:func:`prepare_finetune_run` (``spec run``, between building the strategy and training)
+keeps a copy of the source model, fits the trained head's reference energies (and
+scale/shift) on rank 0 (``finetune_statistics.json``), compares the fine-tune-ready model
+with the source on a few structures (``finetune_parity.json``), labels the replay data
+with the source once (cached in ``replay_labels.zarr``), holds part of it out for the
+``ForgettingHook`` and mixes the rest into training. A resumed run only reads the cached
+labels; ``finetune check`` does the first steps without training (:func:`finetune_check`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Learning-rate preview: run the job's real scheduler on a dummy optimizer.
 
-No name guessing: the optimizer and scheduler classes of an ``OptimizerConfig`` are
-instantiated on one dummy parameter and the scheduler is stepped exactly as training
-steps it (after every optimizer step), so any scheduler -- ``OneCycleLR``,
-``SequentialLR`` subclasses, your own -- previews correctly. Metric schedulers
-(``ReduceLROnPlateau``) change the rate only when the validation metric plateaus;
-their preview is the flat starting value with a note.
+The optimizer and scheduler of an ``OptimizerConfig`` are built on one dummy parameter and
+stepped as training steps them, so any scheduler (yours too) previews correctly; metric
+schedulers (``ReduceLROnPlateau``) preview as their flat starting value with a note.
 
 Example:
     >>> import torch
@@ -55,11 +52,8 @@ class LRPreview:
 def preview_steps(
     num_steps: int | None, config: Any, *, budget: bool = False
 ) -> tuple[int, str | None]:
-    """How many steps to preview, and a note when it is a guess.
-
-    ``num_steps``: the job's fixed length (``None`` for epochs or a time budget);
-    ``budget``: the length is fitted to a time budget at run time.
-    """
+    """How many steps to preview, and a note when it is a guess (``num_steps``: the job's
+    fixed length, else ``None``; ``budget``: the length is fitted to a time budget)."""
     if num_steps:
         steps, note = int(num_steps), None
     else:
@@ -96,12 +90,10 @@ def lr_preview(config: Any, num_steps: int) -> LRPreview:
         scheduler=None if scheduler is None else type(scheduler).__name__,
     )
     lrs = [float(optimizer.param_groups[0]["lr"])]
-    if scheduler is None:
+    if scheduler is None or is_metric_scheduler(scheduler):
         preview.lrs = lrs * (num_steps + 1)
-        return preview
-    if is_metric_scheduler(scheduler):
-        preview.lrs = lrs * (num_steps + 1)
-        preview.note = "changes only when the validation metric plateaus; starting value shown"
+        if scheduler is not None:
+            preview.note = "changes only when the validation metric plateaus; starting value shown"
         return preview
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,14 +1,10 @@
 """The quickstart pipeline: bundled EMT data -> PaiNN -> checkpoints -> test metrics.
 
-:func:`prepare_run` checks the run directory (fresh, ``--resume`` or ``--overwrite``)
-and settles the recipe; :func:`load_splits` reads the bundled train/val/test splits
-into memory with neighbour lists; :func:`build_strategy` (fresh) or
-:func:`resume_strategy` set up a ``TrainingStrategy`` with validation every epoch,
-EMA, gradient clipping, a ``CheckpointHook`` every epoch (last 3 + best kept), live
-reporting, Ctrl-C as a clean stop and a
-:class:`~nvalchemi.training.time_budget.TimeBudgetHook`: without ``--epochs`` the run's
-length and its learning-rate schedule are fitted to the budget (the mechanism of
-``spec run --minutes``).
+:func:`prepare_run` checks the run directory (fresh, ``--resume`` or ``--overwrite``) and
+settles the recipe; :func:`load_splits` reads the bundled splits into memory with
+neighbour lists; :func:`build_strategy` (or :func:`resume_strategy`) sets up the
+``TrainingStrategy`` with validation, EMA, clipping, checkpoints, live reporting, Ctrl-C as
+a clean stop and a ``TimeBudgetHook`` that fits the run to the budget without ``--epochs``.
 """
 
 from __future__ import annotations
@@ -93,7 +89,9 @@ def prepare_run(
     device: str,
 ) -> QuickstartPlan:
     """Check the run directory against the flags and settle the recipe."""
-    _check_device(device)
+    from nvalchemi.training.devices import check_device
+
+    check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
     run_dir = Path(run_dir)
     has_run = (run_dir / "checkpoints" / "manifest.json").is_file() or (
         run_dir / CONFIG_FILE
@@ -145,12 +143,6 @@ def prepare_run(
     return QuickstartPlan(recipe, run_dir, False, budget, device)
 
 
-def _check_device(device: str) -> None:
-    from nvalchemi.training.devices import check_device
-
-    check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
-
-
 def save_plan(plan: QuickstartPlan) -> None:
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     record = {"recipe": plan.recipe.to_dict(), "device": plan.device}
@@ -180,17 +172,15 @@ def load_splits(recipe: PaiNNRecipe) -> Splits:
     )
 
 
-def _loader(dataset: Any, recipe: PaiNNRecipe, shuffle: bool) -> Any:
+def loaders(splits: Splits, recipe: PaiNNRecipe) -> tuple[Any, ...]:
+    """``(train, validation, test)`` loaders; only the training data is shuffled."""
     from nvalchemi.data.datapipes.dataloader import DataLoader
 
-    return DataLoader(dataset, batch_size=recipe.batch_size, shuffle=shuffle, seed=recipe.seed)
-
-
-def loaders(splits: Splits, recipe: PaiNNRecipe) -> tuple[Any, Any, Any]:
-    return (
-        _loader(splits.train, recipe, True),
-        _loader(splits.val, recipe, False),
-        _loader(splits.test, recipe, False),
+    return tuple(
+        DataLoader(
+            data, batch_size=recipe.batch_size, shuffle=data is splits.train, seed=recipe.seed
+        )
+        for data in (splits.train, splits.val, splits.test)
     )
 
 

@@ -1,20 +1,13 @@
 """The PaiNN training recipe for the bundled EMT data set, in one place.
 
-:class:`PaiNNRecipe` holds every number the quickstart (and ``train init --model
-painn``, and ``examples/train_painn_bundled.py``) uses: model size, cutoff, optimizer,
-schedule, loss weights, EMA, batch size, time budget. :data:`QUICKSTART` is the default;
-:data:`QUICK` is a tiny variant for smoke tests (``quickstart --quick``). Change a
-default here and every entry point follows.
-
-The builders turn a recipe into real objects: :meth:`PaiNNRecipe.model_kwargs`,
-:meth:`PaiNNRecipe.loss_fn`, :meth:`PaiNNRecipe.optimizer_config` (AdamW with a
-:class:`~nvalchemi.training.time_budget.WarmupCosineLR` warm-up + cosine decay that a
-:class:`~nvalchemi.training.time_budget.TimeBudgetHook` fits to the budget).
+:class:`PaiNNRecipe` holds every number the quickstart, ``train init --model painn`` and
+``examples/train_painn_bundled.py`` use; :data:`QUICKSTART` is the default, :data:`QUICK`
+a tiny variant for smoke tests. Its builders (:meth:`~PaiNNRecipe.model_kwargs`,
+:meth:`~PaiNNRecipe.loss_fn`, :meth:`~PaiNNRecipe.optimizer_config`) make real objects.
 
 How the numbers were chosen (``scripts/tune_painn.py``, 2 CPU cores): a small model that
 sees many epochs beats a larger one in a budget of minutes (hidden 32 over 64 at 5 and
-14 minutes); weight decay did not help; a larger energy weight (30) or a 5.5 Å cutoff did
-not help either. ``docs/quickstart.md`` lists the measured test errors.
+14 minutes); weight decay, a larger energy weight (30) or a 5.5 Å cutoff did not help.
 
 Example:
     >>> from nvalchemi.training.jobs.recipe import QUICKSTART
@@ -113,10 +106,8 @@ class PaiNNRecipe:
         )
 
     def optimizer_config(self, total_steps: int | None) -> Any:
-        """AdamW with a warm-up + cosine schedule over ``total_steps`` (fitted to a budget).
-
-        ``total_steps=None``: a placeholder length that a ``TimeBudgetHook`` fits.
-        """
+        """AdamW with a warm-up + cosine schedule over ``total_steps`` (``None``: a placeholder
+        length that a ``TimeBudgetHook`` fits to the budget)."""
         import torch
 
         from nvalchemi.training.optimizers import OptimizerConfig

@@ -1,15 +1,10 @@
 """Read a job file and resolve everything it names: a checked job, or one paragraph of errors.
 
-:func:`load_job` reads a JSON/YAML job file (relative paths taken relative to the file),
-validates it (:class:`~nvalchemi.training.jobs.spec.TrainingJobSpec`; every structural
-error at once, in file order), lets the user's own modules pass the trust rule
-(``imports:``, ``--allow-import``) and calls :func:`check_job`, which resolves every
-dotted path through the import allow-list of :mod:`nvalchemi._serialization` (the
-strategy section by :meth:`StrategyPayload.resolve`, the runtime hooks by
-:func:`build_hooks`) and checks that the models produce every output the loss needs
--- without building a model or reading data. Every error is a
-:class:`~nvalchemi._errors.FieldError` naming the job field
-(``strategy.optimizer_configs.main[0]``) and the fix.
+:func:`load_job` reads and validates a job file and calls :func:`check_job`, which resolves
+every dotted path through the import allow-list (the strategy by
+:meth:`StrategyPayload.resolve`, the hooks by :func:`build_hooks`) and checks that the
+models produce every output the loss needs, without building a model or reading data.
+Every error is a :class:`~nvalchemi._errors.FieldError` naming the job field and the fix.
 
 Example:
     >>> from nvalchemi.training.jobs import TrainingJobSpec
@@ -31,7 +26,12 @@ from typing import Any
 
 from nvalchemi._errors import FieldError, validation_lines
 from nvalchemi.training.jobs.paths import resolve_job_paths
-from nvalchemi.training.jobs.spec import RuntimeHookSpec, TrainingJobSpec, read_job_file
+from nvalchemi.training.jobs.spec import (
+    RuntimeHookSpec,
+    TrainingJobSpec,
+    read_job_file,
+    stage_name,
+)
 from nvalchemi.training.strategy_payload import combined_error, parse_spec, spec_error
 
 __all__ = [
@@ -60,12 +60,8 @@ class ResolvedJob:
 
 
 def allow_user_code(modules: Sequence[str], directory: str | Path, field: str = "imports") -> None:
-    """Let specs and checkpoints name ``modules`` (the user's choice: a job's ``imports:``,
-    ``--allow-import``), found next to the job file or in the working directory.
-
-    Each name goes to :func:`~nvalchemi._serialization.allow_import_path`; ``directory``
-    and the working directory join ``sys.path`` (at the end: installed packages win).
-    """
+    """Let specs and checkpoints name ``modules`` (a job's ``imports:``, ``--allow-import``),
+    found in ``directory`` or the working directory (appended to ``sys.path``)."""
     from nvalchemi._serialization import allow_import_path
 
     if not modules:
@@ -84,10 +80,8 @@ def allow_user_code(modules: Sequence[str], directory: str | Path, field: str = 
 
 
 def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
-    """``TrainingJobSpec`` from a mapping; a :class:`FieldError` listing every bad field.
-
-    The fields are listed in the order they appear in ``data`` (the file's order).
-    """
+    """``TrainingJobSpec`` from a mapping; a :class:`FieldError` listing every bad field
+    in the order of ``data``."""
     from pydantic import ValidationError
 
     try:
@@ -105,12 +99,8 @@ def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
 def load_job(
     path: str | Path, *, trust: bool = False, allow_imports: Sequence[str] = ()
 ) -> tuple[TrainingJobSpec, ResolvedJob]:
-    """Parse, validate and resolve the job file at ``path``.
-
-    Relative paths in the file are taken relative to the file's directory (see
-    :mod:`nvalchemi.training.jobs.paths`); the returned job holds absolute paths. The
-    job's ``imports:`` and ``allow_imports`` (``--allow-import``) pass the trust rule.
-    """
+    """Parse, validate and resolve the job file at ``path`` (its relative paths are taken
+    relative to the file; its ``imports:`` and ``allow_imports`` pass the trust rule)."""
     try:
         data = read_job_file(path)
     except FileNotFoundError as exc:
@@ -128,7 +118,6 @@ def load_job(
             "no trailing commas; YAML: closed brackets, consistent indentation)"
         )
         raise FieldError(message, fix=fix) from None
-    # Relative paths in the file are relative to the file, wherever it is run from.
     data = resolve_job_paths(data, Path(path).parent)
     job = validate_job_data(data, str(path))
     allow_user_code(job.imports, Path(path).parent)
@@ -140,10 +129,8 @@ def _stage(value: Any, where: str) -> Any:
     from nvalchemi.training.stages import TrainingStage
 
     try:
-        if isinstance(value, int):
-            return TrainingStage(value)
-        return TrainingStage[str(value).removeprefix("TrainingStage.")]
-    except (KeyError, ValueError):
+        return TrainingStage[stage_name(value)]
+    except ValueError:
         raise FieldError(
             f"unknown stage {value!r}",
             field=where,
@@ -220,12 +207,8 @@ def _declared_outputs(job: TrainingJobSpec, resolved: ResolvedJob) -> tuple[set[
 
 
 def check_outputs(job: TrainingJobSpec, resolved: ResolvedJob) -> None:
-    """Refuse a job whose loss needs a model output the model is not set to compute.
-
-    Raises:
-        FieldError: naming the output, the loss term that needs it and the field to set
-            (``strategy.model_specs.main.active_outputs`` or ``source.active_outputs``).
-    """
+    """Refuse a job whose loss needs a model output the model is not set to compute
+    (a :class:`FieldError` naming the output, the loss term and the field to set)."""
     declared = _declared_outputs(job, resolved)
     if declared is None or declared[0] is None or resolved.loss_fn is None:
         return
@@ -244,12 +227,8 @@ def check_outputs(job: TrainingJobSpec, resolved: ResolvedJob) -> None:
 
 
 def check_job(job: TrainingJobSpec, *, trust: bool = False) -> ResolvedJob:
-    """Resolve and check every dotted path of ``job`` (no model built, no data read).
-
-    Raises:
-        FieldError: every problem of the strategy section at once, else the first problem
-            of the hooks or of the outputs the loss needs.
-    """
+    """Resolve and check every dotted path of ``job`` (no model built, no data read);
+    one :class:`FieldError` names the hooks' first problem and every strategy problem."""
     problems = []
     resolved = ResolvedJob()
     try:  # source comes before strategy in a job file: so do its problems

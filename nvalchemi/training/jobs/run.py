@@ -1,27 +1,11 @@
-"""Run or resume a job: data, strategy, hooks, a time budget, validation, reporting, evaluation.
+"""Run or resume a job (``spec run`` / ``spec resume``): :func:`run_job`.
 
-Order of work in :func:`run_job`:
-
-1. optional distributed setup (``DistributedManager`` + ``DDPHook`` first in the hooks);
-2. readers for the training and validation data (nothing is loaded yet);
-3. the strategy: built from the job (:mod:`.build`), or restored from a checkpoint
-   (``TrainingStrategy.load_checkpoint``, which rebuilds the saved strategy class);
-4. datasets and loaders, with neighbour lists for the model's cutoff (built with
-   ``threads`` threads); batches of ``batch_size`` structures, or within an atom/edge
-   budget (``max_atoms``/``max_edges``, or found by probing the model's memory for
-   ``batch_size: auto``);
-5. validation (options, else the job's ``validation`` block, else every epoch);
-6. hooks added here: reporting, a :class:`~nvalchemi.training.time_budget.TimeBudgetHook`
-   (``minutes``: the run and its schedule are fitted to the budget unless the job has a
-   fixed length), and a ``PreemptionHandler`` (``SIGTERM``/``SIGUSR1`` -> checkpoint and
-   exit 75) when a ``CheckpointHook`` exists;
-7. ``strategy.run(loader)``, then learning curves and, on rank 0 with validation data,
-   the final model (EMA weights when the run kept them) evaluated on that data: errors
-   overall, per structure type, element, file and force magnitude
-   (``final_evaluation.json``) and parity plots.
-
-``SIGTERM``/``SIGUSR1`` during steps 1-6 stop the command with a message (nothing was
-saved, nothing needs resuming) and exit status 75 (:class:`~.signals.SetupSignals`).
+It sets up distributed training when launched on several ranks, opens the data, builds
+the strategy from the job (or restores it from a checkpoint), makes the loaders (fixed
+batches, an atom/edge budget, or ``batch_size: auto`` probed on the model), adds
+validation, reporting, a time budget and a ``PreemptionHandler``, trains, and on rank 0
+evaluates the final model on the validation data (``final_evaluation.json``, parity
+plots). A stop signal before the first step exits with status 75 (:mod:`.signals`).
 
 Example:
     >>> from nvalchemi.training.jobs import load_job, run_job, RunOptions
@@ -123,11 +107,7 @@ def launch_env(environ: Any = None) -> Any:
 
 
 def distributed_enabled(flag: bool | None, environ: Any = None) -> bool:
-    """``--distributed/--no-distributed``, else whether the launch has more than one rank.
-
-    torchrun (``RANK``/``WORLD_SIZE``) and Slurm ``srun`` (``SLURM_PROCID``/``SLURM_NTASKS``)
-    are recognised, as by ``DistributedManager.initialize``.
-    """
+    """``--distributed/--no-distributed``, else whether the launch (torchrun, srun) has ranks."""
     if flag is not None:
         return bool(flag)
     return launch_env(environ).world_size > 1
@@ -147,12 +127,7 @@ def _distributed(options: RunOptions, job: TrainingJobSpec) -> tuple[Any, list[A
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global generators (model initialisation, dropout).
-
-    With the data order seeded by the loader, two runs of the same job on the CPU give
-    bitwise-identical weights. Every rank uses the same seed (DDP starts from rank 0's
-    weights anyway).
-    """
+    """Seed Python's, NumPy's and torch's generators: the same job gives the same weights."""
     import random
 
     import numpy as np
@@ -171,20 +146,15 @@ def _validation_config(job: TrainingJobSpec, options: RunOptions, loader: Any) -
             "Use only one of --validation-every-epochs and --validation-every-steps",
             fix="drop one of them",
         )
-    if options.validation_every_epochs or options.validation_every_steps:
-        cadence = {
-            "every_n_epochs": options.validation_every_epochs,
-            "every_n_steps": options.validation_every_steps,
-        }
-    elif job.validation is not None:
-        cadence = {
-            "every_n_epochs": job.validation.every_n_epochs,
-            "every_n_steps": job.validation.every_n_steps,
-        }
-    else:
-        cadence = {"every_n_epochs": 1}
+    epochs, steps = options.validation_every_epochs, options.validation_every_steps
+    if not (epochs or steps) and job.validation is not None:
+        epochs, steps = job.validation.every_n_epochs, job.validation.every_n_steps
+    elif not (epochs or steps):
+        epochs = 1
     use_ema = job.validation.use_ema if job.validation is not None else "auto"
-    return ValidationConfig(validation_data=loader, use_ema=use_ema, **cadence)
+    return ValidationConfig(
+        validation_data=loader, use_ema=use_ema, every_n_epochs=epochs, every_n_steps=steps
+    )
 
 
 def _checkpoint_dir(hooks: list[Any]) -> Path | None:
@@ -196,9 +166,6 @@ def _checkpoint_dir(hooks: list[Any]) -> Path | None:
     return None
 
 
-_MAP_FIX = "use --map-location cpu (or a device present on this machine)"
-
-
 def check_devices(
     job: TrainingJobSpec, options: RunOptions, resume_from: Path | None, index: Any = "latest"
 ) -> None:
@@ -206,7 +173,11 @@ def check_devices(
     from nvalchemi.training.devices import check_device
 
     if options.map_location is not None:
-        check_device(options.map_location, field="--map-location", fix=_MAP_FIX)
+        check_device(
+            options.map_location,
+            field="--map-location",
+            fix="use --map-location cpu (or a device present on this machine)",
+        )
         return
     if resume_from is None:
         for device in job.strategy.devices:
@@ -241,11 +212,7 @@ RUN_HOOKS = frozenset({"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "Pr
 
 
 def _warn_missing_job_hooks(resume_from: Path, index: Any, hooks: list[Any]) -> None:
-    """Warn when the saved run had hooks from ``source.hooks`` that the job no longer lists.
-
-    The CLI's own hooks (:data:`RUN_HOOKS`) come and go with the options (``--minutes``,
-    the number of ranks); their absence is no reason to warn.
-    """
+    """Warn when the saved run had hooks of ``source.hooks`` (not :data:`RUN_HOOKS`) gone now."""
     from nvalchemi.training.checkpoint import read_strategy_metadata
 
     meta = read_strategy_metadata(resume_from, index) or {}
@@ -348,31 +315,17 @@ def run_job(
     """Train (or resume) ``job``; returns the strategy and where results are.
 
     ``console`` (anything with ``print(text)``, e.g. a rich console) gets a few lines
-    about the data, the model and the plan; the reporters show progress. A stop signal
-    before the first step ends with exit status 75 and a message (see
-    :class:`~.signals.SetupSignals`).
+    about the data, the model and the plan; the reporters show progress.
     """
     from nvalchemi.distributed.launch import detect_launch_env
 
     options = options or RunOptions()
-    main_rank = _launch_rank(detect_launch_env) == 0
-    with SetupSignals(console if main_rank else None) as signals:
-        return _run_job(
-            job,
-            resolved,
-            options,
-            signals,
-            resume_from=resume_from,
-            checkpoint_index=checkpoint_index,
-            console=console,
-        )
-
-
-def _launch_rank(detect: Any) -> int:
     try:
-        return detect().rank
+        main_rank = detect_launch_env().rank == 0
     except ValueError:
-        return 0
+        main_rank = True  # the launch error is raised with its fix once the run starts
+    with SetupSignals(console if main_rank else None) as signals:
+        return _run(job, resolved, options, signals, resume_from, checkpoint_index, console)
 
 
 def _budget_hook(job: TrainingJobSpec, options: RunOptions) -> Any:
@@ -515,12 +468,11 @@ def _set_outputs(job: TrainingJobSpec, strategy: Any) -> None:
         config.active_outputs = set(job.source.active_outputs)
 
 
-def _run_job(
+def _run(
     job: TrainingJobSpec,
     resolved: ResolvedJob,
     options: RunOptions,
     signals: SetupSignals,
-    *,
     resume_from: str | Path | None,
     checkpoint_index: Any,
     console: Any,
@@ -533,11 +485,10 @@ def _run_job(
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
-    if resume_from is not None:
-        _check_root(Path(resume_from))
-    check_devices(
-        job, options, None if resume_from is None else Path(resume_from), checkpoint_index
-    )
+    resume = None if resume_from is None else Path(resume_from)
+    if resume is not None:
+        _check_root(resume)
+    check_devices(job, options, resume, checkpoint_index)
     manager, hooks = _distributed(options, job)
     is_main = get_rank(manager) == 0
     if not is_main:
@@ -556,7 +507,7 @@ def _run_job(
     if forgetting is not None:
         hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
-    if resume_from is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
+    if resume is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise FieldError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run",
             field="source.hooks (CheckpointHook.checkpoint_dir)",
@@ -588,8 +539,8 @@ def _run_job(
             + (" (in memory)" if data.in_memory else "")
         )
     try:
-        if resume_from is not None:
-            strategy = _load(Path(resume_from), checkpoint_index, options, hooks)
+        if resume is not None:
+            strategy = _load(resume, checkpoint_index, options, hooks)
         else:
             seed_everything(data.seed)  # same job, same initial weights and training
             strategy = build_strategy(
@@ -619,7 +570,7 @@ def _run_job(
             batch_size=batch_size if isinstance(batch_size, int) else 8,
             shuffle=data.shuffle if options.shuffle is None else options.shuffle,
             seed=data.seed,
-            resumed=resume_from is not None,
+            resumed=resume is not None,
             manager=manager,
             forgetting=forgetting,
             console=console,

@@ -1,12 +1,9 @@
 """Scaffolded jobs: what ``train init``, ``finetune init`` and ``TrainingJobSpec.template()`` write.
 
 A training job is the quickstart recipe (:mod:`nvalchemi.training.jobs.recipe`) on your
-data: the built-in PaiNN fitted to the training data, AdamW with a warm-up + cosine
-schedule fitted to a time budget (``minutes``), per-atom energy + force (+ stress) MSE,
-EMA weights, gradient clipping, validation and a checkpoint every epoch, data in memory
-when it fits. Every payload is produced from real objects (``loss.to_spec()``,
-``OptimizerConfig.to_spec()``), so a scaffold always round-trips through ``spec run``.
-Functions return plain job dicts; ``TrainingJobSpec.model_validate`` checks them.
+data: PaiNN fitted to the data, AdamW with a schedule fitted to a time budget, energy +
+force (+ stress) MSE, EMA, clipping, validation and checkpoints. Payloads are made from
+real objects (``loss.to_spec()``), so a scaffold always round-trips through ``spec run``.
 
 Example:
     >>> job = scaffold_job("train", "custom", datasets=["data/train.extxyz"],
@@ -103,14 +100,10 @@ def scaffold_payload(
 ) -> dict[str, Any]:
     """A complete ``strategy`` payload (AdamW, per-atom energy + force (+ stress) MSE).
 
-    Training jobs (``model_specs`` given) get the recipe's schedule
-    (:class:`~nvalchemi.training.time_budget.WarmupCosineLR`) over ``schedule_steps``
-    (fitted at run time when the job has a time budget); fine-tunes cosine decay over
-    ``num_steps`` (or ``ReduceLROnPlateau`` with validation data). ``trunk_lr=(scale,
-    head)``: the trained head (``head``, else the first) learns at ``lr`` and everything
-    else at ``scale * lr`` (a parameter group); ``scale == 0`` trains only the head.
-    ``head_pattern`` names the head's parameters (default PaiNN's: ``readout.*`` for
-    the first head, ``head_readouts.<head>.*`` for added ones).
+    Training jobs (``model_specs`` given) get the recipe's ``WarmupCosineLR`` over
+    ``schedule_steps``; fine-tunes cosine decay over ``num_steps`` (or ``ReduceLROnPlateau``
+    with validation data). ``trunk_lr=(scale, head)``: the trained head (parameters
+    ``head_pattern``, default PaiNN's) learns at ``lr``, the rest at ``scale * lr``.
     """
     import torch
 
@@ -214,12 +207,9 @@ def scaffold_job(
 ) -> dict[str, Any]:
     """A complete job as a dict.
 
-    ``minutes`` (a time budget the run is fitted to) or ``num_steps`` / ``num_epochs``
-    (a fixed length) set the duration; ``structures`` (the training set's size) lets a
-    ``num_epochs`` training job write its schedule's exact length. ``in_memory=None``
-    loads the data into memory when the files are under :data:`IN_MEMORY_BYTES`.
-    ``source`` holds the model-specific source keys, ``finetune`` the job's ``finetune``
-    block and ``trunk_lr`` see :func:`scaffold_payload`.
+    ``minutes`` (a time budget) or ``num_steps`` / ``num_epochs`` set the length;
+    ``structures`` (the training set's size) gives a ``num_epochs`` job its schedule's exact
+    length; ``in_memory=None`` loads files under :data:`IN_MEMORY_BYTES` into memory.
     """
     has_validation = bool(validation_datasets) or val_fraction is not None
     checkpoint_dir = str(Path(output_dir) / "checkpoints")
@@ -291,12 +281,11 @@ def scaffold_job(
     if finetune is not None:
         data["finetune"] = dict(finetune)
     if has_validation:
-        cadence = (
+        data["validation"] = (
             {"every_n_steps": validation_every_steps}
             if validation_every_steps
             else {"every_n_epochs": validation_every_epochs or 1}
         )
-        data["validation"] = cadence
     return data
 
 
@@ -319,12 +308,8 @@ def _total_bytes(paths: list[str]) -> int:
 
 
 def template_job(workflow: str = "train", model: str = "custom") -> dict[str, Any]:
-    """A complete template job with placeholder paths (``schema template``).
-
-    ``workflow="train"``: the built-in PaiNN on ``data/train.extxyz`` with a 10-minute
-    budget; ``"finetune"``: a fine-tune of a ``model`` source (``native-checkpoint``,
-    ``mace`` or ``custom``) for 1000 steps.
-    """
+    """A template job with placeholder paths (``schema template``): PaiNN with a 10-minute
+    budget, or a 1000-step fine-tune of a ``model`` source."""
     common = {
         "datasets": ["data/train.extxyz"],
         "device": "cpu",
@@ -343,15 +328,16 @@ def template_job(workflow: str = "train", model: str = "custom") -> dict[str, An
         )
     if model not in ("native-checkpoint", "mace", "custom"):
         raise ValueError(f"unknown model source {model!r}; use native-checkpoint, mace or custom")
-    source = {
-        "native-checkpoint": {"checkpoint_path": "runs/pretrain/checkpoints"},
-        "custom": {"checkpoint_path": "runs/pretrain/model.pt"},
-        "mace": {"checkpoint_path": "models/mace.model", "compile_model": False},
-    }[model]
-    patterns = {
-        "native-checkpoint": ("main.readout.*",),
-        "mace": ("main.model.readouts.*",),
-        "custom": (),
+    source, patterns = {
+        "native-checkpoint": (
+            {"checkpoint_path": "runs/pretrain/checkpoints"},
+            ("main.readout.*",),
+        ),
+        "custom": ({"checkpoint_path": "runs/pretrain/model.pt"}, ()),
+        "mace": (
+            {"checkpoint_path": "models/mace.model", "compile_model": False},
+            ("main.model.readouts.*",),
+        ),
     }[model]
     return scaffold_job(
         "finetune",

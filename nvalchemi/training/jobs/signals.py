@@ -1,10 +1,8 @@
 """Stop signals while a run is set up: a clear message and exit status 75, not a traceback.
 
-Setting up a run (reading data, fitting statistics, neighbour lists) can take minutes on
-a large data set. :class:`SetupSignals` turns ``SIGTERM``/``SIGUSR1`` in that window into
-a message that nothing was trained or saved and exit status 75
-(:data:`~nvalchemi.training.preemption.PREEMPTION_EXIT_CODE`), so a job script that
-requeues on 75 simply runs the same command again.
+Setting up a run can take minutes; :class:`SetupSignals` turns ``SIGTERM``/``SIGUSR1`` then
+into a message that nothing was trained or saved and exit status 75, so a job script that
+requeues on 75 runs the same command again.
 """
 
 from __future__ import annotations
@@ -25,14 +23,8 @@ class _StoppedDuringSetup(BaseException):
 class SetupSignals:
     """``SIGTERM``/``SIGUSR1`` while a run is set up: a clear message and exit status 75.
 
-    Setting up (reading data, fitting statistics, neighbour lists) can take minutes on
-    a large data set. A signal then stops the command with a message that the run was
-    stopped before its first training step, that nothing was saved and nothing needs
-    resuming, and exit status :data:`~nvalchemi.training.preemption.PREEMPTION_EXIT_CODE`
-    (75): a job script that requeues on 75 simply runs the same command again. Once
-    training started (:meth:`training_started`), the run's ``PreemptionHandler`` owns
-    the signals (checkpoint, then 75); without one, a signal acts as it would without
-    this guard.
+    Once training started (:meth:`training_started`), the run's ``PreemptionHandler`` owns
+    the signals (checkpoint, then 75); without one, a signal acts as without this guard.
     """
 
     def __init__(self, console: Any = None) -> None:

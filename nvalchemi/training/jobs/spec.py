@@ -1,19 +1,11 @@
 """The job file of ``spec run``: :class:`TrainingJobSpec` (JSON or YAML).
 
-A job names where the model comes from (``source``), the data (``dataset``), where
-results go (``output``), how often to validate (``validation``), how long to train
-(``minutes``, a time budget the run is fitted to, or a fixed length in ``strategy``),
-what a fine-tune keeps of its source (``finetune``: reference energies, a new head,
-replay) and the training recipe (``strategy``: a
-:class:`~nvalchemi.training.strategy_payload.StrategyPayload`, the shape of
-``TrainingStrategy.to_spec_dict()`` plus the fine-tuning keys). Every block forbids
-unknown keys, so a typo is an error that names the key instead of a silently ignored
-setting. :meth:`TrainingJobSpec.template` is a complete job; :func:`section_schemas`
-the JSON schema of every section.
-
-This module checks structure only (types, required keys, combinations), reporting
-every error at once; dotted paths inside the job are resolved by
-:mod:`nvalchemi.training.jobs.resolve` through the import allow-list.
+A job names the model's source, the data, the outputs, the validation cadence, the
+length (``minutes``, a time budget, or a fixed length in ``strategy``), the ``finetune``
+block and the training recipe (``strategy``: a
+:class:`~nvalchemi.training.strategy_payload.StrategyPayload`). Every block forbids
+unknown keys and every structural error is reported at once; dotted paths are resolved
+later by :mod:`nvalchemi.training.jobs.resolve`.
 
 Example:
     >>> job = TrainingJobSpec.model_validate({
@@ -30,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -54,6 +47,7 @@ __all__ = [
     "dump_job",
     "read_job_file",
     "section_schemas",
+    "stage_name",
 ]
 
 ModelSource = Literal["native-checkpoint", "mace", "custom"]
@@ -67,10 +61,8 @@ class _Block(BaseModel):
 class RuntimeHookSpec(_Block):
     """One hook of ``source.hooks``: a spec (``cls_path`` + constructor kwargs) and stages.
 
-    A bare spec dict (with an optional ``stages`` or ``stage`` key) is accepted too.
-    Stage names are ``TrainingStage`` members (``"AFTER_EPOCH"``); ints and the
-    ``"TrainingStage.X"`` form are normalized. With several stages, one hook instance is
-    built per stage.
+    A bare spec dict (with an optional ``stages`` or ``stage`` key) is accepted too. Stages
+    are ``TrainingStage`` names (``"AFTER_EPOCH"``) or ints; one hook is built per stage.
     """
 
     spec: dict[str, Any] = Field(
@@ -104,27 +96,22 @@ class RuntimeHookSpec(_Block):
     @field_validator("stages", mode="before")
     @classmethod
     def _stage_names(cls, value: Any) -> Any:
-        from nvalchemi.training.stages import TrainingStage
-
         if value is None:
             return []
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        names = []
-        for stage in value:
-            if isinstance(stage, int) and not isinstance(stage, bool):
-                try:
-                    names.append(TrainingStage(stage).name)
-                    continue
-                except ValueError:
-                    pass
-            name = str(stage).removeprefix("TrainingStage.").upper()
-            if name not in TrainingStage.__members__:
-                raise ValueError(
-                    f"unknown stage {stage!r}; use one of {list(TrainingStage.__members__)}"
-                )
-            names.append(name)
-        return names
+        return [stage_name(s) for s in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def stage_name(stage: Any) -> str:
+    """The ``TrainingStage`` name of ``stage`` (a name, ``"TrainingStage.X"`` or an int)."""
+    from nvalchemi.training.stages import TrainingStage
+
+    if isinstance(stage, int) and not isinstance(stage, bool):
+        with contextlib.suppress(ValueError):
+            return TrainingStage(stage).name
+    name = str(stage).removeprefix("TrainingStage.").upper()
+    if name not in TrainingStage.__members__:
+        raise ValueError(f"unknown stage {stage!r}; use one of {list(TrainingStage.__members__)}")
+    return name
 
 
 class MaceSourceOptions(_Block):
@@ -191,16 +178,20 @@ class SourceSpec(_Block):
         return self
 
 
-class DatasetSpec(_Block):
-    """Training (and validation) data: extxyz / ASE db files or zarr stores.
-
-    Several paths become one ``MultiDataset``. Validation data comes from
-    ``validation_path`` (file(s) of their own) or ``val_fraction`` (a seeded random
-    split of every training file), not both.
-    """
-
+class _Files(_Block):
     path: str | None = None
     paths: list[str] = Field(default_factory=list)
+
+    @property
+    def all_paths(self) -> list[str]:
+        """``paths``, else ``[path]``."""
+        return list(self.paths) if self.paths else [str(self.path)]
+
+
+class DatasetSpec(_Files):
+    """Training data (several paths: one ``MultiDataset``), and validation data from
+    ``validation_path`` (files of their own) or ``val_fraction`` (a seeded split), not both."""
+
     format: DataFormat = "auto"
     validation_path: str | list[str] | None = None
     val_fraction: float | None = Field(default=None, gt=0, lt=1)
@@ -269,11 +260,6 @@ class DatasetSpec(_Block):
         return self
 
     @property
-    def all_paths(self) -> list[str]:
-        """The training paths (``paths``, else ``[path]``)."""
-        return list(self.paths) if self.paths else [str(self.path)]
-
-    @property
     def validation_paths(self) -> list[str]:
         """The validation paths (empty when there are none or a fraction is used)."""
         if self.validation_path is None:
@@ -287,10 +273,7 @@ class DatasetSpec(_Block):
         return bool(self.validation_paths) or self.val_fraction is not None
 
     def open_sources(self, validation_paths: list[str] | tuple[str, ...] = ()) -> Any:
-        """Readers of this data (:func:`nvalchemi.data.sources.open_sources`; close them).
-
-        ``validation_paths`` replace the block's own validation data.
-        """
+        """Readers of this data (close them); ``validation_paths`` replace the block's own."""
         from nvalchemi.data.sources import open_sources
 
         return open_sources(
@@ -306,11 +289,8 @@ class DatasetSpec(_Block):
 
 
 class OutputSpec(_Block):
-    """Where the run writes: ``run_dir`` (metrics.jsonl, plots, TensorBoard events).
-
-    Checkpoints are written only by a ``CheckpointHook`` in ``source.hooks``;
-    ``checkpoint_dir`` records where that hook writes (``spec report`` checks they agree).
-    """
+    """Where the run writes (``run_dir``); ``checkpoint_dir`` records where the job's
+    ``CheckpointHook`` writes (``spec report`` checks they agree)."""
 
     run_dir: str
     checkpoint_dir: str | None = None
@@ -362,11 +342,9 @@ class DistributedSpec(_Block):
     )
 
 
-class ReplaySpec(_Block):
+class ReplaySpec(_Files):
     """Replay data mixed into a fine-tune against forgetting (``finetune.replay``)."""
 
-    path: str | None = None
-    paths: list[str] = Field(default_factory=list)
     pseudo_label: bool = Field(
         default=True,
         description="label the replay structures with the source model (once, cached in "
@@ -393,17 +371,12 @@ class ReplaySpec(_Block):
             raise ValueError("finetune.replay needs 'path' (a file) or 'paths' (several)")
         return self
 
-    @property
-    def all_paths(self) -> list[str]:
-        return list(self.paths) if self.paths else [str(self.path)]
-
 
 class FineTuneSpec(_Block):
     """What a fine-tune keeps of its source: reference energies, heads, replay.
 
-    ``e0``: ``keep`` (the source's; new elements fitted), ``refit`` (least squares on
-    the new data), ``estimated`` (the source's plus the fitted offset of the new labels
-    from the source's predictions), ``fixed`` (``atomic_energies``).
+    ``e0``: ``keep`` (the source's; new elements fitted), ``refit`` (on the new data),
+    ``estimated`` (the source's plus the fitted offset of the new labels), ``fixed``.
     """
 
     e0: Literal["keep", "refit", "estimated", "fixed"] = "keep"
@@ -510,10 +483,6 @@ class TrainingJobSpec(_Block):
                 "a validation block needs validation data: set dataset.validation_path or "
                 "dataset.val_fraction"
             )
-        self._check_payload()
-        return self
-
-    def _check_payload(self) -> None:
         payload = self.strategy
         reuse = {
             "optimizer_configs": self.source.use_original_opt_class,
@@ -530,14 +499,12 @@ class TrainingJobSpec(_Block):
                 "the job has no length: set minutes (a time budget the run is fitted to), or "
                 "strategy.num_steps / strategy.num_epochs"
             )
+        return self
 
-    # ------------------------------------------------------------------ helpers
     @classmethod
     def template(cls, workflow: str = "train", model: str = "custom") -> dict[str, Any]:
-        """A complete, valid job as a dict: what ``train init`` writes, with placeholder paths.
-
-        ``workflow="finetune"`` with ``model`` ``"native-checkpoint"``, ``"mace"`` or
-        ``"custom"`` gives what ``finetune init`` writes.
+        """A complete, valid job as a dict (placeholder paths): what ``train init`` writes, or
+        for ``workflow="finetune"`` what ``finetune init`` writes for that source ``model``.
 
         Example:
             >>> job = TrainingJobSpec.template()
@@ -595,10 +562,8 @@ def dump_job(
     *,
     only_set: bool = False,
 ) -> str:
-    """The job as JSON (``indent=2``) or, for a ``.yaml``/``.yml`` path, YAML; written if ``path``.
-
-    ``only_set=True`` leaves out fields that were never set (defaults), for files people edit.
-    """
+    """The job as JSON or, for a ``.yaml``/``.yml`` path, YAML; written if ``path``.
+    ``only_set=True`` leaves out fields that were never set (for files people edit)."""
     if isinstance(job, BaseModel):
         data = job.model_dump(mode="json", exclude_none=True, exclude_unset=only_set)
     else:
