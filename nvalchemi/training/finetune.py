@@ -1,26 +1,18 @@
 """``FineTuningStrategy``: a new training run that starts from pretrained weights.
 
-A :class:`~nvalchemi.training.TrainingStrategy` with five more fields: ``new_heads``
-(readout heads added to multi-head models as copies of an existing head, see
-:class:`~nvalchemi.training.hooks.AddHeadHook`), ``module_patches`` (fresh modules, see
-:class:`~nvalchemi.training.hooks.ModulePatchHook`) and ``freeze_patterns`` /
-``trainable_patterns`` / ``freeze_mode`` (which parameters train, see
-:class:`~nvalchemi.training.hooks.TrainableParameterHook`). The hooks for them are
-generated and put first, so the user's hooks see the patched models and the filtered
-parameter set; :class:`~nvalchemi.training.hooks.ForgettingHook` entries of ``hooks``
-follow them, ahead of the reporters that write what they measure.
-
-Reference energies, replay and the zero-step check live next door:
-:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
-:mod:`nvalchemi.training.finetune_parity` (guide: ``docs/finetuning.md``).
-
-Entry points, each starting at step 0 (``load_checkpoint`` resumes instead):
-
-* :meth:`FineTuningStrategy.from_pretrained_checkpoint`: weights of a native
-  checkpoint (optionally its loss and optimizer recipe);
-* :meth:`FineTuningStrategy.from_pretrained_weights`: a plain ``state_dict`` file or
-  mapping loaded into a model you built;
-* :meth:`FineTuningStrategy.from_mace`: a mace-torch model (file or object).
+A :class:`~nvalchemi.training.TrainingStrategy` that adds readout heads, patches
+modules and chooses the trained parameters (see the class docstring); reference
+energies, replay and the zero-step check live next door
+(:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
+:mod:`nvalchemi.training.finetune_parity`; guide: ``docs/finetuning.md``). The entry
+points :meth:`~FineTuningStrategy.from_pretrained_checkpoint`,
+:meth:`~FineTuningStrategy.from_pretrained_weights` and
+:meth:`~FineTuningStrategy.from_mace` start at step 0 (``load_checkpoint`` resumes).
+Their keyword arguments may also be a job file's ``strategy`` payload
+(:meth:`FineTuningStrategy.to_spec_dict` shape): ``loss_fn_spec``, serialized
+``optimizer_configs`` and ``module_patches`` are rehydrated (through the import
+allow-list unless ``trust=True``), ``training_fn`` may be a dotted path, an empty
+``model_specs`` and ``single_model_input`` are ignored.
 
 Example:
     >>> strategy = FineTuningStrategy.from_pretrained_checkpoint(  # doctest: +SKIP
@@ -29,12 +21,6 @@ Example:
     ...     trainable_patterns=("main.readout.*",), num_steps=500,
     ... )
     >>> strategy.run(finetune_loader)  # doctest: +SKIP
-
-Keyword arguments of the entry points may also be a job file's ``strategy`` payload
-(:meth:`FineTuningStrategy.to_spec_dict` shape): ``loss_fn_spec``, serialized
-``optimizer_configs`` and ``module_patches`` are rehydrated (through the import
-allow-list unless ``trust=True``), ``training_fn`` may be a dotted path, an empty
-``model_specs`` and ``single_model_input`` are ignored.
 """
 
 from __future__ import annotations
@@ -146,14 +132,9 @@ class FineTuningStrategy(TrainingStrategy):
             data["hooks"] = [*generated, *(hooks or [])]
         return data
 
-    @field_validator("new_heads", mode="before")
+    @field_validator("new_heads", "module_patches", mode="before")
     @classmethod
-    def _heads_or_empty(cls, value: Any) -> Any:
-        return {} if value is None else value
-
-    @field_validator("module_patches", mode="before")
-    @classmethod
-    def _patches_or_empty(cls, value: Any) -> Any:
+    def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
 
     # ------------------------------------------------------------------ specs
@@ -163,12 +144,7 @@ class FineTuningStrategy(TrainingStrategy):
         Raises:
             TypeError: a module patch is an ``nn.Module`` instance (pass a BaseSpec).
         """
-        spec = super().to_spec_dict()
-        spec.update(self._fine_tuning_spec())
-        return spec
-
-    def _fine_tuning_spec(self) -> dict[str, Any]:
-        patches = {}
+        spec, patches = super().to_spec_dict(), {}
         for target, patch in self.module_patches.items():
             if not isinstance(patch, BaseSpec):
                 raise TypeError(
@@ -178,6 +154,7 @@ class FineTuningStrategy(TrainingStrategy):
                 )
             patches[target] = patch.model_dump()
         return {
+            **spec,
             "new_heads": dict(self.new_heads),
             "module_patches": patches,
             "freeze_patterns": list(self.freeze_patterns),
@@ -296,12 +273,12 @@ class FineTuningStrategy(TrainingStrategy):
         from nvalchemi.training.checkpoint.store import CheckpointStore, read_json, read_models
 
         kwargs = dict(strategy_kwargs)
-        if "models" in kwargs:
-            raise ValueError(
-                "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
-                "models=... (use from_pretrained_weights(model, weights) for your own model)."
-            )
-        reject_new_run_conflicts(kwargs, "from_pretrained_checkpoint")
+        reject_new_run_conflicts(
+            kwargs,
+            "from_pretrained_checkpoint",
+            "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
+            "models=... (use from_pretrained_weights(model, weights) for your own model).",
+        )
         files = CheckpointStore(checkpoint_dir).open(checkpoint_index)
         root, entry = files.root, files.entry
         names = list(entry.models)
@@ -373,12 +350,12 @@ class FineTuningStrategy(TrainingStrategy):
             ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
             ...     trainable_patterns=("main.readout.*",), num_steps=200)
         """
-        if "models" in strategy_kwargs:
-            raise ValueError(
-                "from_pretrained_weights takes the model as its first argument; do not also "
-                "pass models=...."
-            )
-        reject_new_run_conflicts(strategy_kwargs, "from_pretrained_weights")
+        reject_new_run_conflicts(
+            strategy_kwargs,
+            "from_pretrained_weights",
+            "from_pretrained_weights takes the model as its first argument; do not also "
+            "pass models=....",
+        )
         load_plain_weights(model, weights, strict=strict, key_map=key_map, model_key=model_key)
         kwargs = rehydrate_payload(strategy_kwargs, trust, "from_pretrained_weights")
         return cls(models=model, **kwargs)
@@ -414,9 +391,11 @@ class FineTuningStrategy(TrainingStrategy):
         """
         from nvalchemi.models.mace import MACEWrapper
 
-        if "models" in strategy_kwargs:
-            raise ValueError("from_mace builds the model from `source`; do not pass models=....")
-        reject_new_run_conflicts(strategy_kwargs, "from_mace")
+        reject_new_run_conflicts(
+            strategy_kwargs,
+            "from_mace",
+            "from_mace builds the model from `source`; do not pass models=....",
+        )
         if isinstance(source, (str, os.PathLike)):
             wrapper = MACEWrapper.from_checkpoint(
                 source, map_location=map_location, dtype=dtype, atomic_energies=atomic_energies
@@ -484,8 +463,10 @@ def load_patches(value: Any, trust: bool) -> dict[str, Any]:
     return out
 
 
-def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str) -> None:
-    """``ValueError`` for counters or a non-empty ``model_specs`` in a new run's kwargs."""
+def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str, models_error: str) -> None:
+    """``ValueError`` for ``models``, counters or a non-empty ``model_specs`` in a new run's kwargs."""
+    if "models" in kwargs:
+        raise ValueError(models_error)
     counters = sorted(k for k in _COUNTERS if k in kwargs)
     if counters:
         raise ValueError(
@@ -655,16 +636,16 @@ def _weights_target(model: Any, model_key: str | None) -> nn.Module:
 
 
 def _find_state_dict(raw: Any, where: str) -> dict[str, torch.Tensor]:
-    if isinstance(raw, Mapping) and raw and all(isinstance(v, torch.Tensor) for v in raw.values()):
-        return dict(raw)
+    def tensors(value: Any) -> bool:
+        return (
+            isinstance(value, Mapping)
+            and bool(value)
+            and all(isinstance(v, torch.Tensor) for v in value.values())
+        )
+
     if isinstance(raw, Mapping):
-        for key in _STATE_KEYS:
-            inner = raw.get(key)
-            if (
-                isinstance(inner, Mapping)
-                and inner
-                and all(isinstance(v, torch.Tensor) for v in inner.values())
-            ):
+        for inner in (raw, *(raw.get(key) for key in _STATE_KEYS)):
+            if tensors(inner):
                 return dict(inner)
         keys = sorted(map(str, raw))[:10]
         raise ValueError(
