@@ -36,38 +36,37 @@ from nvalchemi.training.stages import TrainingStage
 
 __all__ = ["DDPHook"]
 
-_DEFAULT_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
 # torch.utils.data.DataLoader options copied when the loader is rebuilt around a new sampler
-_COPIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "generator")
+_COPIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "generator",
+    "persistent_workers",
+    "in_order",
+)
 
 
 class DDPHook(BaseModel):
     """Wrap training models in ``DistributedDataParallel`` and shard the data, at ``SETUP``.
 
     Before device placement (``prepare_strategy``) the hook initialises
-    ``torch.distributed`` when ``auto_init`` is set, the launcher says ``WORLD_SIZE > 1``
-    and nothing is initialised yet (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, or
-    Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/node list), and on CUDA pins this rank's
-    GPU (``strategy.devices = [cuda:<local rank>]``). At ``SETUP`` it
-
-    * wraps the models ``model_keys`` (default: every model with optimizer configs) in
-      ``torch.nn.parallel.DistributedDataParallel``, forwarding ``find_unused_parameters``,
-      ``broadcast_buffers``, ``static_graph`` and ``process_group`` (``device_ids`` only
-      for CUDA models). Parameters keep their identity, so optimizers built before keep
-      working and parameter names (optimizer patterns, checkpoints) do not change;
-    * injects a distributed sampler into ``strategy.active_dataloader`` so each rank sees
-      a disjoint shard (see :meth:`prepare_dataloader`).
-
-    With a world size of one the hook does nothing; a distributed manager that reports
-    ``world_size == 1`` (and is not initialised) is never asked to initialise. On teardown (end of ``run()``, or
-    of a ``train_batch`` session) it puts the unwrapped models back and destroys the
-    process group if it created it; register it first in ``hooks=[...]`` then, so it
-    is torn down after hooks that still communicate (e.g. ``CheckpointHook``).
-
-    Force and stress training (forces from ``autograd.grad(create_graph=True)`` inside
-    ``forward``) works without ``find_unused_parameters=True``: the inner gradient only
-    differentiates with respect to positions, so each parameter's gradient is reduced
-    exactly once, in ``loss.backward()``.
+    ``torch.distributed`` from the launcher's variables (torchrun's ``RANK``/
+    ``WORLD_SIZE``/``MASTER_*`` or Slurm's) when ``auto_init`` is set, ``WORLD_SIZE > 1``
+    and nothing is initialised yet, and on CUDA pins this rank's GPU
+    (``strategy.devices = [cuda:<local rank>]``). At ``SETUP`` it wraps the models
+    ``model_keys`` in ``DistributedDataParallel`` (``device_ids`` only for CUDA models;
+    parameters keep their identity and names, so optimizers and patterns keep working)
+    and gives ``strategy.active_dataloader`` a distributed sampler
+    (:meth:`prepare_dataloader`). With a world size of one it does nothing (a manager
+    reporting ``world_size == 1`` is never asked to initialise). On teardown (end of
+    ``run()`` or of a ``train_batch`` session) it puts the unwrapped models back and
+    destroys the process group if it created it: register it first in ``hooks=[...]``,
+    so hooks that still communicate at exit (``CheckpointHook``) are torn down before.
+    Force and stress training needs no ``find_unused_parameters=True``: the inner
+    ``autograd.grad`` only differentiates with respect to positions.
 
     Args:
         model_keys: models to wrap; ``None``: all models with optimizer configs.
@@ -122,7 +121,7 @@ class DDPHook(BaseModel):
         if self._single_process():
             return  # a manager reporting one process: no process group to create
         created = self.auto_init and init_distributed(self._manager, backend=self.backend)
-        if self._world_size() <= 1:
+        if get_world_size(self._manager) <= 1:
             return  # nothing to tear down either: one process has no group to destroy
         if created:
             self._initialized_process_group = True
@@ -180,7 +179,7 @@ class DDPHook(BaseModel):
     # ------------------------------------------------------------------ models
     def wrap_models(self, strategy: Any) -> None:
         """Replace the selected models in ``strategy.models`` by DDP wrappers (once)."""
-        if self._is_wrapped or self._world_size() <= 1:
+        if self._is_wrapped or get_world_size(self._manager) <= 1:
             return
         manager = self._manager
         if not is_distributed_initialized(manager):
@@ -284,7 +283,7 @@ class DDPHook(BaseModel):
         sampler's or loader's), passed only if the factory accepts them, then
         ``sampler_kwargs`` on top.
         """
-        if loader is None or self._world_size() <= 1 or not hasattr(loader, "sampler"):
+        if loader is None or get_world_size(self._manager) <= 1 or not hasattr(loader, "sampler"):
             return loader
         if not hasattr(loader, "dataset"):
             raise ValueError(
@@ -326,28 +325,42 @@ class DDPHook(BaseModel):
             assigned = False
         if assigned:
             return loader
-        return _rebuild(loader, new_sampler, drop_last)
+        if getattr(loader, "batch_size", None) is None:
+            raise ValueError(
+                "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
+                "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
+                "yourself, or build the DataLoader with batch_size= so the hook can add one."
+            )
+        return _rebuild(
+            loader,
+            "DDPHook could not assign dataloader.sampler and could not rebuild the dataloader "
+            "with the configured sampler ({exc}). Build the loader with a distributed sampler "
+            "yourself.",
+            batch_size=loader.batch_size,
+            sampler=new_sampler,
+            drop_last=drop_last,
+        )
 
     def _shard_batch_sampler(self, loader: Any) -> Any:
-        """A loader whose batch sampler shards itself, with the sampler for this rank.
-
-        A batch sampler with ``shard(num_replicas, rank)`` (a ``BudgetBatchSampler``:
-        the loader was built with atom/edge budgets) is replaced by its copy for this
-        rank of the world, so every rank packs the same epoch and takes its share of
-        each step. ``None`` when the loader's batch sampler is not of that kind.
-        """
+        """Rule 2 of :meth:`prepare_dataloader`; ``None`` for a batch sampler without ``shard``."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         shard = getattr(batch_sampler, "shard", None)
         if not callable(shard):
             return None
-        world, rank = self._world_size(), get_rank(self._manager)
+        world, rank = get_world_size(self._manager), get_rank(self._manager)
         if (batch_sampler.num_replicas, batch_sampler.rank) == (world, rank):
             return loader
         sharded = shard(num_replicas=world, rank=rank)
         if _is_nvalchemi_loader(loader):
             loader.batch_sampler = sharded
             return loader
-        return _rebuild_with_batch_sampler(loader, sharded)
+        return _rebuild(
+            loader,
+            f"DDPHook could not rebuild the dataloader around the batch sampler for this rank "
+            f"({{exc}}). Build it with {type(sharded).__name__}(..., num_replicas="
+            "world_size, rank=rank) yourself.",
+            batch_sampler=sharded,
+        )
 
     def _install_batch_sampler(
         self, loader: Any, dataset: Any, defaults: dict[str, Any], drop_last: bool
@@ -381,7 +394,7 @@ class DDPHook(BaseModel):
         if shuffle is None:
             shuffle = _infer_shuffle(loader, sampler)
         return {
-            "num_replicas": self._world_size(),
+            "num_replicas": get_world_size(self._manager),
             "rank": get_rank(self._manager),
             "shuffle": bool(shuffle),
             "seed": _infer_seed(loader, sampler),
@@ -398,7 +411,7 @@ class DDPHook(BaseModel):
         )
 
     def _check_replicas(self, sampler: Any) -> None:
-        replicas, world = getattr(sampler, "num_replicas", None), self._world_size()
+        replicas, world = getattr(sampler, "num_replicas", None), get_world_size(self._manager)
         if isinstance(replicas, int) and replicas != world:
             warnings.warn(
                 f"DDPHook keeps the dataloader's distributed sampler {type(sampler).__name__}, "
@@ -410,19 +423,13 @@ class DDPHook(BaseModel):
             )
 
     # ------------------------------------------------------------------ helpers
-    def _world_size(self) -> int:
-        return get_world_size(self._manager)
-
     def _single_process(self) -> bool:
-        """Whether the given distributed manager reports one process and is not initialised.
-
-        Not for our own :class:`DistributedManager`: it reports one process until it is
-        initialised, which reads the launcher's variables (``init_distributed`` decides).
-        """
+        # Not for our DistributedManager: it reports one process until initialised, which
+        # reads the launcher's variables (init_distributed decides).
         manager = self._manager
         if manager is None or isinstance(manager, DistributedManager):
             return False
-        return not is_distributed_initialized(manager) and self._world_size() <= 1
+        return not is_distributed_initialized(manager) and get_world_size(self._manager) <= 1
 
     def _warn_if_torn_down_early(self, strategy: Any) -> None:
         # Hooks exit in reverse registration order: one registered before this hook that
@@ -522,57 +529,22 @@ def _infer_seed(loader: Any, sampler: Any) -> int:
 
 def _loader_options(loader: Any) -> dict[str, Any]:
     """The worker and memory options of a ``torch.utils.data.DataLoader``, for a rebuild."""
-    kwargs: dict[str, Any] = {}
-    for name in _COPIED:
-        if hasattr(loader, name):
-            kwargs[name] = getattr(loader, name)
-    if hasattr(loader, "persistent_workers"):
-        kwargs["persistent_workers"] = loader.persistent_workers
+    kwargs = {name: getattr(loader, name) for name in _COPIED if hasattr(loader, name)}
     if getattr(loader, "multiprocessing_context", None) is not None:
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
     if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "prefetch_factor", None):
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", None):
         kwargs["pin_memory_device"] = loader.pin_memory_device
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
     return kwargs
 
 
-def _rebuild_with_batch_sampler(loader: Any, batch_sampler: Any) -> Any:
-    """A new loader of ``type(loader)`` drawing ``batch_sampler``, with the same options."""
+def _rebuild(loader: Any, error: str, **sampling: Any) -> Any:
+    """A new loader of ``type(loader)`` with ``sampling`` and the same options; ``error`` names ``{exc}``."""
     try:
-        return type(loader)(loader.dataset, batch_sampler=batch_sampler, **_loader_options(loader))
+        return type(loader)(loader.dataset, **sampling, **_loader_options(loader))
     except TypeError as exc:
-        raise ValueError(
-            f"DDPHook could not rebuild the dataloader around the batch sampler for this rank "
-            f"({exc}). Build it with {type(batch_sampler).__name__}(..., num_replicas="
-            "world_size, rank=rank) yourself."
-        ) from exc
-
-
-def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
-    """A new loader of ``type(loader)`` with ``sampler`` and the same options."""
-    if getattr(loader, "batch_size", None) is None:
-        raise ValueError(
-            "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
-            "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
-            "yourself, or build the DataLoader with batch_size= so the hook can add one."
-        )
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "sampler": sampler,
-        "drop_last": drop_last,
-        **_loader_options(loader),
-    }
-    try:
-        return type(loader)(loader.dataset, **kwargs)
-    except TypeError as exc:
-        raise ValueError(
-            "DDPHook could not assign dataloader.sampler and could not rebuild the dataloader "
-            f"with the configured sampler ({exc}). Build the loader with a distributed sampler "
-            "yourself."
-        ) from exc
+        raise ValueError(error.format(exc=exc)) from exc
 
 
 def _release_reducer(wrapper: Any) -> None:
