@@ -51,27 +51,25 @@ __all__ = ["FineTuningStrategy"]
 
 
 class FineTuningStrategy(TrainingStrategy):
-    """A training strategy for fine-tuning: module patches and parameter freezing.
+    """A training strategy for fine-tuning: new heads, module patches and parameter freezing.
+
+    The fine-tuning fields are read at construction and become hooks placed before
+    ``hooks`` (:class:`~nvalchemi.training.hooks.AddHeadHook`,
+    :class:`~nvalchemi.training.hooks.ModulePatchHook`, then
+    :class:`~nvalchemi.training.hooks.TrainableParameterHook`), so the user's hooks see
+    the patched models and the filtered parameters; ``ForgettingHook`` entries of
+    ``hooks`` follow them, ahead of the reporters. Parameter names never include DDP's
+    ``module.`` prefix, so the patterns keep matching when ``DDPHook`` wraps the models.
 
     Args (besides those of :class:`~nvalchemi.training.TrainingStrategy`):
         new_heads: ``{"<head>": copy_from}`` (model ``"main"``) or
             ``{"<model key>.<head>": copy_from}``: readout heads to add, each a copy of
-            head ``copy_from`` (``None``: the first), before optimizers exist. Their
-            parameters are e.g. ``"main.head_readouts.<head>.*"`` (PaiNN).
-        module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; applied at
-            construction, before optimizers exist (``ModulePatchHook``). Only
+            head ``copy_from`` (``None``: the first); their parameters are e.g.
+            ``"main.head_readouts.<head>.*"`` (PaiNN).
+        module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; only
             :class:`BaseSpec` values can be written to specs and checkpoints.
-        freeze_patterns: ``fnmatch`` patterns of qualified parameter names to freeze
-            (``"main.model.joint_mlp.*"``).
-        trainable_patterns: patterns to train; alone an allow-list, with
-            ``freeze_patterns`` exceptions to them; matches train even if frozen before.
-        freeze_mode: ``"requires_grad"`` (frozen parameters get ``requires_grad=False``
-            during runs, restored afterwards) or ``"optimizer_only"`` (they still get
-            gradients but no optimizer updates them).
-
-    Names never include DDP's ``module.`` prefix, so the patterns keep matching when
-    ``DDPHook`` wraps the models. The fields are read at construction; the generated
-    hooks (``ModulePatchHook`` then ``TrainableParameterHook``) come before ``hooks``.
+        freeze_patterns / trainable_patterns / freeze_mode: which parameters train (see
+            ``TrainableParameterHook``; ``"main.model.joint_mlp.*"``).
 
     Example:
         >>> import torch
@@ -236,34 +234,26 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A NEW run (counters at 0) from the model weights of a native checkpoint.
 
-        Models are rebuilt from their saved specs and loaded with their weights (EMA
-        weights with ``use_ema_weights=True`` where saved) onto ``map_location``, or the
-        CPU when it is ``None`` (never onto the device the source run used). The saved
-        optimizer/scheduler states, counters, hooks and validation settings are not used.
-        ``validators`` (:class:`~nvalchemi.training.checkpoint.CheckpointValidator`) check
-        each model after loading. One model saved as ``"main"`` is passed as a single
-        model, several as a named mapping (keys kept, e.g. ``student``/``teacher``).
-
-        Precedence of the loss and optimizer recipe:
-
-        * ``use_original_loss=True``: the checkpoint's loss is used. A ``loss_fn`` or
-          ``loss_fn_spec`` passed as well is ignored with a warning: the flag wins, so
-          a job file's template loss cannot silently cancel it.
-        * ``use_original_opt_class=True``: the checkpoint's optimizer configs (classes,
-          kwargs, schedulers, parameter groups) are used with ``lr`` set to
-          ``optimizer_lr`` (per-group learning rates scaled by the same factor; ``None``
-          keeps the saved rates). Passed ``optimizer_configs`` are ignored with a warning.
-        * Without the flags, ``loss_fn`` (or ``loss_fn_spec``) and ``optimizer_configs``
-          are required.
+        Models are rebuilt from their saved specs with their weights (EMA weights with
+        ``use_ema_weights=True`` where saved) on ``map_location`` (``None``: the CPU, never
+        the source run's device), checked by ``validators``
+        (:class:`~nvalchemi.training.checkpoint.CheckpointValidator`); saved optimizer
+        states, counters, hooks and validation settings are not used. One model saved as
+        ``"main"`` is passed as a single model, several as a mapping (keys kept).
+        ``use_original_loss=True`` uses the checkpoint's loss and
+        ``use_original_opt_class=True`` its optimizer configs (classes, kwargs, schedulers,
+        parameter groups) with ``lr=optimizer_lr`` (group rates scaled alike; ``None`` keeps
+        the saved rates); a ``loss_fn``/``loss_fn_spec``/``optimizer_configs`` passed as well
+        is ignored with a warning (so a job file's template cannot cancel a flag). Without
+        the flags, ``loss_fn`` (or ``loss_fn_spec``) and ``optimizer_configs`` are required.
 
         Args:
             checkpoint_dir: checkpoint root written by ``save_checkpoint``/``CheckpointHook``.
             checkpoint_index: an index, ``-1``/``"latest"`` or ``"best"``.
             trust: allow specs outside the import allow-list (trusted checkpoints only).
             **strategy_kwargs: :class:`FineTuningStrategy` fields (``num_steps``,
-                ``trainable_patterns``, ``hooks``, ``devices``, ``distributed_manager``,
-                ...) or a job payload (see the module docstring). Training devices default
-                to ``[map_location]`` when it is given.
+                ``trainable_patterns``, ``hooks``, ``devices``, ...) or a job payload (see
+                the module docstring); ``devices`` defaults to ``[map_location]`` if given.
 
         Raises:
             ValueError: ``models`` (or a non-empty ``model_specs``) or counters were

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -357,18 +358,13 @@ def _resolve_all(
 
 
 def _match_placement(module: nn.Module, reference: nn.Module) -> None:
-    like = next((t for t in reference.parameters() if t.is_floating_point()), None)
-    if like is None:
-        like = next((t for t in reference.buffers() if t.is_floating_point()), None)
-    if like is None:
-        return
-    for tensor in module.parameters():
-        if tensor.is_floating_point() and (tensor.dtype, tensor.device) != (
-            like.dtype,
-            like.device,
-        ):
-            module.to(device=like.device, dtype=like.dtype)
-            return
+    tensors = itertools.chain(reference.parameters(), reference.buffers())
+    like = next((t for t in tensors if t.is_floating_point()), None)
+    if like is not None and any(
+        t.is_floating_point() and (t.dtype, t.device) != (like.dtype, like.device)
+        for t in module.parameters()
+    ):
+        module.to(device=like.device, dtype=like.dtype)
 
 
 def _still_installed(models: Mapping[str, Any], target: str, module: Any) -> bool:
@@ -474,26 +470,20 @@ class TrainableParameterHook(_RegistrationHook):
             allowed = frozenset((set(names) - frozen) | forced)
         else:
             allowed = frozenset(forced)
-        setters = {}
-        for name in (
-            "set_optimizer_parameter_filter",
-            "set_trainable_parameter_filter",
-            "set_force_trainable_parameter_filter",
-        ):
-            setter = getattr(workflow, name, None)
-            if not callable(setter):
+        by_grad = self.freeze_mode == "requires_grad"
+        filters = {
+            "set_optimizer_parameter_filter": allowed,
+            "set_trainable_parameter_filter": allowed if by_grad else None,
+            "set_force_trainable_parameter_filter": frozenset(forced) if forced else None,
+        }
+        for name in filters:
+            if not callable(getattr(workflow, name, None)):
                 raise TypeError(
                     f"TrainableParameterHook needs a workflow with {name}(names); "
                     f"{type(workflow).__name__} has none (use a TrainingStrategy)."
                 )
-            setters[name] = setter
-        setters["set_optimizer_parameter_filter"](allowed)
-        setters["set_trainable_parameter_filter"](
-            allowed if self.freeze_mode == "requires_grad" else None
-        )
-        setters["set_force_trainable_parameter_filter"](
-            frozenset(forced) if self.trainable_patterns else None
-        )
+        for name, names in filters.items():
+            getattr(workflow, name)(names)
         return allowed
 
     @staticmethod
