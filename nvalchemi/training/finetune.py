@@ -317,19 +317,19 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A new run with ``weights`` (a ``state_dict``) loaded into ``model``.
 
-        ``weights`` is a file read with ``torch.load(weights_only=True)`` (no pickled
-        code runs) or a mapping. A container holding the state dict under
-        ``"state_dict"``, ``"model_state_dict"`` or ``"model"`` is unpacked; keys all
-        starting with DDP's ``"module."`` are stripped. ``key_map`` renames key prefixes
-        first (``{"backbone.": "model."}``; ``{"": "model."}`` adds a prefix, an empty
-        value removes one; the longest matching prefix wins).
+        ``weights`` is a file read with ``torch.load(weights_only=True)`` (no pickled code
+        runs) or a mapping; a container holding it under ``"state_dict"``,
+        ``"model_state_dict"`` or ``"model"`` is unpacked, and keys all starting with DDP's
+        ``"module."`` are stripped.
 
         Args:
-            model: the model to fine-tune, built by you with the architecture the
-                weights belong to; or a mapping of models, ``model_key`` naming the one
-                that receives the weights (default ``"main"`` or the only one).
+            model: the model to fine-tune, built with the weights' architecture; or a
+                mapping of models, ``model_key`` naming the one that receives the weights
+                (default ``"main"`` or the only one).
             strict: every model key must be loaded and every weight used (``ValueError``
                 listing the differences); ``False`` loads the matching keys and warns.
+            key_map: key prefixes renamed first (``{"backbone.": "model."}``; ``{"": "model."}``
+                adds a prefix, an empty value removes one; the longest match wins).
             **strategy_kwargs: as for :meth:`from_pretrained_checkpoint` (a loss and
                 optimizer configs are required).
 
@@ -364,13 +364,12 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A new run from a mace-torch model: a model file, a MACE module or a ``MACEWrapper``.
 
-        Model files are loaded with :meth:`MACEWrapper.from_checkpoint
-        <nvalchemi.models.mace.MACEWrapper.from_checkpoint>`, which unpickles them:
-        only load files you trust. ``atomic_energies`` overrides the reference
-        energies ``E0`` (files only). Qualified names start with ``"main.model."``
-        (the readout heads are ``"main.model.readouts.*"``). A wrapper around a MACE
-        module object (not a file or ``from_mace_kwargs``) cannot be rebuilt from a
-        checkpoint, so strategy checkpoints of it fail; pass the file instead.
+        Model files are unpickled by :meth:`MACEWrapper.from_checkpoint
+        <nvalchemi.models.mace.MACEWrapper.from_checkpoint>`: only load files you trust.
+        ``atomic_energies`` overrides the reference energies ``E0`` (files only). Names start
+        with ``"main.model."`` (heads: ``"main.model.readouts.*"``). A wrapper around a MACE
+        module object cannot be rebuilt from a checkpoint, so its strategy checkpoints fail;
+        pass the file instead.
 
         Example:
             >>> strategy = FineTuningStrategy.from_mace(  # doctest: +SKIP

@@ -255,33 +255,27 @@ class DDPHook(BaseModel):
 
         Rules, in order:
 
-        1. ``None``, a world size of one, or an object without a ``sampler`` attribute
-           (a list of batches, any iterable): returned unchanged (caller-managed), as is
-           a loader over an ``IterableDataset``.
-        2. A loader built with budgets (its ``batch_sampler`` has ``shard(num_replicas,
-           rank)``, as ``BudgetBatchSampler`` does) gets that sampler's copy for this
-           rank (in place on nvalchemi's ``DataLoader``, a rebuilt torch loader);
-           every rank then packs the same epoch and takes one batch of each step.
-        3. A loader whose ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` is
-           already distributed (has ``num_replicas``, ``rank`` and ``set_epoch``, or is a
-           ``sampler_cls`` instance) is left untouched (a warning if its
-           ``num_replicas`` differs from the world size).
-        4. nvalchemi ``DataLoader`` with a ``DistributedSampler``-family ``sampler_cls``:
-           a batch-level sampler is installed in place: ``MultiDatasetBatchSampler``
-           for a ``MultiDataset`` with the default class, otherwise
-           ``BatchSampler(sampler_cls(dataset, **kwargs), batch_size, drop_last)`` (a
-           subclass given as ``sampler_cls`` is used as given). A non-distributed
-           ``batch_sampler`` already on the loader raises ``ValueError``.
-        5. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to
-           ``loader.sampler``; a ``torch.utils.data.DataLoader`` (which forbids that)
-           is rebuilt with the same options (``ValueError`` if it was built with a
-           ``batch_sampler``).
+        1. ``None``, a world size of one, an object without ``sampler`` (a list of batches)
+           or a loader over an ``IterableDataset``: returned unchanged (caller-managed).
+        2. A ``batch_sampler`` with ``shard(num_replicas, rank)`` (``BudgetBatchSampler``)
+           is replaced by its copy for this rank (in place on nvalchemi's ``DataLoader``,
+           else in a rebuilt loader): every rank packs the same epoch.
+        3. A ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` that is already
+           distributed (``num_replicas``, ``rank`` and ``set_epoch``, or a ``sampler_cls``
+           instance) is kept (a warning if ``num_replicas`` is not the world size).
+        4. nvalchemi ``DataLoader`` and a ``DistributedSampler``-family ``sampler_cls``: a
+           batch sampler is installed in place (``MultiDatasetBatchSampler`` for a
+           ``MultiDataset`` with the default class, else ``BatchSampler(sampler_cls(dataset,
+           **kwargs), batch_size, drop_last)``); a non-distributed ``batch_sampler`` already
+           there raises ``ValueError``.
+        5. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to ``loader.sampler``; a
+           torch ``DataLoader`` (which forbids that) is rebuilt with the same options
+           (``ValueError`` if it was built with a ``batch_sampler``).
 
-        ``kwargs``: ``num_replicas`` (world size), ``rank``, ``shuffle`` (the loader's
-        sampler's or loader's ``shuffle``, else whether it samples randomly), ``seed``
-        (the loader's or its sampler's ``seed``, else 0) and ``drop_last`` (the batch
-        sampler's or loader's), passed only if the factory accepts them, then
-        ``sampler_kwargs`` on top.
+        ``kwargs``: ``num_replicas``, ``rank``, ``shuffle`` (the sampler's or loader's, else
+        whether it samples randomly), ``seed`` (the loader's or sampler's, else 0) and
+        ``drop_last`` (the batch sampler's or loader's), as far as the factory accepts them,
+        then ``sampler_kwargs``.
         """
         if loader is None or get_world_size(self._manager) <= 1 or not hasattr(loader, "sampler"):
             return loader
@@ -550,12 +544,11 @@ def _rebuild(loader: Any, error: str, **sampling: Any) -> Any:
 def _release_reducer(wrapper: Any) -> None:
     """Drop a DDP wrapper's gradient reducer now, while the process group is registered.
 
-    The reducer owns a reference to the process group and is destroyed with the GIL
-    held. Left to the garbage collector (the wrapper lives on in reference cycles of the
-    finished run), it can be the group's last owner after ``destroy_process_group``;
-    gloo's destructor then joins a communication thread that is waiting for the GIL to
-    free the tensors of its last collective: a deadlock (seen as a rank hanging after
-    ``run()`` returned). Released here, the group's final reference goes with
+    The reducer holds the process group and is destroyed with the GIL held. Left to the
+    garbage collector (the wrapper lives on in reference cycles of the finished run), it
+    can be the group's last owner after ``destroy_process_group``; gloo's destructor then
+    joins a communication thread waiting for the GIL: a deadlock (a rank hanging after
+    ``run()`` returned). Released here, the group's last reference goes with
     ``destroy_process_group``, whose destructor releases the GIL.
     """
     state = getattr(wrapper, "__dict__", {})

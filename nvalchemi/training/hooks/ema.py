@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 import torch
@@ -40,15 +41,13 @@ _CONFIG_FIELDS = ("model_key", "decay", "update_every", "start_step", "use_buffe
 _FAST_MARK = "_nvalchemi_fast_ema"
 
 
+@dataclass(slots=True)
 class _Runtime:
-    __slots__ = ("averaged", "fast", "pending", "plan", "synced_updates")
-
-    def __init__(self) -> None:
-        self.averaged: AveragedModel | None = None
-        self.fast = False
-        self.pending: dict[str, Any] | None = None
-        self.plan: _UpdatePlan | None = None
-        self.synced_updates = -1  # num_updates last written into averaged.n_averaged
+    averaged: AveragedModel | None = None
+    fast: bool = False
+    pending: dict[str, Any] | None = None
+    plan: _UpdatePlan | None = None
+    synced_updates: int = -1  # num_updates last written into averaged.n_averaged
 
 
 class _UpdatePlan:

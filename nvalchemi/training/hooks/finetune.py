@@ -1,21 +1,14 @@
 """Fine-tuning hooks: new heads and submodules, which parameters train, and forgetting.
 
-Three hooks do their work once, when registered with a strategy, and never fire at a
-training stage:
-
-* :class:`AddHeadHook` adds readout heads to multi-head models (copies of an existing
-  head, so the new head starts from the source's predictions) before optimizers exist;
-* :class:`ModulePatchHook` adds or replaces submodules (a fresh readout head, say)
-  before optimizers exist;
-* :class:`TrainableParameterHook` freezes parameters by name pattern, or trains only
-  those matching ``trainable_patterns``.
-
-:class:`ForgettingHook` measures what a fine-tune forgets: the error on held-out data of
-the source's domain before training and at every validation.
-
-Parameter names are qualified by the model key and never contain wrapper prefixes
-(``"main.model.projection.weight"``, also after ``DDPHook`` wraps the model), so filters
-computed at registration keep matching when optimizers are built after setup.
+:class:`AddHeadHook` (readout heads copied from an existing one),
+:class:`ModulePatchHook` (new or replaced submodules) and
+:class:`TrainableParameterHook` (freezing by name pattern) do their work once, when
+registered with a strategy (before optimizers exist), and never fire at a stage.
+:class:`ForgettingHook` measures what a fine-tune forgets: the error on held-out data
+of the source's domain before training and at every validation. Parameter names are
+qualified by the model key and never contain wrapper prefixes
+(``"main.model.projection.weight"``, also after ``DDPHook`` wraps the model), so
+filters computed at registration keep matching when optimizers are built later.
 
 Example:
     >>> import torch
@@ -190,8 +183,7 @@ class ModulePatchHook(_RegistrationHook):
 def apply_module_patches(module: nn.Module, patches: Mapping[str, Any]) -> nn.Module:
     """Install ``{"path.child": module_or_spec}`` into ``module`` (all resolved first); return it.
 
-    Paths are relative to ``module`` (no model key). Used by :class:`ModulePatchHook`
-    and to rebuild patched models from checkpoints.
+    Paths are relative to ``module`` (no model key); used to rebuild patched models.
 
     Example:
         >>> import torch

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -97,11 +98,9 @@ def _clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Ten
 
 
 # ---------------------------------------------------------------------------- accumulation
+@dataclass(slots=True)
 class _AccumulationState:
-    __slots__ = ("micro_step",)
-
-    def __init__(self) -> None:
-        self.micro_step = 0
+    micro_step: int = 0
 
 
 class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
@@ -254,31 +253,18 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
 
 
 # ---------------------------------------------------------------------------- spike skipping
+@dataclass(slots=True)
 class _SpikeState:
-    __slots__ = (
-        "accepted",
-        "ema",
-        "grad_ema",
-        "grad_history",
-        "history",
-        "index",
-        "last_skipped",
-        "loss_count",
-        "loss_sum",
-        "skipped",
-    )
-
-    def __init__(self) -> None:
-        self.loss_sum: torch.Tensor | None = None
-        self.loss_count = 0
-        self.history: torch.Tensor | None = None  # ring buffer of accepted losses
-        self.grad_history: torch.Tensor | None = None
-        self.ema: torch.Tensor | None = None
-        self.grad_ema: torch.Tensor | None = None
-        self.index = 0
-        self.accepted = 0
-        self.skipped = 0
-        self.last_skipped = False
+    loss_sum: torch.Tensor | None = None
+    loss_count: int = 0
+    history: torch.Tensor | None = None  # ring buffer of accepted losses
+    grad_history: torch.Tensor | None = None
+    ema: torch.Tensor | None = None
+    grad_ema: torch.Tensor | None = None
+    index: int = 0
+    accepted: int = 0
+    skipped: int = 0
+    last_skipped: bool = False
 
 
 class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):

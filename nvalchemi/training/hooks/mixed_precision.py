@@ -34,6 +34,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -144,14 +145,12 @@ def _cast_floating(output: Any, low: torch.dtype, target: torch.dtype) -> Any:
     return output
 
 
+@dataclass(slots=True)
 class _Runtime:
-    __slots__ = ("pending_scaler_state", "region", "scaler", "unscaled")
-
-    def __init__(self) -> None:
-        self.region: Any = None
-        self.scaler: torch.amp.GradScaler | None = None
-        self.pending_scaler_state: dict[str, Any] | None = None
-        self.unscaled = False
+    region: Any = None
+    scaler: torch.amp.GradScaler | None = None
+    pending_scaler_state: dict[str, Any] | None = None
+    unscaled: bool = False
 
 
 class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
