@@ -135,7 +135,6 @@ class FineTuningStrategy(TrainingStrategy):
     def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
 
-    # ------------------------------------------------------------------ specs
     def to_spec_dict(self) -> dict[str, Any]:
         """The base spec plus ``module_patches`` (spec dumps), the patterns and ``freeze_mode``.
 
@@ -216,7 +215,6 @@ class FineTuningStrategy(TrainingStrategy):
                 )
         return super().load_checkpoint(root_folder, checkpoint_index, map_location, **kwargs)
 
-    # ------------------------------------------------------------------ entry points
     @classmethod
     def from_pretrained_checkpoint(
         cls,

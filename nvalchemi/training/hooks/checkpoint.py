@@ -100,7 +100,6 @@ class CheckpointHook(BaseModel):
             )
         return self
 
-    # ------------------------------------------------------------------ dispatch
     def _runs_on_stage(self, stage: Any) -> bool:
         if stage is _S.AFTER_EPOCH:
             return self.epoch_interval is not None
@@ -147,7 +146,6 @@ class CheckpointHook(BaseModel):
         elif stage is _S.SETUP:
             self._setup(strategy)
 
-    # ------------------------------------------------------------------ public
     def save(self, strategy: Any, *, reason: str = "manual") -> None:
         """Save ``strategy`` now unless its state is already saved (collective; warns in a window)."""
         if self._pending is not None or not self._is_saved(strategy):
@@ -205,7 +203,6 @@ class CheckpointHook(BaseModel):
         if error is not None:
             raise error
 
-    # ------------------------------------------------------------------ internals
     def _writes_here(self, strategy: Any) -> bool:
         from nvalchemi.distributed.runtime import get_rank
 

@@ -113,7 +113,6 @@ class DDPHook(BaseModel):
     _strategy: Any = PrivateAttr(default=None)
     _is_wrapped: bool = PrivateAttr(default=False)
 
-    # ------------------------------------------------------------------ lifecycle
     def prepare_strategy(self, strategy: Any) -> None:
         """Initialise communication if needed and pin this rank's GPU (before device placement)."""
         self._strategy = strategy
@@ -176,7 +175,6 @@ class DDPHook(BaseModel):
             return
         destroy_distributed(manager)  # waits for every rank: nobody leaves while others use it
 
-    # ------------------------------------------------------------------ models
     def wrap_models(self, strategy: Any) -> None:
         """Replace the selected models in ``strategy.models`` by DDP wrappers (once)."""
         if self._is_wrapped or get_world_size(self._manager) <= 1:
@@ -249,7 +247,6 @@ class DDPHook(BaseModel):
                 return value
         return None
 
-    # ------------------------------------------------------------------ data
     def prepare_dataloader(self, loader: Any) -> Any:
         """Return ``loader`` (or a rebuilt copy) drawing a disjoint shard on this rank.
 
@@ -416,7 +413,6 @@ class DDPHook(BaseModel):
                 stacklevel=3,
             )
 
-    # ------------------------------------------------------------------ helpers
     def _single_process(self) -> bool:
         # Not for our DistributedManager: it reports one process until initialised, which
         # reads the launcher's variables (init_distributed decides).

@@ -130,7 +130,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
         return self.__pydantic_private__["_rt"]
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         if stage is _AFTER_OPTIMIZER_STEP:
             if not will_skip:
@@ -149,7 +148,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             self._runtime.plan = None  # devices may have changed: rebuild the tensor lists
         return True, ctx.loss
 
-    # ------------------------------------------------------------------ averaging
     def _source(self, ctx: Any) -> nn.Module:
         models = ctx.models
         if models is None or self.model_key not in models:
@@ -259,7 +257,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         setter(module, model_key=self.model_key)
         self._runtime.plan = None  # publishing may move the module (new buffer tensors)
 
-    # ------------------------------------------------------------------ public API
     def get_averaged_model(self) -> AveragedModel:
         """The ``AveragedModel`` (``.module`` holds the averaged weights)."""
         averaged = self._runtime.averaged

@@ -342,7 +342,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         """Whether the most recent decision vetoed the step."""
         return self._runtime.last_skipped
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         state = self._runtime
         if stage is _DO_BACKWARD:
@@ -400,7 +399,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
             self._record(loss, norm)
         return skip
 
-    # ------------------------------------------------------------------ statistics
     def _statistic(self, value: torch.Tensor, *, grad: bool) -> torch.Tensor:
         state = self._runtime
         if self.statistic == "ema":
@@ -423,7 +421,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
             state.index = (state.index + 1) % self.window
         state.accepted += 1
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Configuration, counters and the running statistics (CPU tensors)."""
         state = self._runtime

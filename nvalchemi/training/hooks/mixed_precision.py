@@ -200,7 +200,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     def _dump_precision(self, value: torch.dtype) -> str:
         return str(value).removeprefix("torch.")  # JSON-ready; parsed back by the validator
 
-    # ------------------------------------------------------------------ properties
     @property
     def precision_name(self) -> str:
         """``"float32"``, ``"bfloat16"`` or ``"float16"`` (the validation summary's label)."""
@@ -211,7 +210,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         """The fp16 ``GradScaler`` (``None`` before the first fp16 batch or for bf16/fp32)."""
         return self._runtime.scaler
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         precision = self.precision
         if precision is torch.float32:
@@ -248,7 +246,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
                     scaler.update()
         return True, ctx.loss
 
-    # ------------------------------------------------------------------ autocast
     def inference_autocast(self, device: torch.device | str) -> Any:
         """A fresh context manager with the training precision on ``device`` (never the scaler)."""
         device_type = torch.device(device).type
@@ -269,7 +266,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         if region is not None:
             region.__exit__(None, None, None)
 
-    # ------------------------------------------------------------------ scaler
     def _ensure_scaler(self, device_type: str) -> torch.amp.GradScaler:
         rt = self._runtime
         scaler = rt.scaler
@@ -284,7 +280,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         rt.scaler, rt.pending_scaler_state = scaler, None
         return scaler
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> MixedPrecisionHook:
         return self
 
@@ -297,7 +292,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         """Same as ``__exit__``."""
         self.__exit__(None, None, None)
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """``{"precision", "autocast_scope", "grad_scaler"}`` (``None`` until fp16 scaling ran)."""
         rt = self._runtime
