@@ -226,18 +226,13 @@ class DDPHook(BaseModel):
 
     def _option(self, name: str) -> bool:
         value = getattr(self, name)
-        if value is None and self._manager is not None:
-            value = getattr(self._manager, name, None)
-        return bool(value) if value is not None else False
+        return bool(getattr(self._manager, name, None) if value is None else value)
 
     def _process_group(self) -> Any:
         if self.process_group is not None:
             return self.process_group
-        manager = self._manager
-        if manager is None:
-            return None
         for name in ("process_group", "group", "get_process_group"):
-            value = getattr(manager, name, None)
+            value = getattr(self._manager, name, None)
             if callable(value):
                 try:
                     value = value()
@@ -497,9 +492,7 @@ def _accepted(factory: Any, defaults: dict[str, Any]) -> dict[str, Any]:
 
 def _infer_drop_last(loader: Any, batch_sampler: Any) -> bool:
     value = getattr(batch_sampler, "drop_last", None)
-    if value is None:
-        value = getattr(loader, "drop_last", None)
-    return bool(value) if value is not None else False
+    return bool(getattr(loader, "drop_last", None) if value is None else value)
 
 
 def _infer_shuffle(loader: Any, sampler: Any) -> bool:
