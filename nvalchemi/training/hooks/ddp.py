@@ -304,12 +304,9 @@ class DDPHook(BaseModel):
             return self._install_batch_sampler(loader, dataset, defaults, drop_last)
         kwargs = {**_accepted(self.sampler_cls, defaults), **self.sampler_kwargs}
         new_sampler = self.sampler_cls(dataset, **kwargs)
-        try:
+        with contextlib.suppress(AttributeError, ValueError):  # torch's loader refuses
             loader.sampler = new_sampler
-            assigned = loader.sampler is new_sampler
-        except (AttributeError, ValueError):
-            assigned = False
-        if assigned:
+        if loader.sampler is new_sampler:
             return loader
         if getattr(loader, "batch_size", None) is None:
             raise ValueError(
@@ -414,7 +411,7 @@ class DDPHook(BaseModel):
         manager = self._manager
         if manager is None or isinstance(manager, DistributedManager):
             return False
-        return not is_distributed_initialized(manager) and get_world_size(self._manager) <= 1
+        return not is_distributed_initialized(manager) and get_world_size(manager) <= 1
 
     def _warn_if_torn_down_early(self, strategy: Any) -> None:
         # Hooks exit in reverse registration order: one registered before this hook that
