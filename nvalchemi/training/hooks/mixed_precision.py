@@ -220,7 +220,9 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
             if precision is torch.float16:
                 ctx.grad_scaler = self._ensure_scaler(device_type)
             self._close_region()  # left open by a batch that raised mid-forward
-            rt.region = self._open_region(device_type)
+            region = self.inference_autocast(device_type)
+            region.__enter__()
+            rt.region = region
         elif stage is _DO_BACKWARD:
             self._close_region()
             if precision is torch.float16:
@@ -254,11 +256,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         if self.autocast_scope == "region":
             return torch.amp.autocast(device_type, dtype=self.precision, enabled=True)
         return _LayerAutocast(device_type, self.precision)
-
-    def _open_region(self, device_type: str) -> Any:
-        region = self.inference_autocast(device_type)
-        region.__enter__()
-        return region
 
     def _close_region(self) -> None:
         rt = self._runtime
