@@ -1,26 +1,18 @@
 """``FineTuningStrategy``: a new training run that starts from pretrained weights.
 
-A :class:`~nvalchemi.training.TrainingStrategy` with five more fields: ``new_heads``
-(readout heads added to multi-head models as copies of an existing head, see
-:class:`~nvalchemi.training.hooks.AddHeadHook`), ``module_patches`` (fresh modules, see
-:class:`~nvalchemi.training.hooks.ModulePatchHook`) and ``freeze_patterns`` /
-``trainable_patterns`` / ``freeze_mode`` (which parameters train, see
-:class:`~nvalchemi.training.hooks.TrainableParameterHook`). The hooks for them are
-generated and put first, so the user's hooks see the patched models and the filtered
-parameter set; :class:`~nvalchemi.training.hooks.ForgettingHook` entries of ``hooks``
-follow them, ahead of the reporters that write what they measure.
-
-Reference energies, replay and the zero-step check live next door:
-:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
-:mod:`nvalchemi.training.finetune_parity` (guide: ``docs/finetuning.md``).
-
-Entry points, each starting at step 0 (``load_checkpoint`` resumes instead):
-
-* :meth:`FineTuningStrategy.from_pretrained_checkpoint`: weights of a native
-  checkpoint (optionally its loss and optimizer recipe);
-* :meth:`FineTuningStrategy.from_pretrained_weights`: a plain ``state_dict`` file or
-  mapping loaded into a model you built;
-* :meth:`FineTuningStrategy.from_mace`: a mace-torch model (file or object).
+A :class:`~nvalchemi.training.TrainingStrategy` that adds readout heads, patches
+modules and chooses the trained parameters (see the class docstring); reference
+energies, replay and the zero-step check live next door
+(:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
+:mod:`nvalchemi.training.finetune_parity`; guide: ``docs/finetuning.md``). The entry
+points :meth:`~FineTuningStrategy.from_pretrained_checkpoint`,
+:meth:`~FineTuningStrategy.from_pretrained_weights` and
+:meth:`~FineTuningStrategy.from_mace` start at step 0 (``load_checkpoint`` resumes).
+Their keyword arguments may also be a job file's ``strategy`` payload
+(:meth:`FineTuningStrategy.to_spec_dict` shape): ``loss_fn_spec``, serialized
+``optimizer_configs`` and ``module_patches`` are rehydrated (through the import
+allow-list unless ``trust=True``), ``training_fn`` may be a dotted path, an empty
+``model_specs`` and ``single_model_input`` are ignored.
 
 Example:
     >>> strategy = FineTuningStrategy.from_pretrained_checkpoint(  # doctest: +SKIP
@@ -29,12 +21,6 @@ Example:
     ...     trainable_patterns=("main.readout.*",), num_steps=500,
     ... )
     >>> strategy.run(finetune_loader)  # doctest: +SKIP
-
-Keyword arguments of the entry points may also be a job file's ``strategy`` payload
-(:meth:`FineTuningStrategy.to_spec_dict` shape): ``loss_fn_spec``, serialized
-``optimizer_configs`` and ``module_patches`` are rehydrated (through the import
-allow-list unless ``trust=True``), ``training_fn`` may be a dotted path, an empty
-``model_specs`` and ``single_model_input`` are ignored.
 """
 
 from __future__ import annotations
@@ -65,27 +51,25 @@ __all__ = ["FineTuningStrategy"]
 
 
 class FineTuningStrategy(TrainingStrategy):
-    """A training strategy for fine-tuning: module patches and parameter freezing.
+    """A training strategy for fine-tuning: new heads, module patches and parameter freezing.
+
+    The fine-tuning fields are read at construction and become hooks placed before
+    ``hooks`` (:class:`~nvalchemi.training.hooks.AddHeadHook`,
+    :class:`~nvalchemi.training.hooks.ModulePatchHook`, then
+    :class:`~nvalchemi.training.hooks.TrainableParameterHook`), so the user's hooks see
+    the patched models and the filtered parameters; ``ForgettingHook`` entries of
+    ``hooks`` follow them, ahead of the reporters. Parameter names never include DDP's
+    ``module.`` prefix, so the patterns keep matching when ``DDPHook`` wraps the models.
 
     Args (besides those of :class:`~nvalchemi.training.TrainingStrategy`):
         new_heads: ``{"<head>": copy_from}`` (model ``"main"``) or
             ``{"<model key>.<head>": copy_from}``: readout heads to add, each a copy of
-            head ``copy_from`` (``None``: the first), before optimizers exist. Their
-            parameters are e.g. ``"main.head_readouts.<head>.*"`` (PaiNN).
-        module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; applied at
-            construction, before optimizers exist (``ModulePatchHook``). Only
+            head ``copy_from`` (``None``: the first); their parameters are e.g.
+            ``"main.head_readouts.<head>.*"`` (PaiNN).
+        module_patches: ``{"<model key>.<path>.<child>": spec_or_module}``; only
             :class:`BaseSpec` values can be written to specs and checkpoints.
-        freeze_patterns: ``fnmatch`` patterns of qualified parameter names to freeze
-            (``"main.model.joint_mlp.*"``).
-        trainable_patterns: patterns to train; alone an allow-list, with
-            ``freeze_patterns`` exceptions to them; matches train even if frozen before.
-        freeze_mode: ``"requires_grad"`` (frozen parameters get ``requires_grad=False``
-            during runs, restored afterwards) or ``"optimizer_only"`` (they still get
-            gradients but no optimizer updates them).
-
-    Names never include DDP's ``module.`` prefix, so the patterns keep matching when
-    ``DDPHook`` wraps the models. The fields are read at construction; the generated
-    hooks (``ModulePatchHook`` then ``TrainableParameterHook``) come before ``hooks``.
+        freeze_patterns / trainable_patterns / freeze_mode: which parameters train (see
+            ``TrainableParameterHook``; ``"main.model.joint_mlp.*"``).
 
     Example:
         >>> import torch
@@ -146,29 +130,18 @@ class FineTuningStrategy(TrainingStrategy):
             data["hooks"] = [*generated, *(hooks or [])]
         return data
 
-    @field_validator("new_heads", mode="before")
+    @field_validator("new_heads", "module_patches", mode="before")
     @classmethod
-    def _heads_or_empty(cls, value: Any) -> Any:
+    def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
 
-    @field_validator("module_patches", mode="before")
-    @classmethod
-    def _patches_or_empty(cls, value: Any) -> Any:
-        return {} if value is None else value
-
-    # ------------------------------------------------------------------ specs
     def to_spec_dict(self) -> dict[str, Any]:
         """The base spec plus ``module_patches`` (spec dumps), the patterns and ``freeze_mode``.
 
         Raises:
             TypeError: a module patch is an ``nn.Module`` instance (pass a BaseSpec).
         """
-        spec = super().to_spec_dict()
-        spec.update(self._fine_tuning_spec())
-        return spec
-
-    def _fine_tuning_spec(self) -> dict[str, Any]:
-        patches = {}
+        spec, patches = super().to_spec_dict(), {}
         for target, patch in self.module_patches.items():
             if not isinstance(patch, BaseSpec):
                 raise TypeError(
@@ -178,6 +151,7 @@ class FineTuningStrategy(TrainingStrategy):
                 )
             patches[target] = patch.model_dump()
         return {
+            **spec,
             "new_heads": dict(self.new_heads),
             "module_patches": patches,
             "freeze_patterns": list(self.freeze_patterns),
@@ -241,7 +215,6 @@ class FineTuningStrategy(TrainingStrategy):
                 )
         return super().load_checkpoint(root_folder, checkpoint_index, map_location, **kwargs)
 
-    # ------------------------------------------------------------------ entry points
     @classmethod
     def from_pretrained_checkpoint(
         cls,
@@ -259,34 +232,26 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A NEW run (counters at 0) from the model weights of a native checkpoint.
 
-        Models are rebuilt from their saved specs and loaded with their weights (EMA
-        weights with ``use_ema_weights=True`` where saved) onto ``map_location``, or the
-        CPU when it is ``None`` (never onto the device the source run used). The saved
-        optimizer/scheduler states, counters, hooks and validation settings are not used.
-        ``validators`` (:class:`~nvalchemi.training.checkpoint.CheckpointValidator`) check
-        each model after loading. One model saved as ``"main"`` is passed as a single
-        model, several as a named mapping (keys kept, e.g. ``student``/``teacher``).
-
-        Precedence of the loss and optimizer recipe:
-
-        * ``use_original_loss=True``: the checkpoint's loss is used. A ``loss_fn`` or
-          ``loss_fn_spec`` passed as well is ignored with a warning: the flag wins, so
-          a job file's template loss cannot silently cancel it.
-        * ``use_original_opt_class=True``: the checkpoint's optimizer configs (classes,
-          kwargs, schedulers, parameter groups) are used with ``lr`` set to
-          ``optimizer_lr`` (per-group learning rates scaled by the same factor; ``None``
-          keeps the saved rates). Passed ``optimizer_configs`` are ignored with a warning.
-        * Without the flags, ``loss_fn`` (or ``loss_fn_spec``) and ``optimizer_configs``
-          are required.
+        Models are rebuilt from their saved specs with their weights (EMA weights with
+        ``use_ema_weights=True`` where saved) on ``map_location`` (``None``: the CPU, never
+        the source run's device), checked by ``validators``
+        (:class:`~nvalchemi.training.checkpoint.CheckpointValidator`); saved optimizer
+        states, counters, hooks and validation settings are not used. One model saved as
+        ``"main"`` is passed as a single model, several as a mapping (keys kept).
+        ``use_original_loss=True`` uses the checkpoint's loss and
+        ``use_original_opt_class=True`` its optimizer configs (classes, kwargs, schedulers,
+        parameter groups) with ``lr=optimizer_lr`` (group rates scaled alike; ``None`` keeps
+        the saved rates); a ``loss_fn``/``loss_fn_spec``/``optimizer_configs`` passed as well
+        is ignored with a warning (so a job file's template cannot cancel a flag). Without
+        the flags, ``loss_fn`` (or ``loss_fn_spec``) and ``optimizer_configs`` are required.
 
         Args:
             checkpoint_dir: checkpoint root written by ``save_checkpoint``/``CheckpointHook``.
             checkpoint_index: an index, ``-1``/``"latest"`` or ``"best"``.
             trust: allow specs outside the import allow-list (trusted checkpoints only).
             **strategy_kwargs: :class:`FineTuningStrategy` fields (``num_steps``,
-                ``trainable_patterns``, ``hooks``, ``devices``, ``distributed_manager``,
-                ...) or a job payload (see the module docstring). Training devices default
-                to ``[map_location]`` when it is given.
+                ``trainable_patterns``, ``hooks``, ``devices``, ...) or a job payload (see
+                the module docstring); ``devices`` defaults to ``[map_location]`` if given.
 
         Raises:
             ValueError: ``models`` (or a non-empty ``model_specs``) or counters were
@@ -296,12 +261,12 @@ class FineTuningStrategy(TrainingStrategy):
         from nvalchemi.training.checkpoint.store import CheckpointStore, read_json, read_models
 
         kwargs = dict(strategy_kwargs)
-        if "models" in kwargs:
-            raise ValueError(
-                "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
-                "models=... (use from_pretrained_weights(model, weights) for your own model)."
-            )
-        reject_new_run_conflicts(kwargs, "from_pretrained_checkpoint")
+        reject_new_run_conflicts(
+            kwargs,
+            "from_pretrained_checkpoint",
+            "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
+            "models=... (use from_pretrained_weights(model, weights) for your own model).",
+        )
         files = CheckpointStore(checkpoint_dir).open(checkpoint_index)
         root, entry = files.root, files.entry
         names = list(entry.models)
@@ -350,19 +315,19 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A new run with ``weights`` (a ``state_dict``) loaded into ``model``.
 
-        ``weights`` is a file read with ``torch.load(weights_only=True)`` (no pickled
-        code runs) or a mapping. A container holding the state dict under
-        ``"state_dict"``, ``"model_state_dict"`` or ``"model"`` is unpacked; keys all
-        starting with DDP's ``"module."`` are stripped. ``key_map`` renames key prefixes
-        first (``{"backbone.": "model."}``; ``{"": "model."}`` adds a prefix, an empty
-        value removes one; the longest matching prefix wins).
+        ``weights`` is a file read with ``torch.load(weights_only=True)`` (no pickled code
+        runs) or a mapping; a container holding it under ``"state_dict"``,
+        ``"model_state_dict"`` or ``"model"`` is unpacked, and keys all starting with DDP's
+        ``"module."`` are stripped.
 
         Args:
-            model: the model to fine-tune, built by you with the architecture the
-                weights belong to; or a mapping of models, ``model_key`` naming the one
-                that receives the weights (default ``"main"`` or the only one).
+            model: the model to fine-tune, built with the weights' architecture; or a
+                mapping of models, ``model_key`` naming the one that receives the weights
+                (default ``"main"`` or the only one).
             strict: every model key must be loaded and every weight used (``ValueError``
                 listing the differences); ``False`` loads the matching keys and warns.
+            key_map: key prefixes renamed first (``{"backbone.": "model."}``; ``{"": "model."}``
+                adds a prefix, an empty value removes one; the longest match wins).
             **strategy_kwargs: as for :meth:`from_pretrained_checkpoint` (a loss and
                 optimizer configs are required).
 
@@ -373,12 +338,12 @@ class FineTuningStrategy(TrainingStrategy):
             ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-4}),
             ...     trainable_patterns=("main.readout.*",), num_steps=200)
         """
-        if "models" in strategy_kwargs:
-            raise ValueError(
-                "from_pretrained_weights takes the model as its first argument; do not also "
-                "pass models=...."
-            )
-        reject_new_run_conflicts(strategy_kwargs, "from_pretrained_weights")
+        reject_new_run_conflicts(
+            strategy_kwargs,
+            "from_pretrained_weights",
+            "from_pretrained_weights takes the model as its first argument; do not also "
+            "pass models=....",
+        )
         load_plain_weights(model, weights, strict=strict, key_map=key_map, model_key=model_key)
         kwargs = rehydrate_payload(strategy_kwargs, trust, "from_pretrained_weights")
         return cls(models=model, **kwargs)
@@ -397,13 +362,12 @@ class FineTuningStrategy(TrainingStrategy):
     ) -> FineTuningStrategy:
         """A new run from a mace-torch model: a model file, a MACE module or a ``MACEWrapper``.
 
-        Model files are loaded with :meth:`MACEWrapper.from_checkpoint
-        <nvalchemi.models.mace.MACEWrapper.from_checkpoint>`, which unpickles them:
-        only load files you trust. ``atomic_energies`` overrides the reference
-        energies ``E0`` (files only). Qualified names start with ``"main.model."``
-        (the readout heads are ``"main.model.readouts.*"``). A wrapper around a MACE
-        module object (not a file or ``from_mace_kwargs``) cannot be rebuilt from a
-        checkpoint, so strategy checkpoints of it fail; pass the file instead.
+        Model files are unpickled by :meth:`MACEWrapper.from_checkpoint
+        <nvalchemi.models.mace.MACEWrapper.from_checkpoint>`: only load files you trust.
+        ``atomic_energies`` overrides the reference energies ``E0`` (files only). Names start
+        with ``"main.model."`` (heads: ``"main.model.readouts.*"``). A wrapper around a MACE
+        module object cannot be rebuilt from a checkpoint, so its strategy checkpoints fail;
+        pass the file instead.
 
         Example:
             >>> strategy = FineTuningStrategy.from_mace(  # doctest: +SKIP
@@ -414,9 +378,11 @@ class FineTuningStrategy(TrainingStrategy):
         """
         from nvalchemi.models.mace import MACEWrapper
 
-        if "models" in strategy_kwargs:
-            raise ValueError("from_mace builds the model from `source`; do not pass models=....")
-        reject_new_run_conflicts(strategy_kwargs, "from_mace")
+        reject_new_run_conflicts(
+            strategy_kwargs,
+            "from_mace",
+            "from_mace builds the model from `source`; do not pass models=....",
+        )
         if isinstance(source, (str, os.PathLike)):
             wrapper = MACEWrapper.from_checkpoint(
                 source, map_location=map_location, dtype=dtype, atomic_energies=atomic_energies
@@ -484,8 +450,10 @@ def load_patches(value: Any, trust: bool) -> dict[str, Any]:
     return out
 
 
-def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str) -> None:
-    """``ValueError`` for counters or a non-empty ``model_specs`` in a new run's kwargs."""
+def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str, models_error: str) -> None:
+    """``ValueError`` for ``models``, counters or a non-empty ``model_specs`` in a new run's kwargs."""
+    if "models" in kwargs:
+        raise ValueError(models_error)
     counters = sorted(k for k in _COUNTERS if k in kwargs)
     if counters:
         raise ValueError(
@@ -655,16 +623,16 @@ def _weights_target(model: Any, model_key: str | None) -> nn.Module:
 
 
 def _find_state_dict(raw: Any, where: str) -> dict[str, torch.Tensor]:
-    if isinstance(raw, Mapping) and raw and all(isinstance(v, torch.Tensor) for v in raw.values()):
-        return dict(raw)
+    def tensors(value: Any) -> bool:
+        return (
+            isinstance(value, Mapping)
+            and bool(value)
+            and all(isinstance(v, torch.Tensor) for v in value.values())
+        )
+
     if isinstance(raw, Mapping):
-        for key in _STATE_KEYS:
-            inner = raw.get(key)
-            if (
-                isinstance(inner, Mapping)
-                and inner
-                and all(isinstance(v, torch.Tensor) for v in inner.values())
-            ):
+        for inner in (raw, *(raw.get(key) for key in _STATE_KEYS)):
+            if tensors(inner):
                 return dict(inner)
         keys = sorted(map(str, raw))[:10]
         raise ValueError(

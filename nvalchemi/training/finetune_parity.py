@@ -147,16 +147,13 @@ def _predict(model: Any, batch: Any, outputs: list[str], head: str | None) -> di
 def _differences(ours: dict, theirs: dict, batch: Any) -> list[dict[str, float]]:
     counts = batch.num_nodes_per_graph.cpu().tolist()
     rows: list[dict[str, float]] = [{} for _ in counts]
-    if "energy" in ours and "energy" in theirs:
-        diff = (ours["energy"].reshape(-1) - theirs["energy"].reshape(-1)).abs()
-        for row, value in zip(rows, diff.tolist()):
-            row["energy"] = value
+    for output in ("energy", "stress"):  # one value (energy) or 3x3 (stress) per structure
+        if output in ours and output in theirs:
+            diff = (ours[output] - theirs[output]).abs().reshape(len(counts), -1).amax(-1)
+            for row, value in zip(rows, diff.tolist()):
+                row[output] = value
     if "forces" in ours and "forces" in theirs:
         diff = (ours["forces"] - theirs["forces"]).abs().amax(-1)
         for row, part in zip(rows, diff.split(counts)):
             row["forces"] = float(part.max()) if part.numel() else 0.0
-    if "stress" in ours and "stress" in theirs:
-        diff = (ours["stress"] - theirs["stress"]).abs().reshape(len(counts), -1).amax(-1)
-        for row, value in zip(rows, diff.tolist()):
-            row["stress"] = value
     return rows

@@ -1,31 +1,22 @@
 """Reference energies, scale and shift for a fine-tune: computed once, on every rank the same.
 
-A fine-tune usually changes the level of theory: the new labels differ from the source
-model's by a per-element offset (different pseudopotentials, functionals or codes)
-plus a small, structure-dependent part that training learns. How the reference
-energies ``E0`` of the fine-tuned head are chosen (``e0=``):
+A fine-tune usually changes the level of theory: the new labels differ from the
+source model's by a per-element offset plus a small, structure-dependent part that
+training learns. How the fine-tuned head's reference energies ``E0`` are chosen
+(``e0=``):
 
-* ``"keep"``: the source model's; elements the source has no ``E0`` for (0) get a
-  fitted one (least squares of the source model's residual on the new data);
-* ``"refit"``: least squares of the new energies on element counts (as for a model
-  trained from scratch; the network's share is ignored);
+* ``"keep"``: the source model's; elements without a source ``E0`` (0) get a fitted
+  one (least squares of the source model's residual on the new data);
+* ``"refit"``: least squares of the new energies on element counts (as from scratch);
 * ``"estimated"``: the source's plus the least-squares per-element offset of the new
-  labels from the source model's predictions, so only what the two levels of theory
-  differ by beyond a per-element constant is left to learn;
+  labels from the source model's predictions;
 * ``"fixed"``: the values given in ``atomic_energies`` (other elements as ``"keep"``).
 
 ``scale_shift="refit"`` re-estimates ``scale`` (force RMS) and ``shift`` (mean per-atom
-energy after ``E0``) on the new data; ``"keep"`` (default) leaves the source's. The mean
-neighbour count of the new data is measured and recorded.
-
-:func:`compute_finetune_statistics` runs on rank 0 only and broadcasts the result, so
-every rank of a DDP run applies the same numbers; :func:`prepare_finetune_model` also
-applies them to the model and writes ``finetune_statistics.json`` to the run directory.
-
-Models need the reference-energy protocol of :class:`~nvalchemi.models.PaiNN` and
-:class:`~nvalchemi.models.mace.MACEWrapper`: ``get_reference_energies(head)``,
-``set_reference_energies(values, head)``, ``get_scale_shift(head)``,
-``set_scale_shift(scale, shift, head)``.
+energy after ``E0``) on the new data; ``"keep"`` (default) leaves the source's. The
+models need the reference-energy protocol of :class:`~nvalchemi.models.PaiNN` and
+:class:`~nvalchemi.models.mace.MACEWrapper` (``get_reference_energies``,
+``set_reference_energies``, ``get_scale_shift``, ``set_scale_shift``, per head).
 
 Example:
     >>> stats = prepare_finetune_model(model, finetune_data, e0="estimated",
@@ -148,19 +139,17 @@ def compute_finetune_statistics(
             f"got e0={e0!r} with atomic_energies={'set' if atomic_energies else 'unset'}."
         )
     _check_protocol(model)
-    if get_world_size(distributed_manager) == 1 or not is_distributed_initialized(
-        distributed_manager
-    ):
-        return _compute(model, data, e0, atomic_energies, scale_shift, head, batch_size)
+    args = (model, data, e0, atomic_energies, scale_shift, head, batch_size)
+    manager = distributed_manager
+    if get_world_size(manager) == 1 or not is_distributed_initialized(manager):
+        return _compute(*args)
     outcome: Any = None
-    if get_rank(distributed_manager) == 0:
+    if get_rank(manager) == 0:
         try:
-            outcome = _compute(
-                model, data, e0, atomic_energies, scale_shift, head, batch_size
-            ).to_dict()
+            outcome = _compute(*args).to_dict()
         except Exception as exc:  # every rank must hear of it, or the others wait forever
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
-    outcome = broadcast_object(outcome, src=0, manager=distributed_manager)
+    outcome = broadcast_object(outcome, src=0, manager=manager)
     if "error" in outcome:
         raise ValueError(f"fine-tune statistics failed on rank 0: {outcome['error']}")
     return FineTuneStatistics.from_dict(outcome)

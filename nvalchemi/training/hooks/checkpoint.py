@@ -27,43 +27,37 @@ _MISSING: Any = object()
 class CheckpointHook(BaseModel):
     """Save restartable strategy checkpoints every N steps or epochs.
 
-    Cadence: with ``step_interval`` a save is due when an optimizer step that was
-    actually taken brings ``step_count`` to a multiple (vetoed or accumulating batches
-    never re-trigger it); with ``epoch_interval`` when an epoch count reaches a multiple.
-    Inside ``run()`` a due save is written at the next batch boundary (before the next
-    epoch/batch starts, or at the end of training), so it also holds what happens after
-    the batch: the epoch end, validation, metric-driven schedulers and early stopping;
-    resuming from it continues exactly like the uninterrupted run. With
-    ``strategy.train_batch()`` outside ``run()`` it is written right after the batch.
+    A save is due when an optimizer step actually taken brings ``step_count`` to a
+    multiple of ``step_interval`` (vetoed or accumulating batches never re-trigger it),
+    or an epoch count reaches a multiple of ``epoch_interval``. Inside ``run()`` it is
+    written at the next batch boundary, so it also holds the epoch end, validation,
+    metric-driven schedulers and early stopping: resuming continues exactly like the
+    uninterrupted run (``train_batch()`` outside ``run()`` saves right after the batch).
+    Never inside a gradient-accumulation window, whose partial gradients are not saved:
+    a due save waits for the window's optimizer step, the train-end save is skipped with
+    a warning, an explicit :meth:`save` warns.
 
-    Gradient accumulation: a checkpoint is never written inside an accumulation window
-    (its partial gradients are not saved, so it would not resume exactly). A save due
-    while a window is open waits for the first batch boundary after the window's
-    optimizer step; the train-end save is skipped (with a warning) if training ended
-    inside a window, and an explicit :meth:`save` there warns.
+    After each validation the ``best_metric`` value is recorded on that step's
+    checkpoint; with ``keep_best`` a validation among the best ``keep_best`` triggers a
+    save. Load them with ``checkpoint_index="latest"``/``"best"``.
 
-    Best checkpoints: after each validation the ``best_metric`` value is recorded on the
-    checkpoint of that step; with ``keep_best`` a validation that ranks among the best
-    ``keep_best`` triggers a save of its own. ``keep_last`` bounds the number of other
-    checkpoints (``None``: keep all). Load them with ``checkpoint_index="latest"``/``"best"``.
-
-    Saving goes through the one save routine (:func:`~nvalchemi.training.checkpoint.save.
-    save_strategy`): all ranks agree that the loss is finite, the writing rank copies the
-    state into CPU buffers kept between saves (the training thread stalls for about that
-    copy) and, with ``async_save``, a background thread writes it while training continues
-    (at most one write in flight). Rank 0 writes (every rank with ``rank_zero_only=False``,
-    e.g. node-local directories) and holds the root's writer lock for the whole run, so a
-    second process writing the same root (an overlapping requeued job) stops with an error
-    naming this one. Pending writes are flushed when the run ends, also on errors.
+    Saves go through :func:`~nvalchemi.training.checkpoint.save.save_strategy`: the ranks
+    agree that the loss is finite, the writing rank copies the state into CPU buffers
+    kept between saves and, with ``async_save``, a background thread writes it (at most
+    one write in flight). The writing rank holds the root's writer lock for the whole
+    run, so a second process writing the same root stops with an error naming this one.
+    Pending writes are flushed when the run ends, also on errors.
 
     Args:
         checkpoint_dir: the checkpoint root.
         step_interval / epoch_interval: exactly one, > 0.
-        keep_last / keep_best: retention (``None``: unlimited / no best tracking).
+        keep_last / keep_best: retention of other / best checkpoints (``None``:
+            unlimited / no best tracking).
         best_metric / best_mode: validation summary key and ``"min"``/``"max"``.
         save_on_train_end: also save when training ends (incl. a requested stop).
         async_save: write on a background thread.
-        rank_zero_only: only global rank 0 writes.
+        rank_zero_only: only global rank 0 writes (``False``: every rank, e.g. to
+            node-local directories).
     """
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
@@ -106,7 +100,6 @@ class CheckpointHook(BaseModel):
             )
         return self
 
-    # ------------------------------------------------------------------ dispatch
     def _runs_on_stage(self, stage: Any) -> bool:
         if stage is _S.AFTER_EPOCH:
             return self.epoch_interval is not None
@@ -153,13 +146,8 @@ class CheckpointHook(BaseModel):
         elif stage is _S.SETUP:
             self._setup(strategy)
 
-    # ------------------------------------------------------------------ public
     def save(self, strategy: Any, *, reason: str = "manual") -> None:
-        """Save ``strategy`` now unless its current state is already saved (collective).
-
-        Inside a gradient-accumulation window it still saves, with a warning: the
-        window's partial gradients are not in the checkpoint.
-        """
+        """Save ``strategy`` now unless its state is already saved (collective; warns in a window)."""
         if self._pending is not None or not self._is_saved(strategy):
             if strategy.accumulation_window_open:
                 _warn_window("this checkpoint will not resume exactly", strategy)
@@ -215,7 +203,6 @@ class CheckpointHook(BaseModel):
         if error is not None:
             raise error
 
-    # ------------------------------------------------------------------ internals
     def _writes_here(self, strategy: Any) -> bool:
         from nvalchemi.distributed.runtime import get_rank
 

@@ -36,38 +36,37 @@ from nvalchemi.training.stages import TrainingStage
 
 __all__ = ["DDPHook"]
 
-_DEFAULT_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
 # torch.utils.data.DataLoader options copied when the loader is rebuilt around a new sampler
-_COPIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "generator")
+_COPIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "generator",
+    "persistent_workers",
+    "in_order",
+)
 
 
 class DDPHook(BaseModel):
     """Wrap training models in ``DistributedDataParallel`` and shard the data, at ``SETUP``.
 
     Before device placement (``prepare_strategy``) the hook initialises
-    ``torch.distributed`` when ``auto_init`` is set, the launcher says ``WORLD_SIZE > 1``
-    and nothing is initialised yet (torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*``, or
-    Slurm's ``SLURM_PROCID``/``SLURM_NTASKS``/node list), and on CUDA pins this rank's
-    GPU (``strategy.devices = [cuda:<local rank>]``). At ``SETUP`` it
-
-    * wraps the models ``model_keys`` (default: every model with optimizer configs) in
-      ``torch.nn.parallel.DistributedDataParallel``, forwarding ``find_unused_parameters``,
-      ``broadcast_buffers``, ``static_graph`` and ``process_group`` (``device_ids`` only
-      for CUDA models). Parameters keep their identity, so optimizers built before keep
-      working and parameter names (optimizer patterns, checkpoints) do not change;
-    * injects a distributed sampler into ``strategy.active_dataloader`` so each rank sees
-      a disjoint shard (see :meth:`prepare_dataloader`).
-
-    With a world size of one the hook does nothing; a distributed manager that reports
-    ``world_size == 1`` (and is not initialised) is never asked to initialise. On teardown (end of ``run()``, or
-    of a ``train_batch`` session) it puts the unwrapped models back and destroys the
-    process group if it created it; register it first in ``hooks=[...]`` then, so it
-    is torn down after hooks that still communicate (e.g. ``CheckpointHook``).
-
-    Force and stress training (forces from ``autograd.grad(create_graph=True)`` inside
-    ``forward``) works without ``find_unused_parameters=True``: the inner gradient only
-    differentiates with respect to positions, so each parameter's gradient is reduced
-    exactly once, in ``loss.backward()``.
+    ``torch.distributed`` from the launcher's variables (torchrun's ``RANK``/
+    ``WORLD_SIZE``/``MASTER_*`` or Slurm's) when ``auto_init`` is set, ``WORLD_SIZE > 1``
+    and nothing is initialised yet, and on CUDA pins this rank's GPU
+    (``strategy.devices = [cuda:<local rank>]``). At ``SETUP`` it wraps the models
+    ``model_keys`` in ``DistributedDataParallel`` (``device_ids`` only for CUDA models;
+    parameters keep their identity and names, so optimizers and patterns keep working)
+    and gives ``strategy.active_dataloader`` a distributed sampler
+    (:meth:`prepare_dataloader`). With a world size of one it does nothing (a manager
+    reporting ``world_size == 1`` is never asked to initialise). On teardown (end of
+    ``run()`` or of a ``train_batch`` session) it puts the unwrapped models back and
+    destroys the process group if it created it: register it first in ``hooks=[...]``,
+    so hooks that still communicate at exit (``CheckpointHook``) are torn down before.
+    Force and stress training needs no ``find_unused_parameters=True``: the inner
+    ``autograd.grad`` only differentiates with respect to positions.
 
     Args:
         model_keys: models to wrap; ``None``: all models with optimizer configs.
@@ -114,7 +113,6 @@ class DDPHook(BaseModel):
     _strategy: Any = PrivateAttr(default=None)
     _is_wrapped: bool = PrivateAttr(default=False)
 
-    # ------------------------------------------------------------------ lifecycle
     def prepare_strategy(self, strategy: Any) -> None:
         """Initialise communication if needed and pin this rank's GPU (before device placement)."""
         self._strategy = strategy
@@ -122,7 +120,7 @@ class DDPHook(BaseModel):
         if self._single_process():
             return  # a manager reporting one process: no process group to create
         created = self.auto_init and init_distributed(self._manager, backend=self.backend)
-        if self._world_size() <= 1:
+        if get_world_size(self._manager) <= 1:
             return  # nothing to tear down either: one process has no group to destroy
         if created:
             self._initialized_process_group = True
@@ -177,10 +175,9 @@ class DDPHook(BaseModel):
             return
         destroy_distributed(manager)  # waits for every rank: nobody leaves while others use it
 
-    # ------------------------------------------------------------------ models
     def wrap_models(self, strategy: Any) -> None:
         """Replace the selected models in ``strategy.models`` by DDP wrappers (once)."""
-        if self._is_wrapped or self._world_size() <= 1:
+        if self._is_wrapped or get_world_size(self._manager) <= 1:
             return
         manager = self._manager
         if not is_distributed_initialized(manager):
@@ -229,18 +226,13 @@ class DDPHook(BaseModel):
 
     def _option(self, name: str) -> bool:
         value = getattr(self, name)
-        if value is None and self._manager is not None:
-            value = getattr(self._manager, name, None)
-        return bool(value) if value is not None else False
+        return bool(getattr(self._manager, name, None) if value is None else value)
 
     def _process_group(self) -> Any:
         if self.process_group is not None:
             return self.process_group
-        manager = self._manager
-        if manager is None:
-            return None
         for name in ("process_group", "group", "get_process_group"):
-            value = getattr(manager, name, None)
+            value = getattr(self._manager, name, None)
             if callable(value):
                 try:
                     value = value()
@@ -250,41 +242,34 @@ class DDPHook(BaseModel):
                 return value
         return None
 
-    # ------------------------------------------------------------------ data
     def prepare_dataloader(self, loader: Any) -> Any:
         """Return ``loader`` (or a rebuilt copy) drawing a disjoint shard on this rank.
 
         Rules, in order:
 
-        1. ``None``, a world size of one, or an object without a ``sampler`` attribute
-           (a list of batches, any iterable): returned unchanged (caller-managed), as is
-           a loader over an ``IterableDataset``.
-        2. A loader built with budgets (its ``batch_sampler`` has ``shard(num_replicas,
-           rank)``, as ``BudgetBatchSampler`` does) gets that sampler's copy for this
-           rank (in place on nvalchemi's ``DataLoader``, a rebuilt torch loader);
-           every rank then packs the same epoch and takes one batch of each step.
-        3. A loader whose ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` is
-           already distributed (has ``num_replicas``, ``rank`` and ``set_epoch``, or is a
-           ``sampler_cls`` instance) is left untouched (a warning if its
-           ``num_replicas`` differs from the world size).
-        4. nvalchemi ``DataLoader`` with a ``DistributedSampler``-family ``sampler_cls``:
-           a batch-level sampler is installed in place: ``MultiDatasetBatchSampler``
-           for a ``MultiDataset`` with the default class, otherwise
-           ``BatchSampler(sampler_cls(dataset, **kwargs), batch_size, drop_last)`` (a
-           subclass given as ``sampler_cls`` is used as given). A non-distributed
-           ``batch_sampler`` already on the loader raises ``ValueError``.
-        5. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to
-           ``loader.sampler``; a ``torch.utils.data.DataLoader`` (which forbids that)
-           is rebuilt with the same options (``ValueError`` if it was built with a
-           ``batch_sampler``).
+        1. ``None``, a world size of one, an object without ``sampler`` (a list of batches)
+           or a loader over an ``IterableDataset``: returned unchanged (caller-managed).
+        2. A ``batch_sampler`` with ``shard(num_replicas, rank)`` (``BudgetBatchSampler``)
+           is replaced by its copy for this rank (in place on nvalchemi's ``DataLoader``,
+           else in a rebuilt loader): every rank packs the same epoch.
+        3. A ``sampler``, ``batch_sampler`` or ``batch_sampler.sampler`` that is already
+           distributed (``num_replicas``, ``rank`` and ``set_epoch``, or a ``sampler_cls``
+           instance) is kept (a warning if ``num_replicas`` is not the world size).
+        4. nvalchemi ``DataLoader`` and a ``DistributedSampler``-family ``sampler_cls``: a
+           batch sampler is installed in place (``MultiDatasetBatchSampler`` for a
+           ``MultiDataset`` with the default class, else ``BatchSampler(sampler_cls(dataset,
+           **kwargs), batch_size, drop_last)``); a non-distributed ``batch_sampler`` already
+           there raises ``ValueError``.
+        5. Otherwise ``sampler_cls(dataset, **kwargs)`` is assigned to ``loader.sampler``; a
+           torch ``DataLoader`` (which forbids that) is rebuilt with the same options
+           (``ValueError`` if it was built with a ``batch_sampler``).
 
-        ``kwargs``: ``num_replicas`` (world size), ``rank``, ``shuffle`` (the loader's
-        sampler's or loader's ``shuffle``, else whether it samples randomly), ``seed``
-        (the loader's or its sampler's ``seed``, else 0) and ``drop_last`` (the batch
-        sampler's or loader's), passed only if the factory accepts them, then
-        ``sampler_kwargs`` on top.
+        ``kwargs``: ``num_replicas``, ``rank``, ``shuffle`` (the sampler's or loader's, else
+        whether it samples randomly), ``seed`` (the loader's or sampler's, else 0) and
+        ``drop_last`` (the batch sampler's or loader's), as far as the factory accepts them,
+        then ``sampler_kwargs``.
         """
-        if loader is None or self._world_size() <= 1 or not hasattr(loader, "sampler"):
+        if loader is None or get_world_size(self._manager) <= 1 or not hasattr(loader, "sampler"):
             return loader
         if not hasattr(loader, "dataset"):
             raise ValueError(
@@ -319,35 +304,46 @@ class DDPHook(BaseModel):
             return self._install_batch_sampler(loader, dataset, defaults, drop_last)
         kwargs = {**_accepted(self.sampler_cls, defaults), **self.sampler_kwargs}
         new_sampler = self.sampler_cls(dataset, **kwargs)
-        try:
+        with contextlib.suppress(AttributeError, ValueError):  # torch's loader refuses
             loader.sampler = new_sampler
-            assigned = loader.sampler is new_sampler
-        except (AttributeError, ValueError):
-            assigned = False
-        if assigned:
+        if loader.sampler is new_sampler:
             return loader
-        return _rebuild(loader, new_sampler, drop_last)
+        if getattr(loader, "batch_size", None) is None:
+            raise ValueError(
+                "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
+                "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
+                "yourself, or build the DataLoader with batch_size= so the hook can add one."
+            )
+        return _rebuild(
+            loader,
+            "DDPHook could not assign dataloader.sampler and could not rebuild the dataloader "
+            "with the configured sampler ({exc}). Build the loader with a distributed sampler "
+            "yourself.",
+            batch_size=loader.batch_size,
+            sampler=new_sampler,
+            drop_last=drop_last,
+        )
 
     def _shard_batch_sampler(self, loader: Any) -> Any:
-        """A loader whose batch sampler shards itself, with the sampler for this rank.
-
-        A batch sampler with ``shard(num_replicas, rank)`` (a ``BudgetBatchSampler``:
-        the loader was built with atom/edge budgets) is replaced by its copy for this
-        rank of the world, so every rank packs the same epoch and takes its share of
-        each step. ``None`` when the loader's batch sampler is not of that kind.
-        """
+        """Rule 2 of :meth:`prepare_dataloader`; ``None`` for a batch sampler without ``shard``."""
         batch_sampler = getattr(loader, "batch_sampler", None)
         shard = getattr(batch_sampler, "shard", None)
         if not callable(shard):
             return None
-        world, rank = self._world_size(), get_rank(self._manager)
+        world, rank = get_world_size(self._manager), get_rank(self._manager)
         if (batch_sampler.num_replicas, batch_sampler.rank) == (world, rank):
             return loader
         sharded = shard(num_replicas=world, rank=rank)
         if _is_nvalchemi_loader(loader):
             loader.batch_sampler = sharded
             return loader
-        return _rebuild_with_batch_sampler(loader, sharded)
+        return _rebuild(
+            loader,
+            f"DDPHook could not rebuild the dataloader around the batch sampler for this rank "
+            f"({{exc}}). Build it with {type(sharded).__name__}(..., num_replicas="
+            "world_size, rank=rank) yourself.",
+            batch_sampler=sharded,
+        )
 
     def _install_batch_sampler(
         self, loader: Any, dataset: Any, defaults: dict[str, Any], drop_last: bool
@@ -381,7 +377,7 @@ class DDPHook(BaseModel):
         if shuffle is None:
             shuffle = _infer_shuffle(loader, sampler)
         return {
-            "num_replicas": self._world_size(),
+            "num_replicas": get_world_size(self._manager),
             "rank": get_rank(self._manager),
             "shuffle": bool(shuffle),
             "seed": _infer_seed(loader, sampler),
@@ -398,7 +394,7 @@ class DDPHook(BaseModel):
         )
 
     def _check_replicas(self, sampler: Any) -> None:
-        replicas, world = getattr(sampler, "num_replicas", None), self._world_size()
+        replicas, world = getattr(sampler, "num_replicas", None), get_world_size(self._manager)
         if isinstance(replicas, int) and replicas != world:
             warnings.warn(
                 f"DDPHook keeps the dataloader's distributed sampler {type(sampler).__name__}, "
@@ -409,20 +405,13 @@ class DDPHook(BaseModel):
                 stacklevel=3,
             )
 
-    # ------------------------------------------------------------------ helpers
-    def _world_size(self) -> int:
-        return get_world_size(self._manager)
-
     def _single_process(self) -> bool:
-        """Whether the given distributed manager reports one process and is not initialised.
-
-        Not for our own :class:`DistributedManager`: it reports one process until it is
-        initialised, which reads the launcher's variables (``init_distributed`` decides).
-        """
+        # Not for our DistributedManager: it reports one process until initialised, which
+        # reads the launcher's variables (init_distributed decides).
         manager = self._manager
         if manager is None or isinstance(manager, DistributedManager):
             return False
-        return not is_distributed_initialized(manager) and self._world_size() <= 1
+        return not is_distributed_initialized(manager) and get_world_size(manager) <= 1
 
     def _warn_if_torn_down_early(self, strategy: Any) -> None:
         # Hooks exit in reverse registration order: one registered before this hook that
@@ -500,9 +489,7 @@ def _accepted(factory: Any, defaults: dict[str, Any]) -> dict[str, Any]:
 
 def _infer_drop_last(loader: Any, batch_sampler: Any) -> bool:
     value = getattr(batch_sampler, "drop_last", None)
-    if value is None:
-        value = getattr(loader, "drop_last", None)
-    return bool(value) if value is not None else False
+    return bool(getattr(loader, "drop_last", None) if value is None else value)
 
 
 def _infer_shuffle(loader: Any, sampler: Any) -> bool:
@@ -522,68 +509,32 @@ def _infer_seed(loader: Any, sampler: Any) -> int:
 
 def _loader_options(loader: Any) -> dict[str, Any]:
     """The worker and memory options of a ``torch.utils.data.DataLoader``, for a rebuild."""
-    kwargs: dict[str, Any] = {}
-    for name in _COPIED:
-        if hasattr(loader, name):
-            kwargs[name] = getattr(loader, name)
-    if hasattr(loader, "persistent_workers"):
-        kwargs["persistent_workers"] = loader.persistent_workers
+    kwargs = {name: getattr(loader, name) for name in _COPIED if hasattr(loader, name)}
     if getattr(loader, "multiprocessing_context", None) is not None:
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
     if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "prefetch_factor", None):
         kwargs["prefetch_factor"] = loader.prefetch_factor
     if getattr(loader, "pin_memory_device", None):
         kwargs["pin_memory_device"] = loader.pin_memory_device
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
     return kwargs
 
 
-def _rebuild_with_batch_sampler(loader: Any, batch_sampler: Any) -> Any:
-    """A new loader of ``type(loader)`` drawing ``batch_sampler``, with the same options."""
+def _rebuild(loader: Any, error: str, **sampling: Any) -> Any:
+    """A new loader of ``type(loader)`` with ``sampling`` and the same options; ``error`` names ``{exc}``."""
     try:
-        return type(loader)(loader.dataset, batch_sampler=batch_sampler, **_loader_options(loader))
+        return type(loader)(loader.dataset, **sampling, **_loader_options(loader))
     except TypeError as exc:
-        raise ValueError(
-            f"DDPHook could not rebuild the dataloader around the batch sampler for this rank "
-            f"({exc}). Build it with {type(batch_sampler).__name__}(..., num_replicas="
-            "world_size, rank=rank) yourself."
-        ) from exc
-
-
-def _rebuild(loader: Any, sampler: Any, drop_last: bool) -> Any:
-    """A new loader of ``type(loader)`` with ``sampler`` and the same options."""
-    if getattr(loader, "batch_size", None) is None:
-        raise ValueError(
-            "DDPHook cannot inject DistributedSampler into a DataLoader constructed with "
-            "batch_sampler. Pass a distributed batch sampler (num_replicas/rank/set_epoch) "
-            "yourself, or build the DataLoader with batch_size= so the hook can add one."
-        )
-    kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
-        "sampler": sampler,
-        "drop_last": drop_last,
-        **_loader_options(loader),
-    }
-    try:
-        return type(loader)(loader.dataset, **kwargs)
-    except TypeError as exc:
-        raise ValueError(
-            "DDPHook could not assign dataloader.sampler and could not rebuild the dataloader "
-            f"with the configured sampler ({exc}). Build the loader with a distributed sampler "
-            "yourself."
-        ) from exc
+        raise ValueError(error.format(exc=exc)) from exc
 
 
 def _release_reducer(wrapper: Any) -> None:
     """Drop a DDP wrapper's gradient reducer now, while the process group is registered.
 
-    The reducer owns a reference to the process group and is destroyed with the GIL
-    held. Left to the garbage collector (the wrapper lives on in reference cycles of the
-    finished run), it can be the group's last owner after ``destroy_process_group``;
-    gloo's destructor then joins a communication thread that is waiting for the GIL to
-    free the tensors of its last collective: a deadlock (seen as a rank hanging after
-    ``run()`` returned). Released here, the group's final reference goes with
+    The reducer holds the process group and is destroyed with the GIL held. Left to the
+    garbage collector (the wrapper lives on in reference cycles of the finished run), it
+    can be the group's last owner after ``destroy_process_group``; gloo's destructor then
+    joins a communication thread waiting for the GIL: a deadlock (a rank hanging after
+    ``run()`` returned). Released here, the group's last reference goes with
     ``destroy_process_group``, whose destructor releases the GIL.
     """
     state = getattr(wrapper, "__dict__", {})

@@ -2,24 +2,14 @@
 
 After every executed optimizer step ``k`` (1-based) with ``k >= start_step`` and
 ``k % update_every == 0`` the shadow weights are updated as
-``ema = decay * ema + (1 - decay) * weights`` (the first update copies the weights).
-Until that first update the shadow tracks the live weights: it is copied from them at
-``SETUP`` and after every executed optimizer step, so validation, checkpoints, best-K
-ranking and ``load_model_from_checkpoint(use_ema=True)`` see the live model rather than
-the untrained initial weights (``EMAHook(start_step=1000)`` with a 500-step run publishes
-the trained weights).
-The average lives in a ``torch.optim.swa_utils.AveragedModel`` of the unwrapped model
-(DDP's ``.module``), built lazily at ``SETUP``, and is published as the strategy's
-inference model (``strategy.set_inference_model``), which validation uses per
-``ValidationConfig(use_ema=...)``. Skipped or vetoed steps are never averaged.
-
-The update is one ``torch._foreach_lerp_`` over all floating tensors (no device sync);
-integer buffers are copied. :meth:`EMAHook.state_dict` / :meth:`EMAHook.load_state_dict`
-restore the shadow weights and the update count bit for bit, also before the averaged
-model exists (the state is kept pending until ``SETUP``).
-
-:class:`EMAValidationHook` adds the other model's metrics to every validation summary,
-so one run reports both live and EMA numbers (``ema/<key>`` or ``live/<key>``).
+``ema = decay * ema + (1 - decay) * weights`` (the first update copies the weights);
+until then the shadow tracks the live weights, so validation, checkpoints and
+``load_model_from_checkpoint(use_ema=True)`` never see untrained initial weights.
+The average is a ``torch.optim.swa_utils.AveragedModel`` of the unwrapped model,
+published as the strategy's inference model (``ValidationConfig(use_ema=...)``),
+updated by one sync-free ``torch._foreach_lerp_``. Skipped or vetoed steps are never
+averaged. :class:`EMAValidationHook` adds the other model's metrics to every
+validation summary (``ema/<key>`` or ``live/<key>``).
 
 Example:
     >>> hook = EMAHook(decay=0.99, update_every=2, start_step=10)
@@ -30,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 import torch
@@ -37,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraint
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from nvalchemi.training.hooks.gradients import _check_config
 from nvalchemi.training.hooks.update import TrainingUpdateHook
 from nvalchemi.training.runtime import unwrap_model
 from nvalchemi.training.stages import TrainingStage
@@ -49,21 +41,17 @@ _CONFIG_FIELDS = ("model_key", "decay", "update_every", "start_step", "use_buffe
 _FAST_MARK = "_nvalchemi_fast_ema"
 
 
+@dataclass(slots=True)
 class _Runtime:
-    __slots__ = ("averaged", "fast", "pending", "plan", "synced_updates")
-
-    def __init__(self) -> None:
-        self.averaged: AveragedModel | None = None
-        self.fast = False
-        self.pending: dict[str, Any] | None = None
-        self.plan: _UpdatePlan | None = None
-        self.synced_updates = -1  # num_updates last written into averaged.n_averaged
+    averaged: AveragedModel | None = None
+    fast: bool = False
+    pending: dict[str, Any] | None = None
+    plan: _UpdatePlan | None = None
+    synced_updates: int = -1  # num_updates last written into averaged.n_averaged
 
 
 class _UpdatePlan:
-    """Tensor lists of one (shadow, source) pair, built once per SETUP (no module walks
-    per step). ``lerp`` pairs are averaged; ``copy`` pairs (integer tensors, and buffers
-    when ``use_buffers=False``) are copied."""
+    """Tensor lists of one (shadow, source) pair: ``lerp`` pairs averaged, ``copy`` pairs copied."""
 
     __slots__ = ("copy_dst", "copy_src", "lerp_dst", "lerp_src", "source_id")
 
@@ -100,23 +88,23 @@ class _UpdatePlan:
 class EMAHook(BaseModel, TrainingUpdateHook):
     """Keep an exponential moving average of ``models[model_key]`` and validate with it.
 
+    Priority 50. :meth:`get_averaged_model` returns the ``AveragedModel``; its
+    ``.module`` is what validation runs. The copy is built at ``SETUP``; when it defines
+    ``modify_ema_methods()`` the hook calls it once, before pending checkpoint weights
+    are loaded (for runtime-patched methods that do not survive ``deepcopy``; it must
+    change only the copy). The tensors to average are collected at each ``SETUP``:
+    replacing a model's parameter objects mid-run is not seen until the next one.
+    :meth:`state_dict` / :meth:`load_state_dict` restore the shadow weights and the
+    update count bit for bit, also before the averaged model exists.
+
     Args:
         model_key: which of the strategy's models to average (``"main"`` for one model).
         decay: ``0 <= decay < 1``; weight of the old average per update.
         update_every: update on optimizer steps that are multiples of this.
         start_step: first optimizer step (1-based count of executed steps) that updates.
             The modulo is global: ``start_step=5, update_every=10`` updates at 10, 20, ...
-            Before the first update the shadow is a copy of the live weights.
         use_buffers: also average floating buffers (else buffers are copied from the model).
         num_updates: updates done so far (restored from checkpoints).
-
-    Priority 50. :meth:`get_averaged_model` returns the ``AveragedModel``; its
-    ``.module`` is what validation runs. ``AveragedModel`` deep-copies the model; when the
-    copy defines ``modify_ema_methods()`` the hook calls it once, right after the copy is
-    made and before pending checkpoint weights are loaded (for models whose runtime-patched
-    methods do not survive ``deepcopy``; it must change only the copy's methods). The lists of tensors to average are collected
-    at ``SETUP`` (each ``run()``/``train_batch`` session); replacing a model's parameter
-    or buffer objects in the middle of a run is not seen until the next ``SETUP``.
 
     Example:
         >>> from nvalchemi.training import TrainingStrategy, ValidationConfig
@@ -142,7 +130,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         # Direct slot access: pydantic's __getattr__ for private attributes costs ~3 us.
         return self.__pydantic_private__["_rt"]
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         if stage is _AFTER_OPTIMIZER_STEP:
             if not will_skip:
@@ -161,7 +148,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             self._runtime.plan = None  # devices may have changed: rebuild the tensor lists
         return True, ctx.loss
 
-    # ------------------------------------------------------------------ averaging
     def _source(self, ctx: Any) -> nn.Module:
         models = ctx.models
         if models is None or self.model_key not in models:
@@ -173,11 +159,8 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return _unwrap(models[self.model_key])
 
     def _build_averaged_model(self, source: nn.Module) -> AveragedModel:
-        """Create the averaged copy of ``source`` (override to customise averaging).
-
-        The default is ``AveragedModel(source, multi_avg_fn=get_ema_multi_avg_fn(decay),
-        use_buffers=use_buffers)``, updated by a sync-free fused path. An override's
-        model is updated with its own ``update_parameters``.
+        """The averaged copy of ``source`` (override to customise; an override's model is
+        updated with its own ``update_parameters``, the default by a sync-free fused path).
         """
         averaged = AveragedModel(
             source, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=self.use_buffers
@@ -238,11 +221,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return plan
 
     def _fused_update(self, averaged: AveragedModel, source: nn.Module) -> None:
-        """``AveragedModel.update_parameters`` with the EMA rule, without its device syncs.
-
-        ``averaged.n_averaged`` is brought up to date lazily (:meth:`get_averaged_model`,
-        :meth:`state_dict`), saving a kernel launch per step.
-        """
+        """``AveragedModel.update_parameters`` with the EMA rule, without its syncs (``n_averaged`` lags)."""
         plan = self._plan(averaged, source)
         if self.num_updates == 0:  # the first update copies
             _copy(plan.lerp_dst, plan.lerp_src)
@@ -278,7 +257,6 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         setter(module, model_key=self.model_key)
         self._runtime.plan = None  # publishing may move the module (new buffer tensors)
 
-    # ------------------------------------------------------------------ public API
     def get_averaged_model(self) -> AveragedModel:
         """The ``AveragedModel`` (``.module`` holds the averaged weights)."""
         averaged = self._runtime.averaged
@@ -291,12 +269,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         return averaged
 
     def state_dict(self) -> dict[str, Any]:
-        """The six fields plus ``"averaged_model_state"`` when available.
-
-        Like ``nn.Module.state_dict`` the tensors are references to the live averages,
-        not copies: checkpoint writers copy them once (into reused buffers), so an
-        asynchronous save stalls training only for that copy.
-        """
+        """The six fields plus ``"averaged_model_state"`` when available (references, not copies)."""
         state: dict[str, Any] = self.model_dump()
         rt = self._runtime
         if rt.averaged is not None:
@@ -316,17 +289,13 @@ class EMAHook(BaseModel, TrainingUpdateHook):
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"EMAHook.load_state_dict expects a mapping; got {type(state)}.")
-        conflicts = [
-            f"{name}={state[name]!r} vs constructor {name}={getattr(self, name)!r}"
-            for name in _CONFIG_FIELDS
-            if name in state and state[name] != getattr(self, name)
-        ]
-        if conflicts:
-            raise ValueError(
-                "EMAHook checkpoint conflict: " + "; ".join(conflicts) + ". Construct the "
-                "hook with matching config (the checkpoint's settings) to resume, or start a "
-                "fresh average."
-            )
+        _check_config(
+            self,
+            state,
+            _CONFIG_FIELDS,
+            "Construct the hook with matching config (the checkpoint's settings) to resume, "
+            "or start a fresh average",
+        )
         if "num_updates" in state:
             value = state["num_updates"]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -1,23 +1,14 @@
 """Fine-tuning hooks: new heads and submodules, which parameters train, and forgetting.
 
-Three hooks do their work once, when registered with a strategy, and never fire at a
-training stage:
-
-* :class:`AddHeadHook` adds readout heads to multi-head models (copies of an existing
-  head, so the new head starts from the source's predictions) before optimizers exist;
-* :class:`ModulePatchHook` adds or replaces submodules (a fresh readout head, say)
-  before optimizers exist;
-* :class:`TrainableParameterHook` freezes parameters by name pattern, or trains only
-  those matching ``trainable_patterns``.
-
-:class:`ForgettingHook` measures what a fine-tune forgets: the error on held-out data of
-the source's domain before training and at every validation.
-
-Parameter names are qualified by the model key and never contain wrapper prefixes:
-``"main.model.projection.weight"`` is the same name before and after ``DDPHook`` wraps
-the model in ``DistributedDataParallel`` (where ``named_parameters()`` would say
-``"module.model.projection.weight"``), so filters computed at registration keep
-matching when optimizers are built after setup.
+:class:`AddHeadHook` (readout heads copied from an existing one),
+:class:`ModulePatchHook` (new or replaced submodules) and
+:class:`TrainableParameterHook` (freezing by name pattern) do their work once, when
+registered with a strategy (before optimizers exist), and never fire at a stage.
+:class:`ForgettingHook` measures what a fine-tune forgets: the error on held-out data
+of the source's domain before training and at every validation. Parameter names are
+qualified by the model key and never contain wrapper prefixes
+(``"main.model.projection.weight"``, also after ``DDPHook`` wraps the model), so
+filters computed at registration keep matching when optimizers are built later.
 
 Example:
     >>> import torch
@@ -37,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -66,29 +58,45 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------- module patches
-class ModulePatchHook(BaseModel):
-    """Add or replace submodules of the strategy's models when registered.
+class _RegistrationHook(BaseModel):
+    """A hook that does its work in ``on_register`` and never runs at a stage."""
 
-    Args:
-        patches: ``{"<model key>.<path>.<child>": module_or_spec}`` in application
-            order. A value is an ``nn.Module`` or a :class:`BaseSpec` (or its JSON dict)
-            that builds one. An existing ``child`` is replaced, a missing one is added;
-            every parent on the path must exist.
+    model_config = ConfigDict(extra="forbid")
+
+    frequency: ClassVar[int] = 1
+    stage: ClassVar[Any] = None
+
+    def _runs_on_stage(self, stage: Any) -> bool:
+        return False
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        """Never called: the work is done in ``on_register``."""
+
+    @staticmethod
+    def _reapply_parameter_filters(workflow: Any) -> None:
+        for hook in getattr(workflow, "hooks", None) or ():
+            if isinstance(hook, TrainableParameterHook):
+                hook.apply(workflow)  # its name filters predate the new parameters
+
+
+# ---------------------------------------------------------------------------- module patches
+class ModulePatchHook(_RegistrationHook):
+    """Add or replace submodules of the strategy's models when registered.
 
     Registration resolves every target first and changes nothing if any fails
     (``KeyError`` for an unknown model key, ``AttributeError`` naming a missing parent,
     ``TypeError`` for a non-module on the path or a spec that does not build a module),
-    then installs the modules in order. A new module takes the device and floating
-    dtype of the module it replaces (else of its parent). Registering after optimizers
-    were built raises ``RuntimeError``; using one module instance for several targets
-    warns (its parameters are shared). Registration applies the patches once: a later
-    registration of other hooks never re-applies them (so no fresh random modules
-    replace trained ones).
+    then installs the modules in order, each on the device and floating dtype of the
+    module it replaces (else of its parent). It raises ``RuntimeError`` after optimizers
+    were built, warns when one module instance serves several targets (shared
+    parameters), and never re-applies its patches (no fresh modules replace trained
+    ones). A patched model remembers how to rebuild itself (:class:`PatchedModule`), so
+    its checkpoints reload with ``load_model_from_checkpoint``.
 
-    A patched model remembers how to rebuild itself (its original spec plus the
-    patches, see :class:`PatchedModule`), so checkpoints of it reload with
-    ``load_model_from_checkpoint`` and the fine-tuning entry points.
+    Args:
+        patches: ``{"<model key>.<path>.<child>": module_or_spec}`` in application
+            order: an ``nn.Module`` or a :class:`BaseSpec` (or its JSON dict). An existing
+            ``child`` is replaced, a missing one added; every parent must exist.
 
     Example:
         >>> import torch
@@ -98,9 +106,6 @@ class ModulePatchHook(BaseModel):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
-
-    frequency: ClassVar[int] = 1
-    stage: ClassVar[Any] = None
 
     patches: dict[str, Any] = Field(default_factory=dict)
 
@@ -126,12 +131,6 @@ class ModulePatchHook(BaseModel):
 
     def __init__(self, patches: Mapping[str, Any] | None = None, **data: Any) -> None:
         super().__init__(patches=patches, **data)
-
-    def _runs_on_stage(self, stage: Any) -> bool:
-        return False
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        """Never called: the patches are applied in :meth:`on_register`."""
 
     def on_register(self, workflow: Any) -> None:
         """Apply the patches to ``workflow.models`` (all targets resolved first)."""
@@ -178,16 +177,13 @@ class ModulePatchHook(BaseModel):
                 patch = by_model[key][path]
                 recorded[path] = patch if isinstance(patch, BaseSpec) else module
             _record_rebuild_spec(root, base, recorded)
-        for hook in getattr(workflow, "hooks", None) or ():
-            if isinstance(hook, TrainableParameterHook):
-                hook.apply(workflow)  # its name filters predate the new parameters
+        self._reapply_parameter_filters(workflow)
 
 
 def apply_module_patches(module: nn.Module, patches: Mapping[str, Any]) -> nn.Module:
     """Install ``{"path.child": module_or_spec}`` into ``module`` (all resolved first); return it.
 
-    Paths are relative to ``module`` (no model key). Used by :class:`ModulePatchHook`
-    and to rebuild patched models from checkpoints.
+    Paths are relative to ``module`` (no model key); used to rebuild patched models.
 
     Example:
         >>> import torch
@@ -207,9 +203,8 @@ def apply_module_patches(module: nn.Module, patches: Mapping[str, Any]) -> nn.Mo
 class PatchedModule(nn.Module):
     """Rebuilds a model that :class:`ModulePatchHook` patched: :meth:`from_patches`.
 
-    Only a namespace for that factory (it is never instantiated). It subclasses
-    ``nn.Module`` because untrusted checkpoint specs may only name model classes and
-    their classmethod factories.
+    A factory namespace, never instantiated; an ``nn.Module`` because untrusted
+    checkpoint specs may only name model classes and their classmethod factories.
     """
 
     def __init__(self) -> None:  # pragma: no cover - guard
@@ -273,11 +268,7 @@ def _spec_before_patching(root: nn.Module) -> tuple[BaseSpec | None, dict[str, A
 
 
 def _record_rebuild_spec(root: nn.Module, base: BaseSpec | None, patches: dict[str, Any]) -> None:
-    """Give ``root`` a ``checkpoint_spec`` (read by ``model_spec_for``) for its patched form.
-
-    Without a spec of the unpatched model nothing is recorded: saving then fails as it
-    would have before patching, naming the model.
-    """
+    """Give ``root`` a ``checkpoint_spec`` for its patched form (none without a base spec)."""
     if base is not None:
         # An instance attribute shadows any checkpoint_spec() of the model class.
         object.__setattr__(root, "checkpoint_spec", _RebuildSpec(base, patches))
@@ -359,18 +350,13 @@ def _resolve_all(
 
 
 def _match_placement(module: nn.Module, reference: nn.Module) -> None:
-    like = next((t for t in reference.parameters() if t.is_floating_point()), None)
-    if like is None:
-        like = next((t for t in reference.buffers() if t.is_floating_point()), None)
-    if like is None:
-        return
-    for tensor in module.parameters():
-        if tensor.is_floating_point() and (tensor.dtype, tensor.device) != (
-            like.dtype,
-            like.device,
-        ):
-            module.to(device=like.device, dtype=like.dtype)
-            return
+    tensors = itertools.chain(reference.parameters(), reference.buffers())
+    like = next((t for t in tensors if t.is_floating_point()), None)
+    if like is not None and any(
+        t.is_floating_point() and (t.dtype, t.device) != (like.dtype, like.device)
+        for t in module.parameters()
+    ):
+        module.to(device=like.device, dtype=like.dtype)
 
 
 def _still_installed(models: Mapping[str, Any], target: str, module: Any) -> bool:
@@ -409,37 +395,29 @@ def _warn_shared(patches: Mapping[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- parameter filters
-class TrainableParameterHook(BaseModel):
+class TrainableParameterHook(_RegistrationHook):
     """Choose the trained parameters by qualified-name patterns, when registered.
+
+    Patterns match ``"<model key>.<parameter name>"`` without wrapper prefixes
+    (``"main.model.joint_mlp.*"``), so they keep matching after DDP wraps the model.
+    Every pattern must match a parameter (``ValueError`` naming it, with example names).
+    Registering after optimizers were built warns: they are rebuilt, losing their state.
 
     Args:
         freeze_patterns: ``fnmatch`` patterns of parameters to freeze.
-        trainable_patterns: patterns of parameters to train. Alone, they are an
-            allow-list (everything else is frozen); with ``freeze_patterns`` they
-            re-enable matches of the freeze patterns. Matches are trained even when the
-            model had them frozen (``requires_grad=False``) before the run.
-        freeze_mode: ``"requires_grad"`` (default) sets ``requires_grad=False`` on frozen
-            parameters during ``run``/``train_batch`` (restored afterwards; no gradients
-            are computed for them); ``"optimizer_only"`` only keeps them out of the
-            optimizers (they still receive gradients, visible at ``AFTER_BACKWARD``, which
-            are cleared at every zeroing point so they never accumulate).
-
-    Patterns match qualified names ``"<model key>.<parameter name>"`` without wrapper
-    prefixes (``"main.model.projection.weight"``, ``"main.model.joint_mlp.*"``), which
-    keep matching after DDP wraps the model. Every pattern must match at least one
-    parameter (``ValueError`` naming it and showing example names). Registering after
-    optimizers were built warns: the optimizers are rebuilt (losing their state).
+        trainable_patterns: patterns to train: alone an allow-list, with
+            ``freeze_patterns`` exceptions to them; matches train even if the model had
+            them frozen (``requires_grad=False``).
+        freeze_mode: ``"requires_grad"`` (frozen parameters get ``requires_grad=False``
+            during ``run``/``train_batch``, restored afterwards) or ``"optimizer_only"``
+            (they still get gradients, visible at ``AFTER_BACKWARD`` and cleared at every
+            zeroing point, but no optimizer updates them).
 
     Example:
         >>> hook = TrainableParameterHook(trainable_patterns=("main.model.projection.*",))
         >>> hook.freeze_mode
         'requires_grad'
     """
-
-    model_config = ConfigDict(extra="forbid")
-
-    frequency: ClassVar[int] = 1
-    stage: ClassVar[Any] = None
 
     freeze_patterns: tuple[str, ...] = ()
     trainable_patterns: tuple[str, ...] = ()
@@ -459,12 +437,6 @@ class TrainableParameterHook(BaseModel):
                 "TrainableParameterHook requires freeze_patterns, trainable_patterns, or both."
             )
         return self
-
-    def _runs_on_stage(self, stage: Any) -> bool:
-        return False
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        """Never called: the filters are set in :meth:`on_register`."""
 
     def on_register(self, workflow: Any) -> None:
         """Resolve the patterns against the workflow's parameters and set its filters."""
@@ -490,26 +462,20 @@ class TrainableParameterHook(BaseModel):
             allowed = frozenset((set(names) - frozen) | forced)
         else:
             allowed = frozenset(forced)
-        setters = {}
-        for name in (
-            "set_optimizer_parameter_filter",
-            "set_trainable_parameter_filter",
-            "set_force_trainable_parameter_filter",
-        ):
-            setter = getattr(workflow, name, None)
-            if not callable(setter):
+        by_grad = self.freeze_mode == "requires_grad"
+        filters = {
+            "set_optimizer_parameter_filter": allowed,
+            "set_trainable_parameter_filter": allowed if by_grad else None,
+            "set_force_trainable_parameter_filter": frozenset(forced) if forced else None,
+        }
+        for name in filters:
+            if not callable(getattr(workflow, name, None)):
                 raise TypeError(
                     f"TrainableParameterHook needs a workflow with {name}(names); "
                     f"{type(workflow).__name__} has none (use a TrainingStrategy)."
                 )
-            setters[name] = setter
-        setters["set_optimizer_parameter_filter"](allowed)
-        setters["set_trainable_parameter_filter"](
-            allowed if self.freeze_mode == "requires_grad" else None
-        )
-        setters["set_force_trainable_parameter_filter"](
-            frozenset(forced) if self.trainable_patterns else None
-        )
+        for name, names in filters.items():
+            getattr(workflow, name)(names)
         return allowed
 
     @staticmethod
@@ -538,22 +504,20 @@ def _examples(names: list[str], limit: int = 6) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- new heads
-class AddHeadHook(BaseModel):
+class AddHeadHook(_RegistrationHook):
     """Add readout heads to the strategy's multi-head models when registered.
-
-    Args:
-        heads: ``{"<head>": copy_from}`` for model ``"main"`` or
-            ``{"<model key>.<head>": copy_from}``; ``copy_from`` names the head the new
-            one starts as a copy of (``None``: the model's default head). A head the model
-            already has is left alone (a resumed run rebuilds its models with it). The
-            head added last becomes the model's default head: structures without a
-            ``head`` field (the fine-tuning data) train and validate it, while replay
-            structures name the source head.
 
     The models need ``add_head(name, copy_from)`` and ``head_names``
     (:class:`~nvalchemi.models.PaiNN`). Registering after optimizers were built raises
-    ``RuntimeError`` (the new parameters would not be optimized); a
-    :class:`TrainableParameterHook` registered before is re-applied.
+    ``RuntimeError``; a :class:`TrainableParameterHook` registered before is re-applied.
+
+    Args:
+        heads: ``{"<head>": copy_from}`` for model ``"main"`` or
+            ``{"<model key>.<head>": copy_from}``; the new head starts as a copy of
+            ``copy_from`` (``None``: the default head). Existing heads are left alone (a
+            resumed run rebuilds its models with them). The last head added becomes the
+            default: structures without a ``head`` field (the fine-tuning data) use it,
+            replay structures name the source head.
 
     Example:
         >>> hook = AddHeadHook(heads={"dft": None})
@@ -561,18 +525,7 @@ class AddHeadHook(BaseModel):
         {'dft': None}
     """
 
-    model_config = ConfigDict(extra="forbid")
-
-    frequency: ClassVar[int] = 1
-    stage: ClassVar[Any] = None
-
     heads: dict[str, str | None] = Field(default_factory=dict)
-
-    def _runs_on_stage(self, stage: Any) -> bool:
-        return False
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        """Never called: the heads are added in :meth:`on_register`."""
 
     def on_register(self, workflow: Any) -> None:
         """Add the heads the models lack (all targets checked first)."""
@@ -611,33 +564,24 @@ class AddHeadHook(BaseModel):
             )
         for model, head, copy_from in pending:
             model.add_head(head, copy_from=copy_from, make_default=True)
-        for hook in getattr(workflow, "hooks", None) or ():
-            if isinstance(hook, TrainableParameterHook):
-                hook.apply(workflow)
+        self._reapply_parameter_filters(workflow)
 
 
 # ---------------------------------------------------------------------------- forgetting
 class ForgettingHook:
     """Error on held-out data of the source's domain: before the fine-tune, and as it goes.
 
+    At ``BEFORE_TRAINING`` (once: the value is checkpointed, a resumed run keeps it) it
+    evaluates the models on ``holdout`` with the strategy's loss and validation metrics;
+    at every ``AFTER_VALIDATION`` again, adding ``summary[name] = {"<metric>": now,
+    "<metric>_before": ..., "<metric>_increase": ...}`` for the MAE/RMSE metrics, which
+    the reporters write (``FineTuningStrategy`` puts this hook before them); at
+    ``AFTER_TRAINING`` it fills :attr:`result`. Under DDP every rank evaluates.
+
     Args:
-        holdout: re-iterable batches (a ``DataLoader`` or list) the fine-tune never
-            trains on, e.g. a held-out part of the replay data; may be set later
-            (``hook.holdout = loader``) but before the run.
+        holdout: re-iterable batches the fine-tune never trains on (e.g. held-out
+            replay data); may be set later (``hook.holdout = loader``), before the run.
         name: the key under which the numbers appear.
-
-    At ``BEFORE_TRAINING`` (once; a resumed run keeps the first value, which is part
-    of the hook's checkpointed state) it evaluates the strategy's models on
-    ``holdout`` with the strategy's loss and validation metrics. At every
-    ``AFTER_VALIDATION`` it evaluates them again and adds
-    ``summary[name] = {"<metric>": now, "<metric>_before": ..., "<metric>_increase":
-    now - before}`` for the MAE/RMSE metrics, so the reporters write them
-    (``validation/forgetting/energy_per_atom_mae_increase`` in ``metrics.jsonl``) when
-    this hook runs before them: :class:`~nvalchemi.training.FineTuningStrategy` moves
-    ``ForgettingHook`` entries of ``hooks`` to the front. At ``AFTER_TRAINING`` it
-    evaluates the final model; :attr:`result` holds ``before``/``after``/``increase``.
-
-    Under DDP every rank evaluates (the validation metrics are all-reduced).
 
     Example:
         >>> hook = ForgettingHook()

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -40,12 +41,9 @@ _DO_OPTIMIZER_STEP = TrainingStage.DO_OPTIMIZER_STEP
 _AFTER_OPTIMIZER_STEP = TrainingStage.AFTER_OPTIMIZER_STEP
 
 
-def _positional(name: str, value: Any, data: dict[str, Any], cls: str) -> None:
-    if value is not None:
-        data[name] = value
-
-
-def _check_config(hook: BaseModel, state: Mapping[str, Any], fields: tuple[str, ...]) -> None:
+def _check_config(
+    hook: BaseModel, state: Mapping[str, Any], fields: tuple[str, ...], fix: str = ""
+) -> None:
     conflicts = [
         f"{name}={state[name]!r} vs constructor {name}={getattr(hook, name)!r}"
         for name in fields
@@ -53,10 +51,10 @@ def _check_config(hook: BaseModel, state: Mapping[str, Any], fields: tuple[str, 
     ]
     if conflicts:
         name = type(hook).__name__
-        raise ValueError(
-            f"{name} checkpoint conflict: " + "; ".join(conflicts) + f". Construct the {name} "
-            "with matching config (the checkpoint's settings) to resume."
+        fix = fix or (
+            f"Construct the {name} with matching config (the checkpoint's settings) to resume"
         )
+        raise ValueError(f"{name} checkpoint conflict: " + "; ".join(conflicts) + f". {fix}.")
 
 
 def _grad_params(optimizers: list[Any]) -> list[torch.Tensor]:
@@ -100,33 +98,24 @@ def _clip_with_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Ten
 
 
 # ---------------------------------------------------------------------------- accumulation
+@dataclass(slots=True)
 class _AccumulationState:
-    __slots__ = ("micro_step",)
-
-    def __init__(self) -> None:
-        self.micro_step = 0
+    micro_step: int = 0
 
 
 class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
     """Accumulate the gradients of ``steps`` batches into one optimizer step.
 
     Within a window the hook vetoes the optimizer step until the window's last batch and
-    vetoes the gradient zeroing after its first batch; each batch's loss is scaled by
-    ``1/window length`` before backward, so with mean-reduced losses ``N`` batches of
-    ``b`` structures give the gradients of one batch of ``N*b``.
-
-    A window never spans an epoch boundary (as in PyTorch Lightning): when the epoch
-    length is known (a sized loader in ``run()``, see ``TrainContext.epoch_length``) the
-    last batch of an epoch closes the window even if it is shorter than ``steps``; a
-    short window averages over its own batches. An epoch of ``B`` batches therefore
-    takes ``ceil(B / steps)`` optimizer steps, and ``num_epochs`` counts passes over the
-    data (see ``TrainingStrategy``); ``num_steps`` counts optimizer steps. Epoch-end
-    checkpoints are never inside a window. With an unsized loader (or ``train_batch``)
-    windows are always ``steps`` batches long and may span epochs.
-
-    ``step_count`` counts optimizer steps (one per window); ``batch_count`` counts
-    batches. Vetoes that only postpone the step to the window's end are not "skips" for
-    the strategy's ``max_consecutive_skips`` guard.
+    the gradient zeroing after its first; each batch's loss is scaled by ``1/window
+    length``, so with mean-reduced losses ``N`` batches of ``b`` structures give the
+    gradients of one batch of ``N*b``. A window never spans an epoch boundary when the
+    epoch length is known (a sized loader in ``run()``): the epoch's last batch closes a
+    shorter window, which averages over its own batches, so an epoch of ``B`` batches
+    takes ``ceil(B / steps)`` optimizer steps and epoch-end checkpoints are never inside
+    a window. With an unsized loader (or ``train_batch``) windows are always ``steps``
+    long. ``step_count`` counts optimizer steps, ``batch_count`` batches; the vetoes are
+    not "skips" for the strategy's ``max_consecutive_skips`` guard.
 
     Args:
         steps: batches per optimizer step (``>= 1``; 1 is a no-op).
@@ -152,7 +141,8 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
         return self.__pydantic_private__["_rt"]
 
     def __init__(self, steps: int | None = None, **data: Any) -> None:
-        _positional("steps", steps, data, "GradientAccumulationHook")
+        if steps is not None:
+            data["steps"] = steps
         super().__init__(**data)
 
     @property
@@ -201,9 +191,7 @@ class GradientAccumulationHook(BaseModel, TrainingUpdateHook):
         return True, ctx.loss
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"steps", "micro_step"}``. Gradients of a partly accumulated window are not
-        saved (``CheckpointHook`` never saves inside a window); a run resumed mid-window
-        steps with that window's remaining batches only."""
+        """``{"steps", "micro_step"}``; a partial window's gradients are not saved."""
         return {"steps": self.steps, "micro_step": self._runtime.micro_step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -246,7 +234,8 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
     norm_type: float = Field(default=2.0, gt=0)
 
     def __init__(self, max_norm: float | None = None, **data: Any) -> None:
-        _positional("max_norm", max_norm, data, "GradientClipHook")
+        if max_norm is not None:
+            data["max_norm"] = max_norm
         super().__init__(**data)
 
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
@@ -264,56 +253,35 @@ class GradientClipHook(BaseModel, TrainingUpdateHook):
 
 
 # ---------------------------------------------------------------------------- spike skipping
+@dataclass(slots=True)
 class _SpikeState:
-    __slots__ = (
-        "accepted",
-        "ema",
-        "grad_ema",
-        "grad_history",
-        "history",
-        "index",
-        "last_skipped",
-        "loss_count",
-        "loss_sum",
-        "skipped",
-    )
-
-    def __init__(self) -> None:
-        self.loss_sum: torch.Tensor | None = None
-        self.loss_count = 0
-        self.history: torch.Tensor | None = None  # ring buffer of accepted losses
-        self.grad_history: torch.Tensor | None = None
-        self.ema: torch.Tensor | None = None
-        self.grad_ema: torch.Tensor | None = None
-        self.index = 0
-        self.accepted = 0
-        self.skipped = 0
-        self.last_skipped = False
+    loss_sum: torch.Tensor | None = None
+    loss_count: int = 0
+    history: torch.Tensor | None = None  # ring buffer of accepted losses
+    grad_history: torch.Tensor | None = None
+    ema: torch.Tensor | None = None
+    grad_ema: torch.Tensor | None = None
+    index: int = 0
+    accepted: int = 0
+    skipped: int = 0
+    last_skipped: bool = False
 
 
 class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
     """Skip the optimizer step when the loss spikes or the gradients blow up.
 
-    The step of a window (one batch, or all batches of a gradient-accumulation window)
-    is vetoed when any of these hold:
-
-    * its mean loss is non-finite;
-    * ``skip_nonfinite_grads`` and the total gradient norm is non-finite;
-    * the gradient norm exceeds ``max_grad_norm``, or ``grad_norm_factor`` times the
-      running statistic of recent accepted gradient norms;
-    * after ``warmup_steps`` accepted steps, the loss exceeds ``factor`` times the running
-      statistic of the last ``window`` accepted losses (``statistic="median"``, or an
-      exponential moving average with ``alpha = 2 / (window + 1)`` for ``"ema"``).
-
-    The loss is the supervised total (``ctx.losses["total_loss"]``, before any loss
-    scaling by other update hooks). The gradient norm is ``ctx.grad_norm`` when a
-    :class:`GradientClipHook` published it (pre-clip), else computed here. The decision
-    costs one device sync per optimizer step; under DDP it is agreed across ranks
-    (:func:`nvalchemi.distributed.runtime.all_agree`), so every rank skips together.
-    Spikes do not enter the statistics.
-
-    A skipped window's losses are discarded from the strategy's non-finite record, so
-    the default ``nonfinite_loss="raise"`` does not raise for a NaN this hook skipped.
+    The step of a window (one batch, or a gradient-accumulation window) is vetoed when
+    its mean loss is non-finite; with ``skip_nonfinite_grads`` when the gradient norm is;
+    when the norm exceeds ``max_grad_norm`` or ``grad_norm_factor`` times its running
+    statistic; or, after ``warmup_steps`` accepted steps, when the loss exceeds
+    ``factor`` times the running statistic of the last ``window`` accepted losses (their
+    median, or an EMA with ``alpha = 2 / (window + 1)``). The loss is
+    ``ctx.losses["total_loss"]`` (before loss scaling by other update hooks); the norm is
+    ``ctx.grad_norm`` from a :class:`GradientClipHook` (pre-clip), else computed here.
+    One device sync per optimizer step; under DDP the ranks agree
+    (:func:`nvalchemi.distributed.runtime.all_agree`). Spikes do not enter the
+    statistics, and a skipped window's losses leave the strategy's non-finite record
+    (``nonfinite_loss="raise"`` does not raise for a NaN this hook skipped).
 
     Args:
         factor: spike threshold relative to the running statistic (``> 1``).
@@ -350,7 +318,8 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         return self.__pydantic_private__["_rt"]
 
     def __init__(self, factor: float | None = None, **data: Any) -> None:
-        _positional("factor", factor, data, "LossSpikeSkipHook")
+        if factor is not None:
+            data["factor"] = factor
         super().__init__(**data)
 
     @model_validator(mode="after")
@@ -373,7 +342,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         """Whether the most recent decision vetoed the step."""
         return self._runtime.last_skipped
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         state = self._runtime
         if stage is _DO_BACKWARD:
@@ -431,7 +399,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
             self._record(loss, norm)
         return skip
 
-    # ------------------------------------------------------------------ statistics
     def _statistic(self, value: torch.Tensor, *, grad: bool) -> torch.Tensor:
         state = self._runtime
         if self.statistic == "ema":
@@ -454,7 +421,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
             state.index = (state.index + 1) % self.window
         state.accepted += 1
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Configuration, counters and the running statistics (CPU tensors)."""
         state = self._runtime

@@ -1,31 +1,26 @@
 """``MixedPrecisionHook``: bf16/fp16 autocast for training and validation, fp16 loss scaling.
 
-Interatomic potentials differentiate the energy with respect to positions (forces)
-and strain (stress), and sum per-atom energies over whole structures. Both are
-precision-sensitive: a 64-atom energy of -250 eV summed in bfloat16 has a resolution
-of about 2 eV. The hook therefore offers two scopes:
+Forces and stress (derivatives of the energy) and per-structure energy sums are
+precision-sensitive: a 64-atom energy of -250 eV summed in bfloat16 resolves about
+2 eV. Hence two scopes:
 
 ``autocast_scope="layers"`` (default)
-    Only the matrix multiplications of ``nn.Linear``, ``nn.Bilinear`` and convolution
-    layers run in the low precision; each such layer's output is cast back to float32.
-    Everything else (embeddings, activations, normalisation, per-atom sums, the energy,
-    the autograd derivative for forces/stress, the loss) stays in float32, so
-    predictions come out float32 and match float32 training to a loose tolerance.
-    Implemented with process-global module forward hooks that exist only between
-    ``BEFORE_BATCH`` and ``DO_BACKWARD`` (and inside :meth:`inference_autocast`) and act
-    only in the training thread; functional matmuls (``torch.matmul``/``einsum`` in a
-    model's forward) stay float32.
+    Only the matmuls of ``nn.Linear``, ``nn.Bilinear`` and convolution layers run in
+    low precision, each layer's output cast back to float32; everything else
+    (activations, sums, the autograd derivative, the loss) stays float32, so
+    predictions match float32 training to a loose tolerance. Implemented with
+    process-global module forward hooks that exist only between ``BEFORE_BATCH`` and
+    ``DO_BACKWARD`` (and inside :meth:`~MixedPrecisionHook.inference_autocast`) and
+    act only in the training thread; functional matmuls stay float32.
 ``autocast_scope="region"``
-    The reference behaviour: one ``torch.autocast`` region spans ``BEFORE_BATCH``,
-    the forward and the loss. Fastest for large models, but every op autocast lowers
-    runs in low precision, and the model must itself sum energies in float32 (or the
-    loss must use ``dtype_policy="prediction_to_target"``).
+    The reference behaviour: one ``torch.autocast`` region over ``BEFORE_BATCH``, the
+    forward and the loss. Fastest for large models, but the model must sum energies
+    in float32 itself (or the loss use ``dtype_policy="prediction_to_target"``).
 
 For ``float16`` a ``torch.amp.GradScaler`` scales the loss at ``DO_BACKWARD`` and
-unscales the gradients at ``DO_OPTIMIZER_STEP`` (before clipping, priority 30); the
-orchestrator then steps through the scaler, which skips steps whose gradients
-overflowed. The scaler's state is part of :meth:`state_dict` and survives the end of a
-strategy context, so a resumed or repeated run keeps its loss scale.
+unscales the gradients at ``DO_OPTIMIZER_STEP`` (before clipping); the orchestrator
+steps through the scaler, which skips overflowed steps. The scaler's state is
+checkpointed and survives the end of a strategy context.
 
 Example:
     >>> hook = MixedPrecisionHook(precision="bf16")
@@ -39,6 +34,7 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -79,12 +75,7 @@ def _parse_precision(value: Any) -> torch.dtype:
 
 
 class _LayerAutocast:
-    """Autocast around each matmul layer's forward, output cast back to the input dtype.
-
-    A context manager: entering registers two process-global module hooks, exiting
-    removes them. Only calls from the entering thread are affected, and nested matmul
-    layers (a Linear inside a custom Linear subclass) are handled by a depth count.
-    """
+    """Autocast around each matmul layer's forward (entering thread only), output cast back."""
 
     __slots__ = ("_autocast", "_depth", "_handles", "_input_dtype", "_thread", "dtype")
 
@@ -95,10 +86,6 @@ class _LayerAutocast:
         self._depth = 0
         self._input_dtype: torch.dtype | None = None
         self._thread = 0
-
-    @property
-    def active(self) -> bool:
-        return bool(self._handles)
 
     def __enter__(self) -> _LayerAutocast:
         if not self._handles:
@@ -158,16 +145,12 @@ def _cast_floating(output: Any, low: torch.dtype, target: torch.dtype) -> Any:
     return output
 
 
+@dataclass(slots=True)
 class _Runtime:
-    """Per-hook mutable state (kept out of the pydantic fields)."""
-
-    __slots__ = ("pending_scaler_state", "region", "scaler", "unscaled")
-
-    def __init__(self) -> None:
-        self.region: Any = None
-        self.scaler: torch.amp.GradScaler | None = None
-        self.pending_scaler_state: dict[str, Any] | None = None
-        self.unscaled = False
+    region: Any = None
+    scaler: torch.amp.GradScaler | None = None
+    pending_scaler_state: dict[str, Any] | None = None
+    unscaled: bool = False
 
 
 class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
@@ -217,7 +200,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
     def _dump_precision(self, value: torch.dtype) -> str:
         return str(value).removeprefix("torch.")  # JSON-ready; parsed back by the validator
 
-    # ------------------------------------------------------------------ properties
     @property
     def precision_name(self) -> str:
         """``"float32"``, ``"bfloat16"`` or ``"float16"`` (the validation summary's label)."""
@@ -228,7 +210,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         """The fp16 ``GradScaler`` (``None`` before the first fp16 batch or for bf16/fp32)."""
         return self._runtime.scaler
 
-    # ------------------------------------------------------------------ dispatch
     def __call__(self, ctx: Any, stage: TrainingStage, will_skip: bool = False) -> tuple[bool, Any]:
         precision = self.precision
         if precision is torch.float32:
@@ -239,17 +220,17 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
             if precision is torch.float16:
                 ctx.grad_scaler = self._ensure_scaler(device_type)
             self._close_region()  # left open by a batch that raised mid-forward
-            rt.region = self._open_region(device_type)
+            region = self.inference_autocast(device_type)
+            region.__enter__()
+            rt.region = region
         elif stage is _DO_BACKWARD:
             self._close_region()
             if precision is torch.float16:
-                scaler = self._ensure_scaler(_device_type(ctx))
-                ctx.grad_scaler = scaler
+                scaler = ctx.grad_scaler = self._ensure_scaler(_device_type(ctx))
                 return True, scaler.scale(ctx.loss)
         elif stage is _DO_OPTIMIZER_STEP:
             if precision is torch.float16:
-                scaler = self._ensure_scaler(_device_type(ctx))
-                ctx.grad_scaler = scaler
+                scaler = ctx.grad_scaler = self._ensure_scaler(_device_type(ctx))
                 if not will_skip:
                     # All unscales before any step, so clipping (priority 30) sees true grads.
                     for optimizer in ctx.optimizers:
@@ -267,12 +248,8 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
                     scaler.update()
         return True, ctx.loss
 
-    # ------------------------------------------------------------------ autocast
     def inference_autocast(self, device: torch.device | str) -> Any:
-        """A fresh context manager giving validation the training precision on ``device``.
-
-        ``nullcontext`` for float32; never touches the ``GradScaler``.
-        """
+        """A fresh context manager with the training precision on ``device`` (never the scaler)."""
         device_type = torch.device(device).type
         if self.precision is torch.float32:
             return contextlib.nullcontext()
@@ -280,21 +257,12 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
             return torch.amp.autocast(device_type, dtype=self.precision, enabled=True)
         return _LayerAutocast(device_type, self.precision)
 
-    def _open_region(self, device_type: str) -> Any:
-        if self.autocast_scope == "region":
-            region = torch.amp.autocast(device_type, dtype=self.precision, enabled=True)
-        else:
-            region = _LayerAutocast(device_type, self.precision)
-        region.__enter__()
-        return region
-
     def _close_region(self) -> None:
         rt = self._runtime
         region, rt.region = rt.region, None
         if region is not None:
             region.__exit__(None, None, None)
 
-    # ------------------------------------------------------------------ scaler
     def _ensure_scaler(self, device_type: str) -> torch.amp.GradScaler:
         rt = self._runtime
         scaler = rt.scaler
@@ -309,7 +277,6 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         rt.scaler, rt.pending_scaler_state = scaler, None
         return scaler
 
-    # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> MixedPrecisionHook:
         return self
 
@@ -322,10 +289,8 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         """Same as ``__exit__``."""
         self.__exit__(None, None, None)
 
-    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``{"precision", "autocast_scope", "grad_scaler"}``; the scaler state is ``None``
-        unless fp16 scaling has been used (or restored). Reading the scale syncs once."""
+        """``{"precision", "autocast_scope", "grad_scaler"}`` (``None`` until fp16 scaling ran)."""
         rt = self._runtime
         scaler_state = rt.scaler.state_dict() if rt.scaler is not None else rt.pending_scaler_state
         return {
@@ -335,10 +300,8 @@ class MixedPrecisionHook(BaseModel, TrainingUpdateHook):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the ``GradScaler`` state (applied now, or when the scaler is created).
-
-        A checkpoint written with another precision is accepted; its scaler state is
-        used only if both are float16 (a ``UserWarning`` says when it is dropped).
+        """Restore the ``GradScaler`` state (now, or when the scaler is created); a checkpoint of
+        another precision is accepted, its scaler state dropped with a ``UserWarning``.
         """
         if not isinstance(state, Mapping):
             raise TypeError(
