@@ -14,11 +14,13 @@ Workloads:
 
 * ``mlp``: 4 atoms per structure, batch 8, hidden 32, energy loss;
 * ``forces``: 16 atoms, batch 32, hidden 32, energy + force loss with autograd forces; the
-  strategy's loss is the hand loop's objective, ``EnergyMSELoss() +
-  ForceMSELoss(normalize_by_atom_count=False)`` (a mean over all force components);
-* ``forces_balanced``: the same with the default ``ForceMSELoss()`` (a mean over structures
-  of per-structure means: more work than ``F.mse_loss``; the same value here, where every
-  structure has 16 atoms);
+  strategy's loss is the hand loop's objective ``mse(E) + mse(F)``:
+  ``ComposedLossFunction([EnergyMSELoss(), ForceMSELoss(normalize_by_atom_count=False)],
+  normalize_weights=False)`` (a mean over all force components, weights 1 and 1);
+* ``forces_balanced``: what a user writes first, ``EnergyMSELoss() + ForceMSELoss()``: weights
+  normalised to 0.5 and 0.5 (one multiply more than the hand loop) and the default force mean
+  over structures of per-structure means (more work than ``F.mse_loss``; the same value
+  here, where every structure has 16 atoms);
 * ``null``: a one-weight model on the ``mlp`` batches, so ``overhead_us_per_step`` is
   close to the loop's own cost per step;
 * ``public``: not a ratio but the steps/s of the public-API loop a user writes first:
@@ -55,6 +57,7 @@ from torch import nn
 
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.training import (
+    ComposedLossFunction,
     EnergyMSELoss,
     ForceMSELoss,
     OptimizerConfig,
@@ -163,9 +166,13 @@ def measure(workload: str, args: argparse.Namespace) -> dict:
     model_s = (ScaleLabels() if workload == "null" else SmallMLP(32, forces)).to(device)
     model_b = copy.deepcopy(model_s)
     model_b.train()
-    if forces:
-        balanced = workload == "forces_balanced"
-        loss_s = EnergyMSELoss() + ForceMSELoss(normalize_by_atom_count=balanced)
+    if workload == "forces_balanced":
+        loss_s = EnergyMSELoss() + ForceMSELoss()
+    elif forces:
+        loss_s = ComposedLossFunction(
+            [EnergyMSELoss(), ForceMSELoss(normalize_by_atom_count=False)],
+            normalize_weights=False,
+        )
     else:
         loss_s = EnergyMSELoss()
     strategy = TrainingStrategy(

@@ -481,14 +481,18 @@ class _Run:
         mode = self.nonfinite
         if mode == _RAISE:  # detached aliases only: no kernel, no sync
             self.record.losses.append(detached_loss)
-            components = out["per_component_unweighted"]
+            detached_components = []
+            for name, value in out["per_component_unweighted"].items():
+                # a single term of weight 1 is the total itself: one alias serves both
+                detached = detached_loss if value is loss else value.detach()
+                detached_components.append((name, detached))
             self.record.meta.append(
                 (
                     d["step_count"],
                     d["epoch_count"],
                     d["epoch_step_count"],
                     d["batch_count"],
-                    [(k, v.detach()) for k, v in components.items()],
+                    detached_components,
                 )
             )
         return mode

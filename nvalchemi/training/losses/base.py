@@ -186,28 +186,6 @@ def masked_or_weighted(loss: Any, kwargs: Mapping[str, Any]) -> bool:
     return missing is not None
 
 
-def no_global_module_hooks() -> bool:
-    """Whether no global ``nn.Module`` hook is registered (then a module without hooks of its
-    own runs exactly its ``forward`` when called, so the loss path may call ``forward``)."""
-    hooks = _module_hooks
-    return not (
-        hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    )
-
-
-def has_module_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks of its own."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-    )
-
-
 def per_sample_values(source: Any, valid: torch.Tensor | None) -> torch.Tensor:
     """Materialise recorded per-structure values: NaN where ``valid`` is ``False``."""
     with torch.no_grad():
@@ -832,13 +810,19 @@ class ComposedLossFunction(nn.Module):
         too, without the checks, masks and calls that cannot apply. ``None`` sends the caller
         to the general path (which also raises the errors).
         """
-        get = batch.get
+        get, hooks = batch.get, _module_hooks
         if (
             type(predictions) is not dict
             or get("loss_weight") is not None
             or batch.missing_labels
-            or has_module_hooks(self)
-            or not no_global_module_hooks()
+            or self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or hooks._global_forward_hooks
+            or hooks._global_forward_pre_hooks
+            or hooks._global_backward_hooks
+            or hooks._global_backward_pre_hooks
         ):
             return None
         kwargs = {"batch": batch}  # metadata, read only by the leaves that need it

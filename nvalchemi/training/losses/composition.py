@@ -22,9 +22,7 @@ from nvalchemi.training.losses.base import (
     BaseLossFunction,
     ComposedLossFunction,
     ComposedLossOutput,
-    has_module_hooks,
     loss_component_to_spec,
-    no_global_module_hooks,
 )
 
 # Specs written before the weight product moved to the weights module name it here.
@@ -188,6 +186,4 @@ def compute_supervised_loss(
         meta["loss_weight"] = weight
     if missing:
         meta["missing_labels"] = missing
-    hooked = has_module_hooks(loss_fn) or not no_global_module_hooks()
-    evaluate = loss_fn if hooked else loss_fn.forward
-    return evaluate(predictions, targets, step=step, epoch=epoch, **meta)
+    return loss_fn(predictions, targets, step=step, epoch=epoch, **meta)
