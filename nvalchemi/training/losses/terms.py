@@ -51,24 +51,26 @@ __all__ = [
 # The kernels behind F.mse_loss, F.l1_loss and F.huber_loss. Their Python wrappers check sizes
 # and broadcast the inputs on every call (a third of a small step's loss time); the leaves
 # call the kernel directly when the shapes are already equal, and the wrapper otherwise.
-_KERNELS = torch._C._nn
+_KERNELS = getattr(torch._C, "_nn", None)
+if not all(hasattr(_KERNELS, k) for k in ("mse_loss", "l1_loss", "huber_loss")):
+    _KERNELS = None  # a torch without them: the wrappers only
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
 
 def _mse(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    if pred.shape == target.shape:
+    if _KERNELS is not None and pred.shape == target.shape:
         return _KERNELS.mse_loss(pred, target, _REDUCTIONS[reduction])
     return F.mse_loss(pred, target, reduction=reduction)
 
 
 def _l1(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    if pred.shape == target.shape:
+    if _KERNELS is not None and pred.shape == target.shape:
         return _KERNELS.l1_loss(pred, target, _REDUCTIONS[reduction])
     return F.l1_loss(pred, target, reduction=reduction)
 
 
 def _huber(pred: torch.Tensor, target: torch.Tensor, reduction: str, delta: float) -> torch.Tensor:
-    if pred.shape == target.shape:
+    if _KERNELS is not None and pred.shape == target.shape:
         return _KERNELS.huber_loss(pred, target, _REDUCTIONS[reduction], delta)
     return F.huber_loss(pred, target, reduction=reduction, delta=delta)
 
