@@ -270,20 +270,19 @@ def predict(
     """
     import torch
 
+    from nvalchemi.training.runtime import evaluating
+
     device = torch.device(device)
     config = getattr(model, "model_config", None)
-    previous = None if config is None else config.active_outputs
+    wanted = None
     if config is not None:
         wanted = {"energy", "forces"} & set(config.outputs)
         if stress and "stress" in config.outputs:
             wanted.add("stress")
-        config.active_outputs = wanted
-    was_training = model.training
-    model.eval()
     parts: dict[str, list[np.ndarray]] = {
         k: [] for k in ("ep", "er", "n", "fp", "fr", "sp", "sr", "z")
     }
-    try:
+    with evaluating(model, wanted):
         for batch in loader:
             batch = batch.to(device)
             out = model(batch) if head is None else model(batch, head=head)
@@ -301,10 +300,6 @@ def predict(
             parts["fr"].append(_rows(_label(batch, "forces"), atoms, 3))
             parts["sp"].append(_rows(out.get("stress"), graphs, 9))
             parts["sr"].append(_rows(_label(batch, "stress"), graphs, 9))
-    finally:
-        model.train(was_training)
-        if config is not None:
-            config.active_outputs = previous
 
     def cat(key: str) -> np.ndarray | None:
         if not parts[key]:

@@ -27,6 +27,7 @@ import torch
 __all__ = ["ParityReport", "check_zero_step_parity"]
 
 from nvalchemi.data.batch import iter_batches
+from nvalchemi.training.runtime import evaluating
 
 _OUTPUTS = ("energy", "forces", "stress")
 _UNITS = {"energy": "eV", "forces": "eV/Å", "stress": "eV/Å³"}
@@ -131,16 +132,10 @@ def _predict(model: Any, batch: Any, outputs: list[str], head: str | None) -> di
         compute_neighbors(batch, config=config.neighbor_config)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     active = set(outputs) & set(config.outputs)
-    previous, was_training = config.active_outputs, model.training
-    config.active_outputs = active
-    model.eval()
-    try:
-        with torch.enable_grad() if active & {"forces", "stress"} else torch.no_grad():
-            batch = batch.to(device)
-            out = model(batch) if head is None else model(batch, head=head)
-    finally:
-        config.active_outputs = previous
-        model.train(was_training)
+    grad = torch.enable_grad() if active & {"forces", "stress"} else torch.no_grad()
+    with evaluating(model, active), grad:
+        batch = batch.to(device)
+        out = model(batch) if head is None else model(batch, head=head)
     return {k: v.detach().double().cpu() for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 

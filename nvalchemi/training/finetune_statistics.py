@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 from nvalchemi.data.batch import iter_batches
+from nvalchemi.training.runtime import evaluating
 
 E0Mode = Literal["keep", "refit", "estimated", "fixed"]
 ScaleShiftMode = Literal["keep", "refit"]
@@ -233,10 +234,7 @@ def _run_pass(
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     totals = _Pass()
     known = set(supported)
-    previous, was_training = config.active_outputs, model.training
-    config.active_outputs = {"energy"}
-    model.eval()
-    try:
+    with evaluating(model, {"energy"}):
         for batch in iter_batches(data, batch_size):
             if "energy" not in batch:
                 continue
@@ -271,9 +269,6 @@ def _run_pass(
                     out = model(batch.to(device), head=head)
                 predicted = out["energy"].detach().double().reshape(-1).cpu()
             totals.predicted.append(predicted[keep])
-    finally:
-        config.active_outputs = previous
-        model.train(was_training)
     if not totals.energies or sum(len(e) for e in totals.energies) == 0:
         raise ValueError("no structure of the fine-tuning data has an energy label.")
     return totals

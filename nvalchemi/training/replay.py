@@ -40,6 +40,7 @@ from nvalchemi._fileio import replace_dir
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
 from nvalchemi.data.batch import iter_batches
+from nvalchemi.training.runtime import evaluating
 
 _LABELS = ("energy", "forces", "stress")
 
@@ -228,15 +229,8 @@ def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
     wants_stress = bool(((volumes > 1e-12) & periodic).any()) and "stress" in config.outputs
     active = {"energy", "forces"} | ({"stress"} if wants_stress else set())
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    previous, was_training = config.active_outputs, model.training
-    config.active_outputs = active & set(config.outputs)
-    model.eval()
-    try:
-        with torch.enable_grad():
-            out = model(work.to(device)) if head is None else model(work.to(device), head=head)
-    finally:
-        config.active_outputs = previous
-        model.train(was_training)
+    with evaluating(model, active & set(config.outputs)), torch.enable_grad():
+        out = model(work.to(device)) if head is None else model(work.to(device), head=head)
     counts = batch.num_nodes_per_graph.cpu().tolist()
     forces = out.get("forces")
     forces = None if forces is None else forces.detach().cpu().split(counts)

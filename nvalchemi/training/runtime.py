@@ -26,6 +26,7 @@ from torch import nn
 __all__ = [
     "configure_dataloader",
     "configure_parallelism",
+    "evaluating",
     "freeze_unconfigured_models",
     "move_to_devices",
     "rehome_optimizer_state",
@@ -67,6 +68,25 @@ def _modes(module: nn.Module) -> list[tuple[nn.Module, bool]]:
 def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
     for module, training in modes:
         module.training = training
+
+
+@contextmanager
+def evaluating(model: nn.Module, outputs: set[str] | None = None) -> Iterator[None]:
+    """``model`` in eval mode computing ``outputs`` (its ``model_config.active_outputs``,
+    for a model that has one; ``None`` keeps them); on exit, also after an exception,
+    every module's mode and the active outputs are what they were."""
+    config = getattr(model, "model_config", None)
+    previous = None if config is None else config.active_outputs
+    modes = _modes(model)
+    if config is not None and outputs is not None:
+        config.active_outputs = outputs
+    model.eval()
+    try:
+        yield
+    finally:
+        _restore_modes(modes)
+        if config is not None:
+            config.active_outputs = previous
 
 
 @contextmanager

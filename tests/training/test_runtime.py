@@ -14,6 +14,7 @@ from nvalchemi.training import (
     move_to_devices,
 )
 from nvalchemi.training.runtime import (
+    evaluating,
     rehome_optimizer_state,
     train_configured_models,
     unwrap_model,
@@ -44,6 +45,26 @@ def test_freeze_restores_modes_and_flags_even_after_errors():
         raise RuntimeError("inside")
     assert teacher.training and not teacher[1].training
     assert teacher[0].weight.requires_grad and not teacher[0].bias.requires_grad
+
+
+def test_evaluating_restores_every_modules_mode_and_the_active_outputs_even_after_errors():
+    from nvalchemi.models.demo import DemoModel, DemoModelWrapper
+
+    model = DemoModelWrapper(DemoModel())
+    model.train()
+    frozen = next(m for m in model.modules() if m is not model)
+    frozen.eval()  # a submodule kept in eval mode on purpose (e.g. a frozen norm layer)
+    before = model.model_config.active_outputs
+    with pytest.raises(RuntimeError), evaluating(model, {"energy"}):
+        assert not any(m.training for m in model.modules())
+        assert set(model.model_config.active_outputs) == {"energy"}
+        raise RuntimeError("inside")
+    assert model.training and not frozen.training
+    assert model.model_config.active_outputs == before
+    plain = nn.Linear(2, 2)  # no model_config: only the mode
+    with evaluating(plain, {"energy"}):
+        assert not plain.training
+    assert plain.training
 
 
 def test_train_configured_models_restores_previous_modes():
