@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from nvalchemi.hooks.protocol import runs_at
+
 __all__ = ["BiasedPotentialHook"]
 
 DEFAULT_STAGE_NAMES = frozenset({"AFTER_FORWARD", "AFTER_COMPUTE"})
@@ -89,9 +91,7 @@ class BiasedPotentialHook:
         return f"BiasedPotentialHook({name}, frequency={self.frequency}, stage={self.stage})"
 
     def _runs_on_stage(self, stage: Enum) -> bool:
-        if self.stage is not None:
-            return stage == self.stage
-        return getattr(stage, "name", None) in DEFAULT_STAGE_NAMES
+        return runs_at(self.stage, stage, DEFAULT_STAGE_NAMES)
 
     def __call__(self, ctx: Any, stage: Enum | None = None) -> None:
         batch = getattr(ctx, "batch", None)

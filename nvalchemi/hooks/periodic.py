@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from nvalchemi.data._neighbor_stamps import remember_positions, stamp_of
+from nvalchemi.hooks.protocol import runs_at
 
 __all__ = ["WrapPeriodicHook", "wrap_positions_into_cell"]
 
@@ -114,9 +115,7 @@ class WrapPeriodicHook:
         return f"WrapPeriodicHook(frequency={self.frequency}, stage={self.stage})"
 
     def _runs_on_stage(self, stage: Enum) -> bool:
-        if self.stage is not None:
-            return stage == self.stage
-        return getattr(stage, "name", None) in DEFAULT_STAGE_NAMES
+        return runs_at(self.stage, stage, DEFAULT_STAGE_NAMES)
 
     def __call__(self, ctx: Any, stage: Enum | None = None) -> None:
         batch = getattr(ctx, "batch", None)

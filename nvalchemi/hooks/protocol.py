@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from nvalchemi.hooks.context import HookContext
 
-__all__ = ["OPTIONAL_MEMBERS", "CheckpointableHook", "Hook", "is_checkpointable", "member"]
+__all__ = [
+    "OPTIONAL_MEMBERS",
+    "CheckpointableHook",
+    "Hook",
+    "is_checkpointable",
+    "member",
+    "runs_at",
+]
 
 _DATA_MEMBERS = frozenset(
     {
@@ -71,6 +78,15 @@ OPTIONAL_MEMBERS: frozenset[str] = _DATA_MEMBERS | {
     "inference_autocast",
 }
 """Every optional member an engine may look up on a hook (see the module docstring)."""
+
+
+def runs_at(fixed: Enum | None, stage: Enum, default_names: frozenset[str]) -> bool:
+    """``_runs_on_stage`` of a hook with an optional fixed stage: that stage, else every stage
+    named in ``default_names`` (the training loop's and a dynamics engine's names for one
+    point of a step, e.g. ``{"BEFORE_FORWARD", "BEFORE_COMPUTE"}``)."""
+    if fixed is not None:
+        return stage == fixed
+    return getattr(stage, "name", None) in default_names
 
 
 def member(hook: Any, name: str, default: Any = None) -> Any:

@@ -780,17 +780,8 @@ class ComposedLossFunction(nn.Module):
                         raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
                     _check_sample(name, sample)
                     samples.append((name, sample, None, weight))
-            if total is None:
-                total = value if weight == 1.0 else value * weight
-            else:
-                total = total + value if weight == 1.0 else torch.add(total, value, alpha=weight)
-        return {
-            "total_loss": total,
-            "per_component_unweighted": unweighted,
-            "per_component_weight": effective_by_name,
-            "per_component_raw_weight": raw_by_name,
-            "per_component_sample": _PerSampleValues(samples),
-        }
+            total = _weighted_sum(total, value, weight)
+        return _output(total, unweighted, effective_by_name, raw_by_name, samples)
 
     def plain_output(
         self,
@@ -860,17 +851,8 @@ class ComposedLossFunction(nn.Module):
             source = state["_per_sample_source"]
             if source is not None:
                 samples.append((name, source, state["_per_sample_valid"], weight))
-            if total is None:
-                total = value if weight == 1.0 else value * weight
-            else:
-                total = total + value if weight == 1.0 else torch.add(total, value, alpha=weight)
-        return {
-            "total_loss": total,
-            "per_component_unweighted": unweighted,
-            "per_component_weight": effective_by_name,
-            "per_component_raw_weight": raw_by_name,
-            "per_component_sample": _PerSampleValues(samples),
-        }
+            total = _weighted_sum(total, value, weight)
+        return _output(total, unweighted, effective_by_name, raw_by_name, samples)
 
     @staticmethod
     def _inputs(name, leaf, predictions, targets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -942,6 +924,29 @@ class ComposedLossFunction(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_components={len(self.components)}, normalize_weights={self.normalize_weights}"
+
+
+def _weighted_sum(total: torch.Tensor | None, value: torch.Tensor, weight: float) -> torch.Tensor:
+    """``total + weight * value`` (``total`` ``None`` for the first term), one op per term."""
+    if total is None:
+        return value if weight == 1.0 else value * weight
+    return total + value if weight == 1.0 else torch.add(total, value, alpha=weight)
+
+
+def _output(
+    total: torch.Tensor,
+    unweighted: dict[str, torch.Tensor],
+    effective_by_name: dict[str, float],
+    raw_by_name: dict[str, float],
+    samples: list[tuple[str, Any, Any, float]],
+) -> ComposedLossOutput:
+    return {
+        "total_loss": total,
+        "per_component_unweighted": unweighted,
+        "per_component_weight": effective_by_name,
+        "per_component_raw_weight": raw_by_name,
+        "per_component_sample": _PerSampleValues(samples),
+    }
 
 
 def _check_sample(name: str, sample: torch.Tensor) -> None:
