@@ -1,11 +1,17 @@
 """OptimizerConfig validation/serialization, parameter partitioning and stepping helpers."""
 
+import copy
 import json
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from nvalchemi import _serialization as ser
 from nvalchemi.training import create_model_spec_from_json
@@ -356,3 +362,121 @@ def test_metric_schedulers_use_their_adapters():
         step_metric_schedulers([scheds[0]], ["nope"], {"total_loss": 1.0})
     with pytest.raises(ValueError, match="2 schedulers but 1 adapters"):
         step_metric_schedulers(scheds[:2], [None], {"total_loss": 1.0})
+
+
+# -- zero_gradients / step_optimizers without torch's profiler range ----------------------
+
+
+def _trained_pair(make_optimizer, steps=4, scheduler=None):
+    """Two identical models; one stepped with torch's calls, one with the helpers."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    ours = copy.deepcopy(reference)
+    opt_ref, opt_ours = make_optimizer(reference), make_optimizer(ours)
+    scheds = [scheduler(opt_ref), scheduler(opt_ours)] if scheduler else None
+    x = torch.randn(5, 3)
+    for _ in range(steps):
+        opt_ref.zero_grad(set_to_none=True)
+        reference(x).pow(2).sum().backward()
+        opt_ref.step()
+        zero_gradients([opt_ours])
+        ours(x).pow(2).sum().backward()
+        step_optimizers([opt_ours])
+        if scheds:
+            for s in scheds:
+                s.step()
+    return reference, ours, opt_ref, opt_ours
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+    ids=["adam", "adamw", "sgd"],
+)
+def test_helpers_update_exactly_like_torch_calls(make_optimizer):
+    reference, ours, opt_ref, opt_ours = _trained_pair(make_optimizer)
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+        assert torch.equal(a.grad, b.grad)
+    zero_gradients([opt_ours])
+    assert all(p.grad is None for p in ours.parameters())
+    assert str(opt_ref.state_dict()) == str(opt_ours.state_dict())
+
+
+def test_step_hooks_still_run():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    handles = [
+        opt.register_step_pre_hook(lambda o, a, k: calls.append("pre")),
+        opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post")),
+    ]
+    try:
+        model(torch.ones(1, 2)).sum().backward()
+        step_optimizers([opt])
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["global pre", "pre", "post", "global post"]
+
+
+def test_overridden_and_patched_methods_are_called():
+    calls = []
+
+    class OwnZero(torch.optim.SGD):
+        def zero_grad(self, set_to_none=True):
+            calls.append(("class zero_grad", set_to_none))
+            super().zero_grad(set_to_none)
+
+    class OwnStep(torch.optim.SGD):
+        def step(self, closure=None):
+            calls.append("class step")
+            return super().step(closure)
+
+    model = nn.Linear(2, 1)
+    own_zero = OwnZero(model.parameters(), lr=0.1)
+    own_step = OwnStep(model.parameters(), lr=0.1)
+    patched = torch.optim.SGD(model.parameters(), lr=0.1)
+    patched.zero_grad = lambda set_to_none=True: calls.append("instance zero_grad")
+    patched.step = lambda: calls.append("instance step")
+    model(torch.ones(1, 2)).sum().backward()
+    zero_gradients([own_zero, patched])
+    model(torch.ones(1, 2)).sum().backward()
+    step_optimizers([own_step, patched])
+    assert calls == [
+        ("class zero_grad", True),
+        "instance zero_grad",
+        "class step",
+        "instance step",
+    ]
+
+
+def test_lr_scheduler_sees_the_step_and_schedules_alike():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        reference, ours, opt_ref, opt_ours = _trained_pair(
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            scheduler=lambda o: StepLR(o, step_size=2, gamma=0.5),
+        )
+    assert opt_ours._opt_called is True
+    assert opt_ours.param_groups[0]["lr"] == opt_ref.param_groups[0]["lr"] == 0.025
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_running_profiler_records_the_optimizer_ranges():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step_optimizers([opt])
+        zero_gradients([opt])
+    names = {event.name for event in prof.events()}
+    assert "Optimizer.step#Adam.step" in names
+    assert "Optimizer.zero_grad#Adam.zero_grad" in names
