@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import textwrap
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -290,6 +292,12 @@ def test_patterns_still_match_after_ddp_wraps_the_model_at_setup():
         allowed = late.apply(strategy)
         assert allowed == {"main.model.projection.weight", "main.model.projection.bias"}
     finally:
+        # torch can deadlock destroying a gloo group (the GIL held) while a worker thread
+        # still frees a finished collective (which takes the GIL): free the DDP wrapper and
+        # let the workers settle before the group goes.
+        strategy = model = None
+        gc.collect()
+        time.sleep(0.2)
         dist.destroy_process_group()
 
 
