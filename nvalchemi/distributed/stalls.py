@@ -103,7 +103,15 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop posting, and wait for a post in flight (up to one interval).
+
+        A daemon thread still inside a store call when the interpreter exits is killed
+        in C++ code, which aborts the process ("terminate called without an active
+        exception").
+        """
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval)
 
 
 def silent_ranks(

@@ -30,6 +30,7 @@ def test_silent_ranks_are_those_whose_heartbeat_stopped_or_never_came():
     silent = silent_ranks(store, 3, 0.2)
     assert set(silent) == {1, 2} and silent[1] is None and silent[2] > 50
     beat.stop()  # what SIGSTOP does to a rank's thread
+    assert not beat._thread.is_alive()  # no store call left in flight (one would abort exit)
     time.sleep(1.0)
     assert 0 in silent_ranks(store, 3, 0.2)
 
