@@ -470,7 +470,8 @@ def _is_metric_scheduler_class(scheduler_cls: Any) -> bool:
 # third of a small model's Adam step. While no profiler runs, the two helpers below do what
 # those calls do without the range, for optimizers that keep torch's ``zero_grad`` and
 # torch's step wrapper with no step hooks; anything else goes through the public calls.
-_profiler_enabled = torch.autograd._profiler_enabled
+# (a torch without the profiler query counts as profiling: the public calls, always)
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 _TORCH_ZERO_GRAD = Optimizer.zero_grad
 _GLOBAL_STEP_HOOKS = tuple(
     getattr(torch_optimizer, name, None)
