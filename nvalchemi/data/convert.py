@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
+from nvalchemi._fileio import replace_dir, temporary_sibling
 
 __all__ = ["check_output", "convert_to_zarr", "open_inputs"]
 
@@ -132,33 +132,16 @@ def convert_to_zarr(
             f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
         )
     output.parent.mkdir(parents=True, exist_ok=True)
-    partial = output.with_name(f".{output.name}.converting-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)  # a leftover of this very process id
+    partial = temporary_sibling(output, "converting")
     try:
         summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
-        _swap_in(partial, output)
+        replace_dir(partial, output)
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # only ever what this call created
         for reader in readers:
             reader.close()
     summary["output"] = str(output)
     return summary
-
-
-def _swap_in(partial: Path, output: Path) -> None:
-    """Move the finished store ``partial`` to ``output``, replacing what is there."""
-    if not output.exists():
-        os.replace(partial, output)
-        return
-    old = output.with_name(f".{output.name}.replaced-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(output, old)
-    try:
-        os.replace(partial, output)
-    except BaseException:
-        os.replace(old, output)  # put the previous store back
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_store(
