@@ -469,8 +469,8 @@ def _is_metric_scheduler_class(scheduler_cls: Any) -> bool:
 # whether a profiler runs or not: about 5 us each, more than the rest of the zeroing and a
 # third of a small model's Adam step. While no profiler runs, the two helpers below do what
 # those calls do without the range, for optimizers that keep torch's ``zero_grad`` and
-# torch's step wrapper with no step hooks; anything else goes through the public calls.
-# (a torch without the profiler query counts as profiling: the public calls, always)
+# torch's step wrapper with no step hooks; anything else (and everything, on a torch without
+# the profiler query) goes through the public calls.
 _profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 _TORCH_ZERO_GRAD = Optimizer.zero_grad
 _GLOBAL_STEP_HOOKS = tuple(
