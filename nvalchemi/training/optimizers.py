@@ -520,9 +520,10 @@ def _unwrapped_step(optimizer: Optimizer) -> Callable[[Optimizer], Any] | None:
     inner = getattr(hooked, "__wrapped__", None)
     state = optimizer.__dict__
     pre, post = state.get("_optimizer_step_pre_hooks"), state.get("_optimizer_step_post_hooks")
-    if inner is None or not getattr(hooked, "hooked", False) or pre or post:
+    # (hook dicts absent: not an optimizer torch's wrapper would accept)
+    if inner is None or not getattr(hooked, "hooked", False) or pre is None or post is None:
         return None
-    if pre is None or post is None:  # not an optimizer torch's wrapper would accept
+    if pre or post:
         return None
     own = state.get("step")
     if own is not None:

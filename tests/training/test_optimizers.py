@@ -404,7 +404,36 @@ def test_helpers_update_exactly_like_torch_calls(make_optimizer):
         assert torch.equal(a.grad, b.grad)
     zero_gradients([opt_ours])
     assert all(p.grad is None for p in ours.parameters())
-    assert str(opt_ref.state_dict()) == str(opt_ours.state_dict())
+    ref_state, our_state = opt_ref.state_dict(), opt_ours.state_dict()
+    assert ref_state["param_groups"] == our_state["param_groups"]
+    assert ref_state["state"].keys() == our_state["state"].keys()
+    for index, entries in ref_state["state"].items():
+        assert entries.keys() == our_state["state"][index].keys()
+        for key, value in entries.items():
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(our_state["state"][index][key])
+            )
+
+
+def test_helpers_open_no_profiler_range_while_no_profiler_runs(monkeypatch):
+    opened = []
+    real = torch.autograd.profiler.record_function
+
+    def counting(name, *args, **kwargs):
+        opened.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", counting)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    StepLR(opt, step_size=1)  # an LR scheduler's instance wrapper takes the direct path too
+    model(torch.ones(1, 2)).sum().backward()
+    step_optimizers([opt])
+    zero_gradients([opt])
+    assert opened == []
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()  # the control: torch's own call opens its range
+    assert opened == ["Optimizer.step#Adam.step"]
 
 
 def test_step_hooks_still_run():
