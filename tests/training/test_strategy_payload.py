@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.resolve import validate_job_data
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.jobs.resolve import validate_job_data
+from nvalchemi.app.jobs.spec import TrainingJobSpec
 from nvalchemi.training.strategy_payload import StrategyPayload
 
 

@@ -1,22 +1,11 @@
-"""The ``nvalchemi-training`` command line (``nvalchemi-training --help`` lists the commands).
+"""The documented import path of the ``nvalchemi-training`` command (``nvalchemi.training.cli:main``).
 
-``quickstart``; ``train init`` / ``finetune init``, ``finetune check``; ``spec report|run|
-resume``; ``schema dump|template``; ``data convert|check|stats``; ``evaluate``; ``bench``.
-Also runnable as ``python -m nvalchemi.training.cli``. Importing it loads click and
-pydantic only. What a command computes is a library function
-(:mod:`nvalchemi.training.jobs`, :mod:`nvalchemi.training.evaluation`,
-:mod:`nvalchemi.data.sources`, ...); this package holds commands, options and printing.
+The command line is the application, :mod:`nvalchemi.app.cli`; this package only re-exports
+its entry point and the job schema so that the console script, ``python -m
+nvalchemi.training.cli`` and scripts written for the reference API keep working. It is the
+one place in ``nvalchemi.training`` that names the application.
 """
 
-from nvalchemi.training.cli import (  # noqa: F401  (registers the commands)
-    bench_cmd,
-    data_cmds,
-    evaluate_cmd,
-    init_cmds,
-    quickstart,
-    spec_cmds,
-)
-from nvalchemi.training.cli._app import main
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.cli import TrainingJobSpec, main
 
 __all__ = ["TrainingJobSpec", "main"]

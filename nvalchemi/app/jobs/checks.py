@@ -6,7 +6,7 @@
 ``OneCycleLR`` fails).
 
 Example:
-    >>> from nvalchemi.training.jobs import TrainingJobSpec
+    >>> from nvalchemi.app.jobs import TrainingJobSpec
     >>> job = TrainingJobSpec.template()
     >>> job["dataset"]["path"] = "missing.extxyz"
     >>> [(w.check, w.field) for w in job_warnings(TrainingJobSpec.model_validate(job))][:1]
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.scaffold import CHECKPOINT_HOOK
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.jobs.scaffold import CHECKPOINT_HOOK
+from nvalchemi.app.jobs.spec import TrainingJobSpec
 
 __all__ = ["Horizon", "JobWarning", "check_horizons", "job_warnings", "scheduler_horizons"]
 

@@ -8,8 +8,8 @@ import pytest
 from _ranks import free_port, run_ranks
 
 from nvalchemi._errors import FieldError
+from nvalchemi.app.jobs.run import distributed_enabled
 from nvalchemi.training.checkpoint import read_strategy_metadata
-from nvalchemi.training.jobs.run import distributed_enabled
 
 from ._support import tiny_job, write_job
 

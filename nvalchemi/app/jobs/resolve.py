@@ -7,7 +7,7 @@ models produce every output the loss needs, without building a model or reading 
 Every error is a :class:`~nvalchemi._errors.FieldError` naming the job field and the fix.
 
 Example:
-    >>> from nvalchemi.training.jobs import TrainingJobSpec
+    >>> from nvalchemi.app.jobs import TrainingJobSpec
     >>> job = TrainingJobSpec.model_validate(TrainingJobSpec.template())
     >>> resolved = check_job(job)
     >>> type(resolved.loss_fn).__name__, [type(h).__name__ for h, _ in resolved.hooks]
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError, validation_lines
-from nvalchemi.training.jobs.paths import resolve_job_paths
-from nvalchemi.training.jobs.spec import (
+from nvalchemi.app.jobs.paths import resolve_job_paths
+from nvalchemi.app.jobs.spec import (
     RuntimeHookSpec,
     TrainingJobSpec,
     read_job_file,

@@ -17,11 +17,11 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from nvalchemi.training.cli._console import format_number
-from nvalchemi.training.jobs.checks import job_warnings
-from nvalchemi.training.jobs.lr_preview import lr_preview, preview_steps
-from nvalchemi.training.jobs.resolve import ResolvedJob
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.cli._console import format_number
+from nvalchemi.app.jobs.checks import job_warnings
+from nvalchemi.app.jobs.lr_preview import lr_preview, preview_steps
+from nvalchemi.app.jobs.resolve import ResolvedJob
+from nvalchemi.app.jobs.spec import TrainingJobSpec
 
 __all__ = ["model_name", "render_report", "strategy_class_name"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.recipe import QUICK, QUICKSTART, PaiNNRecipe
+from nvalchemi.app.jobs.recipe import QUICK, QUICKSTART, PaiNNRecipe
 
 __all__ = ["QuickstartPlan", "Splits", "build_strategy", "load_splits", "prepare_run"]
 
@@ -89,7 +89,7 @@ def prepare_run(
     device: str,
 ) -> QuickstartPlan:
     """Check the run directory against the flags and settle the recipe."""
-    from nvalchemi.training.devices import check_device
+    from nvalchemi.app.devices import check_device
 
     check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
     run_dir = Path(run_dir)
@@ -240,7 +240,7 @@ def build_strategy(
     plan: QuickstartPlan, model: Any, train: Any, val: Any, console: Any = None
 ) -> Any:
     """A fresh ``TrainingStrategy`` for the plan's recipe."""
-    from nvalchemi.training.jobs.build import BUDGET_STEPS
+    from nvalchemi.app.jobs.build import BUDGET_STEPS
     from nvalchemi.training.strategy import TrainingStrategy
 
     recipe = plan.recipe

@@ -6,14 +6,14 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import (
+from nvalchemi.app.cli._app import (
     batch_size_value,
     debug_option,
     main,
     option_group,
     parse_checkpoint_index,
 )
-from nvalchemi.training.cli._console import err_console, print_table
+from nvalchemi.app.cli._console import err_console, print_table
 
 __all__ = ["spec"]
 
@@ -118,7 +118,7 @@ def _options(kwargs: dict[str, Any]) -> Any:
     """The :class:`RunOptions` of the command line (the click names are its fields)."""
     import torch
 
-    from nvalchemi.training.jobs.run import RunOptions
+    from nvalchemi.app.jobs.run import RunOptions
 
     torch.set_num_threads(kwargs["threads"])
     return RunOptions(**kwargs)
@@ -140,7 +140,7 @@ def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
 
 
 def _summary(result: Any, console: Any) -> None:
-    from nvalchemi.training.cli.evaluate_cmd import print_evaluation
+    from nvalchemi.app.cli.evaluate_cmd import print_evaluation
 
     if not result.is_main:
         return
@@ -196,9 +196,9 @@ Examples:
 def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str, ...]) -> None:
     """Render a job as tables and warnings (loads no model weights; reads atom counts only
     for an atom budget)."""
-    from nvalchemi.training.cli.report import render_report
-    from nvalchemi.training.jobs.resolve import load_job
-    from nvalchemi.training.jobs.spec import dump_job
+    from nvalchemi.app.cli.report import render_report
+    from nvalchemi.app.jobs.resolve import load_job
+    from nvalchemi.app.jobs.spec import dump_job
 
     job, resolved = load_job(path, trust=trust, allow_imports=allow_imports)
     render_report(job, resolved, err_console())
@@ -234,10 +234,10 @@ Examples:
 )
 def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any) -> None:
     """Train a job spec."""
-    from nvalchemi.training.cli.report import render_report
-    from nvalchemi.training.jobs.checks import check_horizons
-    from nvalchemi.training.jobs.resolve import load_job
-    from nvalchemi.training.jobs.run import launch_env, run_job
+    from nvalchemi.app.cli.report import render_report
+    from nvalchemi.app.jobs.checks import check_horizons
+    from nvalchemi.app.jobs.resolve import load_job
+    from nvalchemi.app.jobs.run import launch_env, run_job
 
     options = _options(kwargs)
     job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
@@ -295,10 +295,10 @@ def spec_resume(
 ) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
     change the learning rate with --lr)."""
-    from nvalchemi.training.cli._errors import CLIError
-    from nvalchemi.training.jobs.checks import check_horizons
-    from nvalchemi.training.jobs.resolve import load_job
-    from nvalchemi.training.jobs.run import distributed_enabled, launch_env, run_job, saved_progress
+    from nvalchemi.app.cli._errors import CLIError
+    from nvalchemi.app.jobs.checks import check_horizons
+    from nvalchemi.app.jobs.resolve import load_job
+    from nvalchemi.app.jobs.run import distributed_enabled, launch_env, run_job, saved_progress
 
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
@@ -331,7 +331,7 @@ def spec_resume(
         return complete(f"is already complete ({progress.describe()}); nothing to train")
     ranks = launch_env().world_size if distributed_enabled(options.distributed) else 1
     if ranks != progress.world_size:
-        launcher = f"torchrun --nproc_per_node={progress.world_size} -m nvalchemi.training.cli"
+        launcher = f"torchrun --nproc_per_node={progress.world_size} -m nvalchemi.app.cli"
         raise CLIError(
             f"the checkpoint was trained on {progress.world_size} rank(s) and this resume "
             f"runs on {ranks}; an exact resume needs the same number (the data order and "

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.cli._errors import CLIError, debug_enabled, enable_debug, user_message
+from nvalchemi.app.cli._errors import CLIError, debug_enabled, enable_debug, user_message
 
 __all__ = ["batch_size_value", "debug_option", "main", "option_group", "parse_checkpoint_index"]
 

@@ -10,7 +10,7 @@ sees many epochs beats a larger one in a budget of minutes (hidden 32 over 64 at
 14 minutes); weight decay, a larger energy weight (30) or a 5.5 Å cutoff did not help.
 
 Example:
-    >>> from nvalchemi.training.jobs.recipe import QUICKSTART
+    >>> from nvalchemi.app.jobs.recipe import QUICKSTART
     >>> QUICKSTART.cutoff, QUICKSTART.replace(epochs=3).epochs
     (5.0, 3)
 """

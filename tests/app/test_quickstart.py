@@ -74,7 +74,7 @@ def test_time_budget_stops_cleanly_and_resume_continues_exactly(tmp_path):
 
 def test_without_epochs_the_quickstart_is_fitted_to_its_budget(tmp_path):
     """The quickstart uses spec run's mechanism: a fitting TimeBudgetHook and WarmupCosineLR."""
-    from nvalchemi.training.jobs import quickstart as qs
+    from nvalchemi.app.jobs import quickstart as qs
     from nvalchemi.training.time_budget import TimeBudgetHook, WarmupCosineLR
 
     plan = qs.prepare_run(
@@ -102,7 +102,7 @@ def test_without_epochs_the_quickstart_is_fitted_to_its_budget(tmp_path):
 def test_calculator_snippet_quotes_the_checkpoint_path_as_data():
     import ast
 
-    from nvalchemi.training.cli.quickstart import calculator_snippet
+    from nvalchemi.app.cli.quickstart import calculator_snippet
 
     path = 'runs/a"); import os; os.system("echo pwned'
     tree = ast.parse(calculator_snippet(path, "Cu"))

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
-from nvalchemi.training.cli._console import err_console, print_table
-from nvalchemi.training.cli._errors import CLIError
+from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._console import err_console, print_table
+from nvalchemi.app.cli._errors import CLIError
 
 __all__ = ["data"]
 

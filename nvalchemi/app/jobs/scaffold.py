@@ -1,6 +1,6 @@
 """Scaffolded jobs: what ``train init``, ``finetune init`` and ``TrainingJobSpec.template()`` write.
 
-A training job is the quickstart recipe (:mod:`nvalchemi.training.jobs.recipe`) on your
+A training job is the quickstart recipe (:mod:`nvalchemi.app.jobs.recipe`) on your
 data: PaiNN fitted to the data, AdamW with a schedule fitted to a time budget, energy +
 force (+ stress) MSE, EMA, clipping, validation and checkpoints. Payloads are made from
 real objects (``loss.to_spec()``), so a scaffold always round-trips through ``spec run``.
@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nvalchemi.training.jobs.recipe import QUICKSTART
+from nvalchemi.app.jobs.recipe import QUICKSTART
 from nvalchemi.training.strategy_payload import DEFAULT_TRAINING_FN
 
 __all__ = [

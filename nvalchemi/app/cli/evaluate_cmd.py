@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main, parse_checkpoint_index
-from nvalchemi.training.cli._console import err_console, print_table
+from nvalchemi.app.cli._app import debug_option, main, parse_checkpoint_index
+from nvalchemi.app.cli._console import err_console, print_table
 
 __all__ = ["evaluate", "print_evaluation"]
 
@@ -23,7 +23,7 @@ UNITS_NOTE = (
 
 
 def _overall_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    from nvalchemi.training.evaluation import DISPLAY, QUANTITIES
+    from nvalchemi.app.evaluation import DISPLAY, QUANTITIES
 
     labels = {
         "energy_per_atom": "energy per atom",
@@ -43,7 +43,7 @@ def _overall_rows(metrics: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 
 def _breakdown(console: Any, title: str, first: str, rows: dict[str, dict[str, Any]]) -> None:
-    from nvalchemi.training.evaluation import error_rows
+    from nvalchemi.app.evaluation import error_rows
 
     if not rows or (len(rows) < 2 and first == "file"):
         return  # one file is the overall table again
@@ -177,11 +177,11 @@ def evaluate(
     """Evaluate a checkpoint: energy, force and stress errors overall, per structure type,
     element, file and force magnitude, with parity plots."""
     from nvalchemi._errors import FieldError
+    from nvalchemi.app.evaluation import evaluate_readers
+    from nvalchemi.app.jobs.resolve import allow_user_code
     from nvalchemi.data.sources import open_reader
     from nvalchemi.hooks.reporting.presets import PLOTS_HINT, plots_available
     from nvalchemi.training.checkpoint import load_model_from_checkpoint
-    from nvalchemi.training.evaluation import evaluate_readers
-    from nvalchemi.training.jobs.resolve import allow_user_code
 
     allow_user_code(list(allow_imports), ".", field="--allow-import")
     root = Path(checkpoint_dir)

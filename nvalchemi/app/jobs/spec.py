@@ -5,7 +5,7 @@ length (``minutes``, a time budget, or a fixed length in ``strategy``), the ``fi
 block and the training recipe (``strategy``: a
 :class:`~nvalchemi.training.strategy_payload.StrategyPayload`). Every block forbids
 unknown keys and every structural error is reported at once; dotted paths are resolved
-later by :mod:`nvalchemi.training.jobs.resolve`.
+later by :mod:`nvalchemi.app.jobs.resolve`.
 
 Example:
     >>> job = TrainingJobSpec.model_validate({
@@ -511,7 +511,7 @@ class TrainingJobSpec(_Block):
             >>> job["workflow"], job["minutes"], sorted(job["strategy"]["model_specs"])
             ('train', 10.0, ['main'])
         """
-        from nvalchemi.training.jobs.scaffold import template_job
+        from nvalchemi.app.jobs.scaffold import template_job
 
         return cls.model_validate(template_job(workflow, model)).model_dump(
             mode="json", exclude_none=True

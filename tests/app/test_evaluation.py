@@ -1,4 +1,4 @@
-"""``nvalchemi.training.evaluation``: errors per structure type, element, file, force magnitude."""
+"""``nvalchemi.app.evaluation``: errors per structure type, element, file, force magnitude."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import importlib
 import numpy as np
 import pytest
 
+from nvalchemi.app.evaluation import Evaluation, structure_groups
 from nvalchemi.data.bundled import bundled_split_path
 from nvalchemi.data.sources import open_reader, split_reader
-from nvalchemi.training.evaluation import Evaluation, structure_groups
 
 
 def _evaluation() -> Evaluation:
@@ -101,17 +101,17 @@ def test_doctests_of_the_library_modules():
 
     for name in (
         "nvalchemi._errors",
-        "nvalchemi.training.evaluation",
+        "nvalchemi.app.evaluation",
         "nvalchemi.training.time_budget",
         "nvalchemi.training.strategy_payload",
-        "nvalchemi.training.devices",
+        "nvalchemi.app.devices",
         "nvalchemi.data.sources",
         "nvalchemi.data.inspect",
-        "nvalchemi.training.jobs",
-        "nvalchemi.training.jobs.spec",
-        "nvalchemi.training.jobs.resolve",
-        "nvalchemi.training.jobs.checks",
-        "nvalchemi.training.jobs.scaffold",
+        "nvalchemi.app.jobs",
+        "nvalchemi.app.jobs.spec",
+        "nvalchemi.app.jobs.resolve",
+        "nvalchemi.app.jobs.checks",
+        "nvalchemi.app.jobs.scaffold",
         "nvalchemi.hooks.reporting.units",
     ):
         result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

@@ -13,16 +13,16 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import (
+from nvalchemi.app.cli._app import (
     batch_size_value,
     debug_option,
     main,
     option_group,
     parse_checkpoint_index,
 )
-from nvalchemi.training.cli._errors import CLIError
-from nvalchemi.training.jobs.recipe import QUICKSTART
-from nvalchemi.training.jobs.spec import TrainingJobSpec, dump_job
+from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.jobs.recipe import QUICKSTART
+from nvalchemi.app.jobs.spec import TrainingJobSpec, dump_job
 
 __all__ = ["finetune", "schema", "train"]
 
@@ -136,8 +136,8 @@ def _common_options(default_lr: float, *, required: bool = True):
 
 
 def _scaffold(workflow: str, model: str, options: dict[str, Any], **extra: Any) -> TrainingJobSpec:
-    from nvalchemi.training.devices import resolve_device
-    from nvalchemi.training.jobs.scaffold import scaffold_job
+    from nvalchemi.app.devices import resolve_device
+    from nvalchemi.app.jobs.scaffold import scaffold_job
 
     lengths = [k for k in ("minutes", "num_steps", "num_epochs") if options[k] is not None]
     if len(lengths) > 1:
@@ -210,7 +210,7 @@ def _emit(job: TrainingJobSpec, out: str | None) -> None:
         click.echo(dump_job(job, only_set=True), nl=False)
         click.echo(f"A job that {_describe(job)}", err=True)
         return
-    from nvalchemi.training.jobs.paths import rebase_job_paths
+    from nvalchemi.app.jobs.paths import rebase_job_paths
 
     # Paths typed here are relative to the current directory; in the file they are
     # relative to the file's directory (as spec run reads them).
@@ -273,7 +273,7 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
             )
     extra: dict[str, Any] = {"stress": stress, "structures": counts and counts["structures"]}
     if model_kind == "painn":
-        from nvalchemi.training.jobs.scaffold import painn_model_spec
+        from nvalchemi.app.jobs.scaffold import painn_model_spec
 
         extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
         extra["source"] = {"fit_to_data": True}
@@ -530,9 +530,9 @@ Examples:
 @debug_option
 def finetune_check_cmd(path: str, map_location: str | None, trust: bool) -> None:
     """Compare the job's fine-tune-ready model with its source (zero-step parity)."""
-    from nvalchemi.training.cli._console import err_console
-    from nvalchemi.training.jobs.finetune import finetune_check, parity_note
-    from nvalchemi.training.jobs.resolve import load_job
+    from nvalchemi.app.cli._console import err_console
+    from nvalchemi.app.jobs.finetune import finetune_check, parity_note
+    from nvalchemi.app.jobs.resolve import load_job
 
     job, _ = load_job(path, trust=trust)
     run = finetune_check(job, trust=trust, map_location=map_location or "cpu")
@@ -668,7 +668,7 @@ Examples:
 @debug_option
 def schema_dump(out: str | None) -> None:
     """Print the JSON schema of every section of a job file (one top-level entry each)."""
-    from nvalchemi.training.jobs.spec import section_schemas
+    from nvalchemi.app.jobs.spec import section_schemas
 
     _write_text(json.dumps(section_schemas(), indent=2) + "\n", out)
 

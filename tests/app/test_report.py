@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from nvalchemi.training.jobs.lr_preview import lr_preview
+from nvalchemi.app.jobs.lr_preview import lr_preview
 from nvalchemi.training.optimizers import OptimizerConfig
 
 from ._support import TRAIN, assert_user_error, invoke, tiny_job, write_job

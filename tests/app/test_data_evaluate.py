@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from ase.io import read
 
+from nvalchemi.app.evaluation import Evaluation
 from nvalchemi.data.io.zarr import AtomicDataZarrReader
-from nvalchemi.training.evaluation import Evaluation
 
 from ._support import TEST, VAL, assert_user_error, invoke, is_png
 

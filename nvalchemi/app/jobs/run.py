@@ -8,7 +8,7 @@ evaluates the final model on the validation data (``final_evaluation.json``, par
 plots). A stop signal before the first step exits with status 75 (:mod:`.signals`).
 
 Example:
-    >>> from nvalchemi.training.jobs import load_job, run_job, RunOptions
+    >>> from nvalchemi.app.jobs import load_job, run_job, RunOptions
     >>> job, resolved = load_job("job.yaml")  # doctest: +SKIP
     >>> result = run_job(job, resolved, RunOptions(minutes=5))  # doctest: +SKIP
 """
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.resolve import ResolvedJob
-from nvalchemi.training.jobs.signals import SetupSignals
-from nvalchemi.training.jobs.spec import TrainingJobSpec, dump_job
+from nvalchemi.app.jobs.resolve import ResolvedJob
+from nvalchemi.app.jobs.signals import SetupSignals
+from nvalchemi.app.jobs.spec import TrainingJobSpec, dump_job
 
 __all__ = [
     "RUN_HOOKS",
@@ -79,7 +79,7 @@ class RunResult:
     final_metrics: dict[str, float] = field(default_factory=dict)
     final_weights: str | None = None
     evaluation: Any = None
-    """The final model's :class:`~nvalchemi.training.evaluation.Evaluation` on the validation data."""
+    """The final model's :class:`~nvalchemi.app.evaluation.Evaluation` on the validation data."""
     grouping: str = ""
     num_train: int = 0
     num_validation: int = 0
@@ -170,7 +170,7 @@ def check_devices(
     job: TrainingJobSpec, options: RunOptions, resume_from: Path | None, index: Any = "latest"
 ) -> None:
     """Refuse devices this machine lacks before anything is loaded or built on them."""
-    from nvalchemi.training.devices import check_device
+    from nvalchemi.app.devices import check_device
 
     if options.map_location is not None:
         check_device(
@@ -477,11 +477,11 @@ def _run(
     checkpoint_index: Any,
     console: Any,
 ) -> RunResult:
+    from nvalchemi.app.jobs.build import build_strategy
+    from nvalchemi.app.jobs.finetune import forgetting_hook, prepare_finetune_run
     from nvalchemi.data.sources import make_dataset, neighbor_config_of
     from nvalchemi.distributed.runtime import get_rank, get_world_size
     from nvalchemi.hooks.reporting.presets import run_reporting
-    from nvalchemi.training.jobs.build import build_strategy
-    from nvalchemi.training.jobs.finetune import forgetting_hook, prepare_finetune_run
     from nvalchemi.training.preemption import PreemptionHandler
 
     run_dir = Path(job.output.run_dir)
@@ -621,8 +621,8 @@ def _final_evaluation(
     options: RunOptions,
 ) -> None:
     """Learning curves; the final model on the validation data: errors, tables, parity plots."""
+    from nvalchemi.app.evaluation import evaluate_final_model
     from nvalchemi.hooks.reporting.presets import learning_curves, plots_available
-    from nvalchemi.training.evaluation import evaluate_final_model
 
     if job.output.plots and plots_available():
         curve = learning_curves(result.run_dir)

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
-from nvalchemi.training.cli._console import err_console, print_table
+from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._console import err_console, print_table
 
 __all__ = ["bench"]
 
@@ -21,11 +21,11 @@ def _named_model(
 
     import torch
 
+    from nvalchemi.app.jobs.recipe import QUICKSTART
     from nvalchemi.data.bundled import bundled_split_path
     from nvalchemi.data.datapipes.dataloader import DataLoader
     from nvalchemi.data.sources import make_dataset, open_reader
     from nvalchemi.models import DemoModel, DemoModelWrapper, PaiNN
-    from nvalchemi.training.jobs.recipe import QUICKSTART
     from nvalchemi.training.strategy import TrainingStrategy
 
     paths = datasets or (str(bundled_split_path("train")),)
@@ -55,11 +55,11 @@ def _named_model(
 
 def _job(path: str, device: str | None, trust: bool) -> tuple[Any, Any]:
     """``(make_strategy, loader)`` for a job file (its checkpoint hooks left out)."""
+    from nvalchemi.app.jobs.build import build_strategy
+    from nvalchemi.app.jobs.resolve import build_hooks, load_job
+    from nvalchemi.app.jobs.run import seed_everything
     from nvalchemi.data.sources import make_dataset, make_loader, neighbor_config_of
     from nvalchemi.training.hooks.checkpoint import CheckpointHook
-    from nvalchemi.training.jobs.build import build_strategy
-    from nvalchemi.training.jobs.resolve import build_hooks, load_job
-    from nvalchemi.training.jobs.run import seed_everything
 
     job, _ = load_job(path, trust=trust)
     sources = job.dataset.open_sources()
@@ -160,8 +160,8 @@ def bench(
     share of the step, and the loss / gradient-norm error of precision and compile candidates."""
     import torch
 
-    from nvalchemi.training.bench import STARVED_SHARE, benchmark
-    from nvalchemi.training.devices import check_device, resolve_device
+    from nvalchemi.app.bench import STARVED_SHARE, benchmark
+    from nvalchemi.app.devices import check_device, resolve_device
 
     torch.set_num_threads(threads)
     if device is not None:

@@ -9,9 +9,9 @@ import warnings
 import pytest
 
 from nvalchemi._errors import FieldError
+from nvalchemi.app.jobs.checks import check_horizons
+from nvalchemi.app.jobs.resolve import load_job
 from nvalchemi.training.checkpoint import CheckpointManifest, read_strategy_metadata
-from nvalchemi.training.jobs.checks import check_horizons
-from nvalchemi.training.jobs.resolve import load_job
 
 from ._support import TRAIN, VAL, assert_user_error, invoke, tiny_job, write_job
 

@@ -7,7 +7,7 @@ What ``nvalchemi-training`` does with a job is a function here, usable from Pyth
 and the quickstart pipeline (:mod:`.quickstart`, :mod:`.recipe`).
 
 Example:
-    >>> from nvalchemi.training.jobs import TrainingJobSpec, check_job
+    >>> from nvalchemi.app.jobs import TrainingJobSpec, check_job
     >>> job = TrainingJobSpec.model_validate(TrainingJobSpec.template())
     >>> job.name, job.minutes
     ('train-painn', 10.0)

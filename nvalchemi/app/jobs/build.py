@@ -5,7 +5,7 @@
 patterns or module patches; ``finetune`` starts from a native checkpoint, a MACE model
 file (a pickle: ``--trust``) or a custom model's state dict. ``finetune.head`` adds that
 head as a copy of ``finetune.source_head``; the rest of the block is
-:mod:`nvalchemi.training.jobs.finetune`'s.
+:mod:`nvalchemi.app.jobs.finetune`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.jobs.spec import TrainingJobSpec
 from nvalchemi.training.strategy_payload import parse_spec
 
 __all__ = ["build_models", "build_strategy"]

@@ -1,7 +1,7 @@
 """``quickstart``: the main job, from bundled data to an ASE calculator in a few minutes.
 
-Trains the built-in PaiNN on the bundled EMT data (:mod:`nvalchemi.training.jobs.quickstart`,
-settings in :mod:`nvalchemi.training.jobs.recipe`), evaluates the final checkpoint on the
+Trains the built-in PaiNN on the bundled EMT data (:mod:`nvalchemi.app.jobs.quickstart`,
+settings in :mod:`nvalchemi.app.jobs.recipe`), evaluates the final checkpoint on the
 test split, writes plots, and prints and runs a snippet using the checkpoint from ASE.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from nvalchemi.training.cli._app import debug_option, main
-from nvalchemi.training.cli._console import err_console
+from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._console import err_console
 
 __all__ = ["calculator_snippet", "quickstart"]
 
@@ -95,7 +95,7 @@ def quickstart(threads: int, **options: Any) -> None:
     """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""
     import torch
 
-    from nvalchemi.training.jobs import quickstart as qs
+    from nvalchemi.app.jobs import quickstart as qs
 
     started = time.perf_counter()
     console = err_console()
@@ -144,13 +144,13 @@ def quickstart(threads: int, **options: Any) -> None:
 
 
 def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
+    from nvalchemi.app.cli.evaluate_cmd import print_evaluation
+    from nvalchemi.app.evaluation import predict, structure_groups
+    from nvalchemi.app.jobs import quickstart as qs
     from nvalchemi.data.bundled import bundled_split_path
     from nvalchemi.data.sources import open_reader
     from nvalchemi.hooks.reporting.presets import PLOTS_HINT, learning_curves, plots_available
     from nvalchemi.training.checkpoint import load_model_from_checkpoint
-    from nvalchemi.training.cli.evaluate_cmd import print_evaluation
-    from nvalchemi.training.evaluation import predict, structure_groups
-    from nvalchemi.training.jobs import quickstart as qs
 
     path, index, step = qs.final_checkpoint(plan)
     model = load_model_from_checkpoint(plan.checkpoint_dir, map_location=plan.device)

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from nvalchemi.training.jobs.resolve import check_job
-from nvalchemi.training.jobs.spec import TrainingJobSpec
+from nvalchemi.app.jobs.resolve import check_job
+from nvalchemi.app.jobs.spec import TrainingJobSpec
 
 from ._support import TRAIN, VAL, assert_user_error, invoke
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
-from nvalchemi.training.jobs.spec import FineTuneSpec, TrainingJobSpec
+from nvalchemi.app.jobs.spec import FineTuneSpec, TrainingJobSpec
 
 __all__ = [
     "PARITY_FILENAME",
@@ -280,8 +280,8 @@ def finetune_check(
     written; the report compares the first ``finetune.parity_structures`` (at least 1)
     training structures.
     """
+    from nvalchemi.app.jobs.build import build_strategy
     from nvalchemi.data.sources import make_dataset, neighbor_config_of
-    from nvalchemi.training.jobs.build import build_strategy
 
     if job.workflow != "finetune":
         raise FieldError("is a training job", field="workflow", fix="check a fine-tuning job")
