@@ -1,4 +1,5 @@
-"""Model contract, built-in potentials, the MACE wrapper and an ASE calculator."""
+"""Model contract, built-in potentials, the MACE wrapper, an ASE calculator and a torch-sim model
+(``TorchSimModel``; torch-sim is imported only when it is used)."""
 
 from nvalchemi._lazy import lazy_exports
 
@@ -12,6 +13,7 @@ _EXPORTS = {
     "PaiNN": ".painn",
     "MACEWrapper": ".mace",
     "NvalchemiCalculator": ".calculator",
+    "TorchSimModel": ".torchsim",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
