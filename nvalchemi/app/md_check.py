@@ -56,6 +56,7 @@ __all__ = [
     "MDRun",
     "MDStructures",
     "draw_structures",
+    "iter_table_rows",
     "md_check",
     "run_md_check",
 ]
@@ -356,11 +357,12 @@ def _run_ase(
     settings: MDCheckSettings,
     limits: _Limits,
     device: Any,
+    head: str | None,
 ) -> None:
     """Every run on its own through ASE (Langevin, then velocity Verlet)."""
     from nvalchemi.models.calculator import NvalchemiCalculator
 
-    calculator = NvalchemiCalculator(model, device=device)
+    calculator = NvalchemiCalculator(model, device=device, head=head)
     for number, run in enumerate(runs):
         atoms = structures.atoms[run.structure].copy()
         atoms.calc = calculator
@@ -451,11 +453,12 @@ def _run_torch_sim(
     settings: MDCheckSettings,
     limits: _Limits,
     device: Any,
+    head: str | None,
 ) -> None:
     """All runs batched through torch-sim: one state of the periodic runs, one of the open."""
     from nvalchemi.models.torchsim import TorchSimModel
 
-    adapter = TorchSimModel(model, device=device, compute_stress=False)
+    adapter = TorchSimModel(model, device=device, head=head, compute_stress=False)
     vacuum = adapter.cutoff or DEFAULT_LOST_DISTANCE
     periodic: list[tuple[MDRun, Any]] = []
     open_boundary: list[tuple[MDRun, Any]] = []
@@ -783,8 +786,10 @@ def run_md_check(
     settings: MDCheckSettings | None = None,
     *,
     device: Any = "cpu",
+    head: str | None = None,
 ) -> MDCheckResult:
-    """Run the MD check of ``model`` (a ``BaseModelMixin`` model) on ``structures``.
+    """Run the MD check of ``model`` (a ``BaseModelMixin`` model; ``head``: the readout
+    head of a multi-head one) on ``structures``.
 
     The model's modes and active outputs are restored afterwards, and the global random
     state is left as it was (a check during training does not change the training).
@@ -813,7 +818,7 @@ def run_md_check(
     with torch.random.fork_rng(devices=forked), evaluating(model):
         torch.manual_seed(settings.seed)
         run_engine = _run_torch_sim if engine == "torch-sim" else _run_ase
-        run_engine(model, runs, structures, settings, limits, device)
+        run_engine(model, runs, structures, settings, limits, device, head)
     return MDCheckResult(
         runs=runs,
         settings=settings,
@@ -832,6 +837,7 @@ def md_check(
     settings: MDCheckSettings | None = None,
     *,
     device: Any = "cpu",
+    head: str | None = None,
 ) -> MDCheckResult:
     """Draw structures from ``readers`` (:func:`draw_structures`) and run the MD check.
 
@@ -842,7 +848,8 @@ def md_check(
         >>> result.by_group()["bulk"]["stable"]  # doctest: +SKIP
     """
     settings = settings or MDCheckSettings()
-    return run_md_check(model, draw_structures(readers, settings), settings, device=device)
+    structures = draw_structures(readers, settings)
+    return run_md_check(model, structures, settings, device=device, head=head)
 
 
 # --------------------------------------------------------------------------- training hook
@@ -955,16 +962,19 @@ class MDCheckHook:
 
 
 def iter_table_rows(report: dict[str, Any]) -> Iterable[tuple[str, ...]]:
-    """Rows ``(group, runs, stable, first failure ps, drift)`` of a report, for tables."""
+    """Rows ``(group, runs, stable, first failure ps, NVE drift, closest pair, failures)``
+    of a :meth:`MDCheckResult.report`, as text for tables."""
     for group, entry in report["groups"].items():
         first = entry["first_failure_ps"]
         drift = entry["nve_drift_meV_per_atom_ps"]
+        closest = entry["closest_pair_A"]
         failures = ", ".join(f"{kind} {n}" for kind, n in entry["failures"].items())
         yield (
             group,
             str(entry["runs"]),
             str(entry["stable"]),
-            "-" if first is None else f"{first:.3f}",
-            "-" if drift is None else f"{drift:.3g}",
+            "-" if first is None else f"{first:.2f}",
+            "-" if drift is None else f"{drift:.2g}",
+            "-" if closest is None else f"{closest:.2f}",
             failures or "-",
         )

@@ -1,6 +1,7 @@
 """``evaluate``: a checkpoint on data -> error tables (overall, per structure type, element,
-file, force magnitude) and parity plots; :func:`print_evaluation` prints them (also for
-``spec run`` and ``quickstart``)."""
+file, force magnitude) and parity plots, and with ``--md`` the MD check
+(:mod:`nvalchemi.app.md_check`); :func:`print_evaluation` and :func:`print_md_check` print
+them (also for ``spec run`` and ``quickstart``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import click
 from nvalchemi.app.cli._app import debug_option, main, parse_checkpoint_index
 from nvalchemi.app.cli._console import err_console, print_table
 
-__all__ = ["evaluate", "print_evaluation"]
+__all__ = ["evaluate", "md_settings_from_options", "print_evaluation", "print_md_check"]
 
 _ERROR_COLUMNS = ["E MAE", "E RMSE", "F MAE", "F RMSE", "S MAE", "S RMSE"]
 UNITS_NOTE = (
@@ -101,12 +102,89 @@ def print_evaluation(console: Any, evaluation: Any, title: str, grouping: str = 
     return {"grouping": grouping, **report}
 
 
+def print_md_check(console: Any, report: dict[str, Any]) -> None:
+    """Print an MD check report (:meth:`~nvalchemi.app.md_check.MDCheckResult.report`)."""
+    from nvalchemi.app.md_check import iter_table_rows
+
+    settings = report["settings"]
+    temperatures = ", ".join(f"{t:g}" for t in settings["temperatures_K"])
+    print_table(
+        console,
+        f"MD check ({report['engine']}; {temperatures} K; {settings['nvt_ps']:g} ps NVT then "
+        f"{settings['nve_ps']:g} ps NVE at {settings['timestep_fs']:g} fs; "
+        f"{report['seconds']:.0f} s): runs that stayed physical, per structure type",
+        [
+            "group",
+            "runs",
+            "stable",
+            "first failure ps",
+            "NVE drift meV/atom/ps",
+            "closest pair Å",
+            "failures",
+        ],
+        iter_table_rows(report),
+    )
+    console.print(
+        f"A run fails on a pair closer than {report['min_distance_bound_A']:.2f} Å "
+        f"({settings['min_distance_factor']:g} x the data's smallest distance, "
+        f"{report['data_min_distance_A']:.2f} Å), an energy runaway "
+        f"(> {settings['energy_window_eV_per_atom']:g} eV/atom), a lost atom (no neighbour "
+        f"within {report['lost_atom_distance_A']:.1f} Å) or a model error. NVE drift: mean "
+        "|slope| of the total energy per atom over the stable runs."
+    )
+
+
+def md_settings_from_options(
+    base: Any = None, *, group_by: str | None = None, **options: Any
+) -> Any:
+    """:class:`~nvalchemi.app.md_check.MDCheckSettings` from ``--md-*`` options (``None``:
+    keep ``base``'s value); a bad value raises :class:`FieldError` naming the option."""
+    from pydantic import ValidationError
+
+    from nvalchemi._errors import FieldError
+    from nvalchemi.app.md_check import MDCheckSettings
+
+    values = (base or MDCheckSettings()).model_dump()
+    names = {
+        "temperatures": "temperatures_K",
+        "nvt_ps": "nvt_ps",
+        "nve_ps": "nve_ps",
+        "structures": "structures_per_group",
+        "timestep_fs": "timestep_fs",
+        "engine": "engine",
+    }
+    for option, value in options.items():
+        if value is None:
+            continue
+        if option == "temperatures":
+            try:
+                value = [float(t) for t in str(value).replace(",", " ").split()]
+            except ValueError:
+                raise FieldError(
+                    f"{value!r} is not a list of temperatures",
+                    field="--md-temperatures",
+                    fix="give kelvins separated by commas, e.g. --md-temperatures 300,900",
+                ) from None
+        values[names[option]] = value
+    if group_by is not None:
+        values["group_by"] = group_by
+    try:
+        return MDCheckSettings.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = next((o for o, n in names.items() if n == error["loc"][0]), "md")
+        raise FieldError(
+            error["msg"], field=f"--md-{field.replace('_', '-')}", fix="see --help"
+        ) from None
+
+
 @main.command(
     "evaluate",
     epilog="""\b
 Examples:
   nvalchemi-training evaluate runs/my/checkpoints --dataset data/test.extxyz
   nvalchemi-training evaluate runs/my/checkpoints --dataset test.extxyz --group-by material --json
+  nvalchemi-training evaluate runs/my/checkpoints --dataset test.extxyz --md --md-temperatures 600
 """,
 )
 @click.argument("checkpoint_dir", type=click.Path(file_okay=False))
@@ -135,6 +213,14 @@ Examples:
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="torch CPU threads. Small models gain little from more, and extra threads slow "
+    "MD steps down a lot when other processes share the CPU.",
+)
+@click.option(
     "--max-structures",
     type=click.IntRange(min=1),
     help="Evaluate only the first N structures of each file.",
@@ -148,6 +234,27 @@ Examples:
 @click.option("--head", help="Readout head of a multi-head model (default: its default head).")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (eV units)."
+)
+@click.option(
+    "--md",
+    "run_md",
+    is_flag=True,
+    help="Also run the MD check: Langevin NVT then NVE on structures drawn per structure "
+    "type; reports runs that stayed physical, time to the first failure and NVE drift.",
+)
+@click.option("--md-temperatures", metavar="K[,K...]", help="NVT temperatures [300,900].")
+@click.option("--md-nvt-ps", type=click.FloatRange(min=0), help="NVT time per run [0.4].")
+@click.option("--md-nve-ps", type=click.FloatRange(min=0), help="NVE time after NVT [0.2].")
+@click.option(
+    "--md-structures", type=click.IntRange(min=1), help="Structures per structure type [1]."
+)
+@click.option(
+    "--md-timestep-fs", type=click.FloatRange(min=0, min_open=True), help="Time step [2]."
+)
+@click.option(
+    "--md-engine",
+    type=click.Choice(["auto", "torch-sim", "ase"]),
+    help="auto: torch-sim (batched) when installed, else ASE [auto].",
 )
 @click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
 @click.option(
@@ -166,16 +273,26 @@ def evaluate(
     group_by: str | None,
     batch_size: int,
     device: str,
+    threads: int,
     max_structures: int | None,
     out_dir: str | None,
     plots: bool,
     head: str | None,
     as_json: bool,
+    run_md: bool,
+    md_temperatures: str | None,
+    md_nvt_ps: float | None,
+    md_nve_ps: float | None,
+    md_structures: int | None,
+    md_timestep_fs: float | None,
+    md_engine: str | None,
     trust: bool,
     allow_imports: tuple[str, ...],
 ) -> None:
     """Evaluate a checkpoint: energy, force and stress errors overall, per structure type,
-    element, file and force magnitude, with parity plots."""
+    element, file and force magnitude, with parity plots; with --md, the MD check."""
+    import torch
+
     from nvalchemi._errors import FieldError
     from nvalchemi.app.evaluation import evaluate_readers
     from nvalchemi.app.jobs.resolve import allow_user_code
@@ -183,6 +300,7 @@ def evaluate(
     from nvalchemi.hooks.reporting.presets import PLOTS_HINT, plots_available
     from nvalchemi.training.checkpoint import load_model_from_checkpoint
 
+    torch.set_num_threads(threads)
     allow_user_code(list(allow_imports), ".", field="--allow-import")
     root = Path(checkpoint_dir)
     if not (root / "manifest.json").is_file():
@@ -205,21 +323,42 @@ def evaluate(
             field="--head",
             fix="name one of the model's heads, or drop --head",
         )
+    settings = None
+    if run_md:
+        settings = md_settings_from_options(
+            group_by=group_by,
+            temperatures=md_temperatures,
+            nvt_ps=md_nvt_ps,
+            nve_ps=md_nve_ps,
+            structures=md_structures,
+            timestep_fs=md_timestep_fs,
+            engine=md_engine,
+        )
     readers = [open_reader(p, field="--dataset", max_structures=max_structures) for p in datasets]
+    md_result = None
     try:
         evaluation, grouping = evaluate_readers(
             model, readers, batch_size=batch_size, device=device, head=head, group_by=group_by
         )
+        if settings is not None:
+            from nvalchemi.app.md_check import md_check
+
+            md_result = md_check(model, readers, settings, device=device, head=head)
     finally:
         for reader in readers:
             reader.close()
     console = err_console()
     result = print_evaluation(console, evaluation, "Evaluation", grouping)
+    if md_result is not None:
+        result["md"] = md_result.report()
+        print_md_check(console, result["md"])
     if plots and not plots_available():
         console.print(PLOTS_HINT)
     elif plots:
         target = Path(out_dir) if out_dir else root.resolve().parent / "evaluation"
         result["plots"] = [str(p) for p in evaluation.parity_plots(target)]
+        if md_result is not None:
+            result["plots"].append(str(md_result.plot(target / "md_check.png")))
         for path in result["plots"]:
             console.print(f"plot: {path}")
     if as_json:

@@ -140,7 +140,7 @@ def _forgetting_rows(forgetting: Any) -> list[tuple[str, Any]]:
 
 
 def _summary(result: Any, console: Any) -> None:
-    from nvalchemi.app.cli.evaluate_cmd import print_evaluation
+    from nvalchemi.app.cli.evaluate_cmd import print_evaluation, print_md_check
 
     if not result.is_main:
         return
@@ -168,6 +168,8 @@ def _summary(result: Any, console: Any) -> None:
             f"Final model ({weights} weights) on the validation data",
             result.grouping,
         )
+    if result.md_check is not None:
+        print_md_check(console, result.md_check.report())
     console.print(f"run directory: {result.run_dir}")
     if result.checkpoint_dir is not None:
         console.print(

@@ -5,7 +5,9 @@ the strategy from the job (or restores it from a checkpoint), makes the loaders 
 batches, an atom/edge budget, or ``batch_size: auto`` probed on the model), adds
 validation, reporting, a time budget and a ``PreemptionHandler``, trains, and on rank 0
 evaluates the final model on the validation data (``final_evaluation.json``, parity
-plots). A stop signal before the first step exits with status 75 (:mod:`.signals`).
+plots) and, with ``evaluation: {md: ...}``, runs the MD check on it (``"md"`` in
+``final_evaluation.json``, ``md_check.png``; :mod:`nvalchemi.app.md_check`). A stop
+signal before the first step exits with status 75 (:mod:`.signals`).
 
 Example:
     >>> from nvalchemi.app.jobs import load_job, run_job, RunOptions
@@ -90,6 +92,8 @@ class RunResult:
     """The :class:`~nvalchemi.training.memory_probe.BatchBudget` of ``batch_size: auto``."""
     forgetting: dict[str, dict[str, float]] | None = None
     """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
+    md_check: Any = None
+    """The final model's :class:`~nvalchemi.app.md_check.MDCheckResult` (``evaluation.md``)."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -207,7 +211,9 @@ def _check_root(resume_from: Path) -> None:
         )
 
 
-RUN_HOOKS = frozenset({"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "PreemptionHandler"})
+RUN_HOOKS = frozenset(
+    {"DDPHook", "ReportingOrchestrator", "TimeBudgetHook", "PreemptionHandler", "MDCheckHook"}
+)
 """Hooks :func:`run_job` adds by itself (from options and the launch), not from ``source.hooks``."""
 
 
@@ -517,20 +523,22 @@ def _run(
     budget = _budget_hook(job, options)
     if budget is not None:
         hooks.append(budget)
-    hooks.append(
-        run_reporting(
-            run_dir,
-            log_every=job.output.log_every_n_steps,
-            tensorboard=job.output.tensorboard,
-            title=title,
-            console=console,
-            budget=budget,
-        )
+    reporting = run_reporting(
+        run_dir,
+        log_every=job.output.log_every_n_steps,
+        tensorboard=job.output.tensorboard,
+        title=title,
+        console=console,
+        budget=budget,
     )
+    hooks.append(reporting)
     if checkpoint_dir is not None:
         hooks.append(PreemptionHandler())
     data = job.dataset
     sources = data.open_sources(options.validation_paths)
+    md_hook = _md_check_hook(job, sources)
+    if md_hook is not None:
+        hooks.insert(hooks.index(reporting), md_hook)  # its numbers join the validation rows
     counts = {"num_train": sources.num_train, "num_validation": sources.num_validation}
     if console is not None:
         console.print(
@@ -598,6 +606,8 @@ def _run(
         result.batch_budget = probed
         if is_main and sources.validation:
             _final_evaluation(result, job, sources.validation, val_loader, options)
+        if is_main and job.evaluation is not None and job.evaluation.md is not None:
+            _final_md_check(result, job, sources.validation or sources.train, options, console)
     finally:
         sources.close()
     return result
@@ -646,3 +656,46 @@ def _final_evaluation(
     (result.run_dir / FINAL_EVALUATION).write_text(json.dumps(report, indent=2) + "\n")
     if job.output.plots and plots_available():
         result.plots += evaluation.parity_plots(result.run_dir)
+
+
+def _md_check_hook(job: TrainingJobSpec, sources: Any) -> Any:
+    """The short MD check every K validations of ``evaluation.md.every_n_validations``."""
+    md = job.evaluation.md if job.evaluation is not None else None
+    if md is None or md.every_n_validations is None or not sources.validation:
+        return None
+    from nvalchemi.app.md_check import MDCheckHook
+
+    return MDCheckHook(
+        readers=sources.validation,
+        every_n_validations=md.every_n_validations,
+        settings=md.settings().short(),
+    )
+
+
+def _final_md_check(
+    result: RunResult, job: TrainingJobSpec, readers: list[Any], options: RunOptions, console: Any
+) -> None:
+    """``evaluation.md``: the MD check of the final model; ``"md"`` in final_evaluation.json."""
+    from nvalchemi.app.evaluation import final_model
+    from nvalchemi.app.md_check import md_check
+    from nvalchemi.hooks.reporting.presets import plots_available
+
+    use_ema = job.validation.use_ema if job.validation is not None else "auto"
+    model, _ = final_model(result.strategy, use_ema)
+    if model is None:
+        return
+    settings = job.evaluation.md.settings()
+    if settings.group_by is None and (options.group_by or job.output.group_by):
+        settings = settings.model_copy(update={"group_by": options.group_by or job.output.group_by})
+    if console is not None:
+        console.print(
+            f"MD check of the final model: {', '.join(f'{t:g}' for t in settings.temperatures_K)}"
+            f" K, {settings.nvt_ps:g} ps NVT then {settings.nve_ps:g} ps NVE per structure"
+        )
+    result.md_check = md_check(model, readers, settings, device=result.strategy.devices[0])
+    path = result.run_dir / FINAL_EVALUATION
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    report["md"] = result.md_check.report()
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    if job.output.plots and plots_available():
+        result.plots.append(result.md_check.plot(result.run_dir / "md_check.png"))

@@ -2,7 +2,7 @@
 
 A job names the model's source, the data, the outputs, the validation cadence, the
 length (``minutes``, a time budget, or a fixed length in ``strategy``), the ``finetune``
-block and the training recipe (``strategy``: a
+block, what to check at the end (``evaluation``: the MD check) and the training recipe (``strategy``: a
 :class:`~nvalchemi.training.strategy_payload.StrategyPayload`). Every block forbids
 unknown keys and every structural error is reported at once; dotted paths are resolved
 later by :mod:`nvalchemi.app.jobs.resolve`.
@@ -29,12 +29,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nvalchemi.app.md_check import MDCheckSettings
 from nvalchemi.training.strategy_payload import FINETUNE_KEYS, StrategyPayload, with_timestamps
 
 __all__ = [
     "DatasetSpec",
     "DistributedSpec",
+    "EvaluationSpec",
     "FineTuneSpec",
+    "MDCheckSpec",
     "MaceSourceOptions",
     "OutputSpec",
     "ReplaySpec",
@@ -415,6 +418,43 @@ class FineTuneSpec(_Block):
         return self
 
 
+class MDCheckSpec(MDCheckSettings):
+    """``evaluation.md``: the MD check of the final model at the end of ``spec run`` (on the
+    validation data, else the training data), and with ``every_n_validations`` a short one
+    during training (:class:`~nvalchemi.app.md_check.MDCheckHook`). Every other key is an
+    :class:`~nvalchemi.app.md_check.MDCheckSettings` field."""
+
+    every_n_validations: int | None = Field(
+        default=None,
+        ge=1,
+        description="also run a short check (the highest temperature, one structure per "
+        "group, 0.2 ps NVT + 0.1 ps NVE) at every K-th validation: validation/md/* curves",
+    )
+
+    def settings(self) -> MDCheckSettings:
+        """The check's settings (without the training cadence)."""
+        return MDCheckSettings.model_validate(self.model_dump(exclude={"every_n_validations"}))
+
+
+class EvaluationSpec(_Block):
+    """What ``spec run`` checks at the end besides the errors on the validation data."""
+
+    md: MDCheckSpec | None = Field(
+        default=None,
+        description="the MD check (true or {} for the defaults: 300 and 900 K, one structure "
+        "per group, 0.4 ps NVT then 0.2 ps NVE)",
+    )
+
+    @field_validator("md", mode="before")
+    @classmethod
+    def _flag(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
+
+
 class TrainingJobSpec(_Block):
     """A complete training or fine-tuning job for ``nvalchemi-training spec run``."""
 
@@ -440,6 +480,7 @@ class TrainingJobSpec(_Block):
     validation: ValidationSpec | None = None
     distributed: DistributedSpec | None = None
     finetune: FineTuneSpec | None = None
+    evaluation: EvaluationSpec | None = None
     strategy: StrategyPayload = Field(
         description="the training recipe: a TrainingStrategy.to_spec_dict()-shaped payload "
         "plus fine-tuning keys (see nvalchemi.training.strategy_payload)",
