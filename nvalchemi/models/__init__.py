@@ -1,4 +1,4 @@
-"""Model contract, built-in potentials, the MACE wrapper and an ASE calculator."""
+"""Model contract, built-in potentials, the MACE wrapper, an ASE calculator and LAMMPS."""
 
 from nvalchemi._lazy import lazy_exports
 
@@ -12,6 +12,8 @@ _EXPORTS = {
     "PaiNN": ".painn",
     "MACEWrapper": ".mace",
     "NvalchemiCalculator": ".calculator",
+    "LammpsPotential": ".lammps",
+    "run_lammps": ".lammps",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
