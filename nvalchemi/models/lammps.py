@@ -278,12 +278,12 @@ class LammpsPotential:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Edges from LAMMPS's full list; a ghost neighbour becomes its local owner + shift."""
         lmp = self.lmp
-        index = lmp.find_pair_neighlist("zero")
-        if index < 0:
+        if lmp.extract_global("pair_style") != "zero":
             raise RuntimeError(
                 "neighbors='lammps' needs the list of `pair_style zero` that attach() set; the "
                 "input replaced the pair style. Use neighbors='own' to keep another pair_style."
             )
+        index = lmp.find_pair_neighlist("zero")
         nall = nlocal + int(lmp.extract_setting("nghost"))
         x_all = lmp.numpy.extract_atom("x", nelem=nall)
         tag_all = lmp.numpy.extract_atom("id", nelem=nall)
