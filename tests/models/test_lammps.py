@@ -21,6 +21,10 @@ from _pair_potential import MorsePair
 from nvalchemi.data.neighbors import neighbor_list_for_system
 from nvalchemi.models.lammps import LammpsPotential, open_lammps, run_lammps
 
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning"
+)
+
 EV_PER_A3_IN_BAR = 1.602176634e6  # 1 eV/Å³ = 1.602176634e11 Pa
 NEIGHBORS = ("own", "lammps")
 
@@ -326,3 +330,19 @@ def test_lammps_neighbors_need_the_pair_style_they_set(potential):
     lmp = run_lammps(potential, commands, {1: "Cu", 2: "Au"}, neighbors="own")
     atoms.calc = ContractCalculator(potential)
     assert lmp.get_thermo("pe") == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+
+
+def test_minimize_relaxes_on_the_potentials_energy_and_forces(potential):
+    # the line search needs the fix's energy (fix_modify energy yes) to match its forces
+    atoms = cu_au_cell()
+    atoms.rattle(0.1, seed=3)
+    atoms.wrap()
+    lmp = run_lammps(
+        potential,
+        [*box_commands(atoms, types_of(atoms)), FIX, THERMO, "run 0"],
+        {1: "Cu", 2: "Au"},
+    )
+    start = lmp.get_thermo("pe")
+    lmp.command("minimize 0 1e-6 500 5000")
+    assert lmp.get_thermo("pe") < start - 0.1
+    assert lmp.get_thermo("fnorm") < 1e-5
