@@ -18,7 +18,8 @@ Atom types map to elements with ``type_to_element`` (``{1: "Cu", 2: "Au"}`` or a
 numbers); every type of the box needs one, and each must be an element the potential
 knows. Units must be ``metal`` (Å, eV, ps, bar). Neighbours come from one of:
 
-* ``neighbors="own"`` (default): the package's list (vesin), built every step from the
+* ``neighbors="own"`` (default): the package's list
+  (:func:`nvalchemi.models.export.neighbor_inputs`), built every step from the
   positions and LAMMPS's box (orthogonal or triclinic; periodic or not per direction),
   the same list every other engine uses. LAMMPS may keep its own ``pair_style`` for other
   terms (added to ours).
@@ -61,7 +62,7 @@ import numpy as np
 import torch
 
 from nvalchemi._optional import OptionalDependency
-from nvalchemi.data.neighbors import neighbor_list_for_system
+from nvalchemi.models.export import neighbor_inputs
 
 __all__ = ["LammpsPotential", "load_libmpi", "open_lammps", "run_lammps"]
 
@@ -267,12 +268,6 @@ class LammpsPotential:
         cell = np.array([[lx, 0.0, 0.0], [xy, ly, 0.0], [xz, yz, lz]])
         return cell, np.array(periodicity, dtype=bool)
 
-    def _own_edges(
-        self, x: np.ndarray, cell: np.ndarray, pbc: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        pairs, images = neighbor_list_for_system(x, cell, pbc, self.cutoff)
-        return pairs.T, images @ cell
-
     def _lammps_edges(
         self, nlocal: int, tag: np.ndarray, x: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -346,7 +341,8 @@ class LammpsPotential:
         numbers = self._z_of_type[types]
         cell, pbc = self._box()
         if self.neighbors == "own":
-            edge_index, shifts = self._own_edges(x, cell, pbc)
+            edges = neighbor_inputs(x, numbers, cell, pbc, self.cutoff)
+            edge_index, shifts = edges["edge_index"], edges["shifts"]
         else:
             edge_index, shifts = self._lammps_edges(nlocal, tag, x)
         inputs = {
