@@ -10,7 +10,8 @@ float64. Engines:
 * ``lammps`` / ``lammps-nl``: LAMMPS ``fix external`` (``nvalchemi.models.lammps``)
   with the exported file, neighbours from the package's list / LAMMPS's own list;
 * ``torchsim-1`` / ``-8`` / ``-64``: ``torch_sim``'s NVE on a batch of 1, 8 or 64
-  copies of the cell (differently rattled) through ``nvalchemi.models.TorchSimModel``.
+  copies of the cell (differently rattled) through ``nvalchemi.models.TorchSimModel``
+  around the eager model.
 
 Reported per case (one JSON line each, then a table): ``steps_per_s`` (MD steps of the
 whole batch per second) and ``atom_steps_per_s`` (atoms x systems x steps per second),
@@ -219,7 +220,7 @@ def lammps_engine(potential, atoms, neighbors: str, args, sync):
         lmp.close()
 
 
-def torchsim_engine(potential, atoms, n_systems: int, dtype, args, sync):
+def torchsim_engine(model, atoms, n_systems: int, dtype, args, sync):
     if importlib.util.find_spec("torch_sim") is None:
         raise Skip("torch-sim-atomistic is not installed (pip install 'nvalchemi-training[md]')")
     try:
@@ -229,7 +230,7 @@ def torchsim_engine(potential, atoms, n_systems: int, dtype, args, sync):
     import torch_sim as ts
 
     systems = [cell(len(atoms), seed=k) for k in range(n_systems)]
-    model = TorchSimModel(potential, device=args.device, dtype=dtype)
+    model = TorchSimModel(model, device=args.device, dtype=dtype)
     state = ts.initialize_state(systems, torch.device(args.device), dtype)
     units = ts.units.MetalUnits  # time unit: sqrt(amu Å² / eV); MetalUnits.time is 1 ps in it
     kt = torch.tensor(TEMPERATURE_K * units.temperature, dtype=dtype, device=args.device)
@@ -265,8 +266,7 @@ def run_case(engine: str, model_name: str, n_atoms: int, dtype: torch.dtype, arg
         n, seconds = lammps_engine(potential, atoms, neighbors, args, sync)
     else:
         systems = int(engine.rsplit("-", 1)[1])
-        potential = exported(model, dtype, folder)
-        n, seconds = torchsim_engine(potential, atoms, systems, dtype, args, sync)
+        n, seconds = torchsim_engine(model, atoms, systems, dtype, args, sync)
     return {
         "engine": engine,
         "model": model_name,
