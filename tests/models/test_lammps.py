@@ -379,3 +379,33 @@ def test_minimize_relaxes_on_the_potentials_energy_and_forces(potential):
     lmp.command("minimize 0 1e-6 500 5000")
     assert lmp.get_thermo("pe") < start - 0.1
     assert lmp.get_thermo("fnorm") < 1e-5
+
+
+@pytest.fixture(scope="module")
+def exported_painn(tmp_path_factory):
+    """(tiny PaiNN, its export loaded with torch.jit.load), checked on the test cell."""
+    from nvalchemi.models import export
+
+    if not hasattr(export, "export_model"):
+        pytest.skip("nvalchemi.models.export.export_model is not on this branch yet")
+    model = tiny_painn()
+    path = tmp_path_factory.mktemp("export") / "cuau.pt"
+    export.export_model(model, path, structures=[cu_au_cell()])
+    return model, torch.jit.load(str(path))
+
+
+@pytest.mark.parametrize("neighbors", NEIGHBORS)
+def test_an_exported_file_runs_in_lammps_like_the_calculator(exported_painn, neighbors):
+    model, exported = exported_painn
+    atoms = cu_au_cell()
+    lmp = run_lammps(
+        exported,
+        [*box_commands(atoms, types_of(atoms)), FIX, THERMO, "run 0"],
+        {1: "Cu", 2: "Au"},
+        neighbors=neighbors,
+    )
+    atoms.calc = NvalchemiCalculator(model)
+    assert lmp.get_thermo("pe") == pytest.approx(atoms.get_potential_energy(), rel=1e-10)
+    np.testing.assert_allclose(by_id(lmp, "f"), atoms.get_forces(), atol=1e-9)
+    pressure = -atoms.get_stress()[:3].mean() * EV_PER_A3_IN_BAR
+    assert lmp.get_thermo("press") == pytest.approx(pressure, rel=1e-6)
