@@ -188,7 +188,12 @@ def _drift_mev_per_atom_ps(times_ps, totals, n_atoms) -> float:
     return 1e3 * slope
 
 
-@pytest.mark.parametrize("neighbors", NEIGHBORS)
+# PaiNN with LAMMPS's list is pinned by run 0; in NVE the Morse module covers it (3 s less)
+@pytest.mark.parametrize(
+    ("engine_pair", "neighbors"),
+    [("morse-scripted", "own"), ("morse-scripted", "lammps"), ("painn-potential", "own")],
+    indirect=["engine_pair"],
+)
 def test_200_nve_steps_conserve_energy_like_ase_velocity_verlet(engine_pair, neighbors):
     from ase.md.verlet import VelocityVerlet
 
