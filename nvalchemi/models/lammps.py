@@ -294,9 +294,8 @@ class LammpsPotential:
         vectors = x_all[receiver] - x_all[sender]
         keep = np.einsum("ij,ij->i", vectors, vectors) < self.cutoff**2
         sender, receiver = sender[keep], receiver[keep]
-        local_of_tag = np.full(int(tag_all.max()) + 1, -1, dtype=np.int64)
-        local_of_tag[tag] = np.arange(nlocal)
-        owner = local_of_tag[tag_all[receiver]]
+        by_tag = np.argsort(tag)  # atom IDs may be sparse: no table indexed by ID
+        owner = by_tag[np.searchsorted(tag, tag_all[receiver], sorter=by_tag)]
         shifts = x_all[receiver] - x[owner]
         return np.stack([sender, owner]), shifts
 

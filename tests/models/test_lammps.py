@@ -414,3 +414,21 @@ def test_an_exported_file_runs_in_lammps_like_the_calculator(exported_painn, nei
     np.testing.assert_allclose(by_id(lmp, "f"), atoms.get_forces(), atol=1e-9)
     pressure = -atoms.get_stress()[:3].mean() * EV_PER_A3_IN_BAR
     assert lmp.get_thermo("press") == pytest.approx(pressure, rel=1e-6)
+
+
+@pytest.mark.parametrize("neighbors", NEIGHBORS)
+def test_large_sparse_atom_ids(potential, neighbors):
+    atoms = cu_au_cell()
+    commands = [c for c in box_commands(atoms, types_of(atoms)) if "create_atoms" not in c]
+    commands = [c.replace("map array", "map hash") for c in commands]
+    lmp = open_lammps()
+    lmp.commands_list(commands)
+    ids = [10**9 + 1000 * k for k in range(len(atoms))]
+    lmp.create_atoms(len(atoms), ids, types_of(atoms), atoms.positions.ravel().tolist())
+    attached = LammpsPotential(potential, {1: "Cu", 2: "Au"}, neighbors=neighbors)
+    attached.attach(lmp)
+    lmp.command("run 0")
+    attached.check()
+    atoms.calc = ContractCalculator(potential)
+    assert lmp.get_thermo("pe") == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+    np.testing.assert_allclose(by_id(lmp, "f"), atoms.get_forces(), atol=1e-10)
