@@ -362,6 +362,11 @@ def _run_ase(
     """Every run on its own through ASE (Langevin, then velocity Verlet)."""
     from nvalchemi.models.calculator import NvalchemiCalculator
 
+    if getattr(model, "model_config", None) is None:
+        raise TypeError(
+            f"The MD check's ASE engine runs BaseModelMixin models; {type(model).__name__} is "
+            "not one (an exported potential runs with engine='torch-sim')."
+        )
     calculator = NvalchemiCalculator(model, device=device, head=head)
     for number, run in enumerate(runs):
         atoms = structures.atoms[run.structure].copy()
@@ -780,6 +785,15 @@ def _engine(choice: str) -> str:
     return choice
 
 
+def _cutoff_of(model: Any) -> float | None:
+    """The model's neighbour cutoff (Å): its ``neighbor_config``'s, or an export's ``cutoff``."""
+    config = getattr(model, "model_config", None)
+    if config is None:
+        cutoff = getattr(model, "cutoff", None)
+        return float(cutoff) if cutoff else None
+    return None if config.neighbor_config is None else float(config.neighbor_config.cutoff)
+
+
 def run_md_check(
     model: Any,
     structures: MDStructures,
@@ -788,8 +802,9 @@ def run_md_check(
     device: Any = "cpu",
     head: str | None = None,
 ) -> MDCheckResult:
-    """Run the MD check of ``model`` (a ``BaseModelMixin`` model; ``head``: the readout
-    head of a multi-head one) on ``structures``.
+    """Run the MD check of ``model`` on ``structures``: a ``BaseModelMixin`` model
+    (``head``: the readout head of a multi-head one), or with the torch-sim engine also a
+    module that follows the export contract (a loaded export, a ``Potential``).
 
     The model's modes and active outputs are restored afterwards, and the global random
     state is left as it was (a check during training does not change the training).
@@ -800,8 +815,7 @@ def run_md_check(
 
     settings = settings or MDCheckSettings()
     engine = _engine(settings.engine)
-    neighbor_config = getattr(getattr(model, "model_config", None), "neighbor_config", None)
-    cutoff = None if neighbor_config is None else float(neighbor_config.cutoff)
+    cutoff = _cutoff_of(model)
     limits = _Limits(
         min_distance=settings.min_distance_factor * structures.data_min_distance,
         lost_distance=settings.lost_atom_distance or cutoff or DEFAULT_LOST_DISTANCE,

@@ -8,8 +8,12 @@
 
 * any ``BaseModelMixin`` model (PaiNN, ``MACEWrapper``, yours), run eagerly on an
   nvalchemi ``Batch`` with neighbour lists built for the whole batch in one pass
-  (:func:`nvalchemi.data.neighbors.compute_neighbors`), and
-* a training checkpoint (:meth:`TorchSimModel.from_checkpoint`).
+  (:func:`nvalchemi.data.neighbors.compute_neighbors`): the fast path; a training
+  checkpoint loads into it (:meth:`TorchSimModel.from_checkpoint`);
+* anything that follows the export contract (:mod:`nvalchemi.models.export`): an exported
+  TorchScript file (:meth:`TorchSimModel.from_export`, torch only) or an eager
+  :class:`~nvalchemi.models.export.Potential`, called in its batched form with neighbours
+  from :func:`~nvalchemi.models.export.neighbor_inputs`.
 
 Conventions: torch-sim stores cells as columns (``state.cell[b]`` has the lattice vectors
 as columns), nvalchemi as rows; this adapter transposes. Energies are eV ``[B]``, forces
@@ -55,11 +59,12 @@ class TorchSimModel(ModelInterface):
     """torch-sim's ``ModelInterface`` around an nvalchemi model.
 
     Args:
-        model: an ``nn.Module`` + ``BaseModelMixin`` model. It runs in eval mode with
-            the outputs asked for (its mode and ``active_outputs`` are restored after
-            every call, so a model that is being trained can be checked in between);
-            when ``device`` or ``dtype`` differ from the model's, the adapter works on
-            a copy.
+        model: an ``nn.Module`` + ``BaseModelMixin`` model, or a module that follows the
+            export contract (a loaded export, a ``Potential``). A ``BaseModelMixin`` model
+            runs in eval mode with the outputs asked for (its mode and ``active_outputs``
+            are restored after every call, so a model that is being trained can be
+            checked in between); when ``device`` or ``dtype`` differ from the model's,
+            the adapter works on a copy.
         device: where to run (default: the model's device).
         dtype: run in this dtype (default: the model's). torch-sim's runners build
             their states in ``model.dtype``.
@@ -71,9 +76,9 @@ class TorchSimModel(ModelInterface):
             ``"cell_list"``, see :func:`~nvalchemi.data.neighbors.compute_neighbors`).
 
     Raises:
-        TypeError: ``model`` is not a ``BaseModelMixin`` model.
+        TypeError: ``model`` is neither a ``BaseModelMixin`` model nor a contract module.
         ValueError: ``compute_stress=True`` for a model without a stress output, or a
-            ``head`` the model does not have.
+            ``head`` the model does not have (or any ``head`` for a contract module).
     """
 
     def __init__(
@@ -88,32 +93,46 @@ class TorchSimModel(ModelInterface):
         neighbor_method: str | None = None,
     ) -> None:
         super().__init__()
-        config = getattr(model, "model_config", None)
-        if not isinstance(model, torch.nn.Module) or config is None:
+        contract = _follows_contract(model)
+        if not isinstance(model, torch.nn.Module) or not (
+            contract or getattr(model, "model_config", None) is not None
+        ):
             raise TypeError(
-                f"TorchSimModel needs an nn.Module + BaseModelMixin model (with a "
-                f"model_config); got {type(model).__name__}."
+                "TorchSimModel needs an nn.Module + BaseModelMixin model (with a model_config) "
+                "or a module that follows the export contract (with cutoff and atomic_numbers, "
+                f"e.g. torch.jit.load of an export); got {type(model).__name__}."
             )
-        _check_head(model, head)
-        outputs = set(config.outputs)
-        if compute_stress and "stress" not in outputs:
-            raise ValueError(
-                f"compute_stress=True, but {type(model).__name__} has no stress output "
-                f"(its outputs: {sorted(outputs)})."
-            )
-        if compute_forces and "forces" not in outputs:
-            raise ValueError(
-                f"compute_forces=True, but {type(model).__name__} has no forces output "
-                f"(its outputs: {sorted(outputs)})."
-            )
-        first = next((p for p in model.parameters() if p.dtype.is_floating_point), None)
+        if contract:
+            if head is not None:
+                raise ValueError(
+                    "head= chooses a readout head of a BaseModelMixin model; an exported "
+                    "potential has its head fixed at export (export with --head)."
+                )
+            outputs = {"energy", "forces", "stress"}
+        else:
+            _check_head(model, head)
+            outputs = set(model.model_config.outputs)
+        for flag, name in ((compute_stress, "stress"), (compute_forces, "forces")):
+            if flag and name not in outputs:
+                raise ValueError(
+                    f"compute_{name}=True, but {type(model).__name__} has no {name} output "
+                    f"(its outputs: {sorted(outputs)})."
+                )
+        tensors = [*model.parameters(), *model.buffers()]
+        first = next((t for t in tensors if t.dtype.is_floating_point), None)
         current_device = first.device if first is not None else torch.device("cpu")
         current_dtype = first.dtype if first is not None else torch.get_default_dtype()
+        model_dtype = getattr(model, "dtype", None)
+        if not isinstance(model_dtype, torch.dtype):
+            model_dtype = current_dtype
         self._device = torch.device(device) if device is not None else current_device
-        self._dtype = dtype or getattr(model, "dtype", None) or current_dtype
-        if self._device != current_device or self._dtype != current_dtype:
+        self._dtype = dtype or model_dtype
+        if self._device != current_device or self._dtype != model_dtype:
             model = copy.deepcopy(model).to(device=self._device, dtype=self._dtype)
+        if contract and isinstance(model, torch.jit.ScriptModule):
+            model.eval()
         self.model = model
+        self.contract = contract
         self.head = head
         self.neighbor_method = neighbor_method
         self._compute_forces = bool(compute_forces)
@@ -166,9 +185,33 @@ class TorchSimModel(ModelInterface):
         )
         return cls(model, device=device, dtype=dtype, head=head, compute_stress=compute_stress)
 
+    @classmethod
+    def from_export(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        compute_stress: bool | None = None,
+    ) -> TorchSimModel:
+        """Load an exported potential (``nvalchemi-training export``; ``torch.jit.load``,
+        nothing of this package runs inside it) and run it in its own dtype.
+
+        Example:
+            >>> model = TorchSimModel.from_export("cuau.pt", device="cuda")  # doctest: +SKIP
+        """
+        module = torch.jit.load(str(path), map_location=device)
+        if not _follows_contract(module):
+            raise ValueError(
+                f"{path} is a TorchScript file but not an nvalchemi export (it has no cutoff "
+                "and atomic_numbers); write one with `nvalchemi-training export CKPT OUT`."
+            )
+        return cls(module, device=device, compute_stress=compute_stress)
+
     @property
     def cutoff(self) -> float | None:
         """The model's interaction cutoff in Å (``None`` for a model without neighbours)."""
+        if self.contract:
+            return float(self.model.cutoff) or None  # 0.0: a potential without neighbours
         config = self.model.model_config.neighbor_config
         return None if config is None else float(config.cutoff)
 
@@ -186,14 +229,17 @@ class TorchSimModel(ModelInterface):
         pbc = _per_system_pbc(pbc, num_systems, self._device)
         numbers = numbers.to(device=self._device, dtype=torch.long)
         system_idx = system_idx.to(device=self._device, dtype=torch.long)
-        batch = self._batch(positions, cell, pbc, numbers, system_idx, num_systems)
         periodic = pbc.any(dim=1)
-        wanted = {"energy"}
-        if self._compute_forces:
-            wanted.add("forces")
-        if self._compute_stress and bool(periodic.any()):
-            wanted.add("stress")
-        out = self._run_model(batch, wanted)
+        if self.contract:
+            out = self._run_contract(positions, cell, pbc, numbers, system_idx)
+        else:
+            batch = self._batch(positions, cell, pbc, numbers, system_idx, num_systems)
+            wanted = {"energy"}
+            if self._compute_forces:
+                wanted.add("forces")
+            if self._compute_stress and bool(periodic.any()):
+                wanted.add("stress")
+            out = self._run_model(batch, wanted)
         result = {"energy": out["energy"].detach().reshape(num_systems)}
         if self._compute_forces:
             result["forces"] = out["forces"].detach()
@@ -246,6 +292,31 @@ class TorchSimModel(ModelInterface):
             compute_neighbors(batch, config=config, method=self.neighbor_method)
         return batch
 
+    def _run_contract(
+        self,
+        positions: torch.Tensor,
+        cell: torch.Tensor,
+        pbc: torch.Tensor,
+        numbers: torch.Tensor,
+        system_idx: torch.Tensor,
+    ) -> Mapping[str, Any]:
+        """The contract's batched call; neighbours from ``export.neighbor_inputs``."""
+        from nvalchemi.models.export import neighbor_inputs
+
+        inputs = {
+            "positions": positions,
+            "atomic_numbers": numbers,
+            "cell": cell,
+            "pbc": pbc.contiguous(),
+            "batch": system_idx,
+        }
+        if self.cutoff is None:
+            inputs["edge_index"] = torch.zeros(2, 0, dtype=torch.long, device=positions.device)
+            inputs["shifts"] = positions.new_zeros(0, 3)
+        else:
+            inputs.update(neighbor_inputs(**inputs, cutoff=self.cutoff))
+        return self.model(inputs)
+
     def _run_model(self, batch: Any, wanted: set[str]) -> Mapping[str, Any]:
         model = self.model
         config = model.model_config
@@ -258,6 +329,15 @@ class TorchSimModel(ModelInterface):
         finally:
             config.active_outputs = previous
             model.train(was_training)
+
+
+def _follows_contract(model: Any) -> bool:
+    """Whether ``model`` is called as the export contract says (not a BaseModelMixin)."""
+    return (
+        getattr(model, "model_config", None) is None
+        and hasattr(model, "cutoff")
+        and hasattr(model, "atomic_numbers")
+    )
 
 
 def _check_head(model: Any, head: str | None) -> None:

@@ -278,3 +278,15 @@ def test_a_job_runs_the_check_at_the_end_and_the_curves_show_it(tmp_path):
     curve = [r for r in rows if "validation/md/stable_fraction" in r]
     assert [r["step"] for r in curve] == [2, 4]  # the check ran at every validation
     assert all("validation/forces_mae_eV_per_A" in r for r in curve)  # on the validation rows
+
+
+def test_an_exported_style_potential_runs_the_check_through_torch_sim(small_data):
+    pytest.importorskip("torch_sim")
+    from nvalchemi.models.export import Potential
+
+    potential = Potential(EMTModel())
+    settings = MDCheckSettings(engine="torch-sim", temperatures_K=[300], nvt_ps=0.02, nve_ps=0.02)
+    result = md_check(potential, _readers(small_data), settings)
+    assert result.scalars()["stable_fraction"] == 1.0
+    with pytest.raises(TypeError, match="engine='torch-sim'"):
+        md_check(potential, _readers(small_data), settings.model_copy(update={"engine": "ase"}))

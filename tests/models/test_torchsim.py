@@ -112,6 +112,52 @@ def test_open_boundary_batches_and_per_system_pbc_rows():
     assert out["energy"][1].item() == pytest.approx(slab.get_potential_energy(), rel=1e-10)
 
 
+def _check_against_calculator(adapter, model, structures):
+    state = ts.io.atoms_to_state(_fully_periodic(structures), adapter.device, adapter.dtype)
+    out = adapter(state)
+    calc = NvalchemiCalculator(model)
+    start = 0
+    for index, atoms in enumerate(structures):
+        atoms.calc = calc
+        n = len(atoms)
+        assert out["energy"][index].item() == pytest.approx(
+            atoms.get_potential_energy(), rel=1e-10, abs=1e-10
+        )
+        np.testing.assert_allclose(
+            out["forces"][start : start + n].numpy(), atoms.get_forces(), rtol=0, atol=1e-10
+        )
+        if atoms.pbc.any():
+            np.testing.assert_allclose(
+                out["stress"][index].numpy(), atoms.get_stress(voigt=False), rtol=0, atol=1e-10
+            )
+        start += n
+
+
+def test_a_potential_following_the_export_contract_runs_batched():
+    from nvalchemi.models.export import Potential
+
+    model = _painn()
+    adapter = TorchSimModel(Potential(model))
+    assert adapter.contract and adapter.cutoff == 4.0 and adapter.dtype == torch.float64
+    _check_against_calculator(adapter, model, _mixed_structures())
+
+
+def test_from_export_loads_an_exported_file_and_matches_the_calculator(tmp_path):
+    from nvalchemi.models import export
+
+    if not hasattr(export, "export_model"):
+        pytest.skip("nvalchemi.models.export.export_model is not on this branch yet")
+    model = _painn()
+    structures = _mixed_structures()
+    export.export_model(model, tmp_path / "painn.pt", structures=structures[:1])
+    adapter = TorchSimModel.from_export(tmp_path / "painn.pt")
+    assert adapter.contract and adapter.cutoff == 4.0
+    _check_against_calculator(adapter, model, structures)
+    torch.jit.save(torch.jit.script(torch.nn.Linear(3, 1)), tmp_path / "plain.pt")
+    with pytest.raises(ValueError, match="not an nvalchemi export"):
+        TorchSimModel.from_export(tmp_path / "plain.pt")
+
+
 def test_ten_nve_steps_equal_ases_velocity_verlet():
     model = _painn()
     structures = _mixed_structures()
@@ -196,6 +242,10 @@ def test_from_checkpoint_loads_the_chosen_checkpoint(tmp_path):
 def test_bad_input_is_refused_with_a_clear_message():
     with pytest.raises(TypeError, match="BaseModelMixin"):
         TorchSimModel(torch.nn.Linear(3, 1))
+    from nvalchemi.models.export import Potential
+
+    with pytest.raises(ValueError, match="head fixed at export"):
+        TorchSimModel(Potential(_painn()), head="default")
     from nvalchemi.models import DemoModel, DemoModelWrapper
 
     with pytest.raises(ValueError, match="no stress output"):
