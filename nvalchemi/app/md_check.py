@@ -178,6 +178,12 @@ def _atoms_at(reader: Any, index: int) -> Any:
     return get_atoms(index) if callable(get_atoms) else reader.read_data(index).to_atoms()
 
 
+def _natural(label: str) -> tuple:
+    """Groups in reading order: atom-count ranges by their first number, others by name."""
+    head = label.split("-")[0].split(" ")[0]
+    return (0, int(head), label) if head.isdigit() else (1, 0, label)
+
+
 def draw_structures(
     readers: Sequence[Any], settings: MDCheckSettings, *, distance_sample: int = 200
 ) -> MDStructures:
@@ -198,15 +204,9 @@ def draw_structures(
         raise ValueError("the MD check needs structures, but the data set is empty")
     rng = np.random.default_rng(settings.seed)
     chosen: list[int] = []
-    sizes: dict[int, int] = {}
-    for group in sorted(set(labels.tolist())):
+    for group in sorted(set(labels.tolist()), key=_natural):
         members = rng.permutation(np.flatnonzero(labels == group)).tolist()
-        if settings.max_atoms is not None:
-            for i in members:
-                sizes[i] = len(_atoms_at(*where[i]))
-            small = [i for i in members if sizes[i] <= settings.max_atoms]
-            members = small or sorted(members, key=sizes.__getitem__)[:1]
-        chosen += members[: settings.structures_per_group]
+        chosen += _small_first(members, where, settings)
     atoms = [_atoms_at(*where[i]).copy() for i in chosen]
     others = rng.permutation(len(where))[:distance_sample].tolist()
     sample = atoms + [_atoms_at(*where[i]) for i in others if i not in set(chosen)]
@@ -216,6 +216,22 @@ def draw_structures(
         grouping=grouping,
         data_min_distance=min(_closest_pair(a) for a in sample),
     )
+
+
+def _small_first(members: list[int], where: list[Any], settings: MDCheckSettings) -> list[int]:
+    """The first ``structures_per_group`` of ``members`` with at most ``max_atoms`` atoms
+    (none such: the smallest member)."""
+    wanted = settings.structures_per_group
+    if settings.max_atoms is None:
+        return members[:wanted]
+    picked, sizes = [], {}
+    for i in members:
+        sizes[i] = len(_atoms_at(*where[i]))
+        if sizes[i] <= settings.max_atoms:
+            picked.append(i)
+            if len(picked) == wanted:
+                break
+    return picked or [min(members, key=sizes.__getitem__)]
 
 
 def _pairs(
@@ -234,7 +250,7 @@ def _pairs(
     return pairs[:, 0], np.linalg.norm(vectors, axis=1)
 
 
-def _closest_pair(atoms: Any, cutoff: float = 4.0) -> float:
+def _closest_pair(atoms: Any, cutoff: float = 6.0) -> float:
     """The smallest interatomic distance of ``atoms`` (``inf`` with none within ``cutoff``)."""
     _, distances = _pairs(atoms.positions, atoms.cell.array, atoms.pbc, cutoff)
     return float(distances.min()) if distances.size else math.inf
@@ -619,12 +635,6 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _natural(label: str) -> tuple:
-    """Groups in reading order: atom-count ranges by their first number, others by name."""
-    head = label.split("-")[0].split(" ")[0]
-    return (0, int(head), label) if head.isdigit() else (1, 0, label)
-
-
 @dataclass
 class MDCheckResult:
     """Every run of an MD check and what they add up to per group (:meth:`by_group`)."""
@@ -679,7 +689,7 @@ class MDCheckResult:
             "grouping": self.grouping,
             "seconds": round(self.seconds, 2),
             "settings": self.settings.model_dump(mode="json"),
-            "data_min_distance_A": self.data_min_distance,
+            "data_min_distance_A": _finite_or_none(self.data_min_distance),
             "min_distance_bound_A": self.min_distance,
             "lost_atom_distance_A": self.lost_distance,
             "runs": overall["runs"],
@@ -816,8 +826,10 @@ def run_md_check(
     settings = settings or MDCheckSettings()
     engine = _engine(settings.engine)
     cutoff = _cutoff_of(model)
+    data_min = structures.data_min_distance
     limits = _Limits(
-        min_distance=settings.min_distance_factor * structures.data_min_distance,
+        # No pair within 6 Å anywhere in the data: nothing to derive a bound from.
+        min_distance=settings.min_distance_factor * data_min if math.isfinite(data_min) else 0.0,
         lost_distance=settings.lost_atom_distance or cutoff or DEFAULT_LOST_DISTANCE,
         energy_window=settings.energy_window_eV_per_atom,
     )

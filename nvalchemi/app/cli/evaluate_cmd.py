@@ -124,10 +124,16 @@ def print_md_check(console: Any, report: dict[str, Any]) -> None:
         ],
         iter_table_rows(report),
     )
+    if report["data_min_distance_A"] is None:
+        close = "(no close-pair bound: the data has no pair within 6 Å)"
+    else:
+        close = (
+            f"on a pair closer than {report['min_distance_bound_A']:.2f} Å "
+            f"({settings['min_distance_factor']:g} x the data's smallest distance, "
+            f"{report['data_min_distance_A']:.2f} Å)"
+        )
     console.print(
-        f"A run fails on a pair closer than {report['min_distance_bound_A']:.2f} Å "
-        f"({settings['min_distance_factor']:g} x the data's smallest distance, "
-        f"{report['data_min_distance_A']:.2f} Å), an energy runaway "
+        f"A run fails {close}, an energy runaway "
         f"(> {settings['energy_window_eV_per_atom']:g} eV/atom), a lost atom (no neighbour "
         f"within {report['lost_atom_distance_A']:.1f} Å) or a model error. NVE drift: mean "
         "|slope| of the total energy per atom over the stable runs."
