@@ -28,6 +28,9 @@ Defaults (:class:`MDCheckSettings`): 300 K and 900 K, one structure per group of
 about half a minute for the bundled data (9 groups, 18 runs) with the quickstart's PaiNN
 on 2 CPU cores through torch-sim.
 
+torch, torch-sim, ASE, matplotlib and the models are imported where they are used: job files
+import this module to validate ``evaluation.md``, which must stay light.
+
 Example:
     >>> from nvalchemi.app.md_check import MDCheckSettings
     >>> settings = MDCheckSettings(temperatures_K=[300, 900], nvt_ps=1.0)

@@ -45,6 +45,9 @@ from typing import Any
 import torch
 
 from nvalchemi._optional import OptionalDependency
+from nvalchemi.data import AtomicData, Batch
+from nvalchemi.data.neighbors import compute_neighbors
+from nvalchemi.models.export import neighbor_inputs
 
 try:
     from torch_sim.models.interface import ModelInterface
@@ -173,6 +176,7 @@ class TorchSimModel(ModelInterface):
         Example:
             >>> model = TorchSimModel.from_checkpoint("runs/x/checkpoints")  # doctest: +SKIP
         """
+        # The loader NvalchemiCalculator.from_checkpoint calls, called the same way.
         from nvalchemi.training.checkpoint.store import load_model_from_checkpoint
 
         model = load_model_from_checkpoint(
@@ -267,8 +271,6 @@ class TorchSimModel(ModelInterface):
         atoms in the same order, periodic the same way): only positions and cells are
         replaced, so an MD step does not rebuild ``B`` structures.
         """
-        from nvalchemi.data.neighbors import compute_neighbors
-
         template = self._template
         same = (
             template is not None
@@ -301,8 +303,6 @@ class TorchSimModel(ModelInterface):
         system_idx: torch.Tensor,
     ) -> Mapping[str, Any]:
         """The contract's batched call; neighbours from ``export.neighbor_inputs``."""
-        from nvalchemi.models.export import neighbor_inputs
-
         inputs = {
             "positions": positions,
             "atomic_numbers": numbers,
@@ -390,8 +390,6 @@ def _new_batch(
     num_systems: int,
 ) -> Any:
     """A ``Batch`` of the systems; open systems carry no cell (as the ASE calculator does)."""
-    from nvalchemi.data import AtomicData, Batch
-
     counts = torch.bincount(system_idx, minlength=num_systems).tolist()
     starts = [0]
     for count in counts[:-1]:

@@ -290,3 +290,11 @@ def test_an_exported_style_potential_runs_the_check_through_torch_sim(small_data
     assert result.scalars()["stable_fraction"] == 1.0
     with pytest.raises(TypeError, match="engine='torch-sim'"):
         md_check(potential, _readers(small_data), settings.model_copy(update={"engine": "ase"}))
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    import nvalchemi.app.md_check as module
+
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -282,3 +282,11 @@ def test_torch_sim_is_imported_only_when_used_and_missing_it_names_the_extra():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert "pip install 'nvalchemi-training[md]'" in result.stdout
+
+
+def test_the_modules_examples_run():
+    import doctest
+
+    import nvalchemi.models.torchsim as module
+
+    assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
