@@ -298,3 +298,22 @@ def test_the_modules_examples_run():
     import nvalchemi.app.md_check as module
 
     assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+@pytest.mark.distributed
+def test_a_ddp_run_reports_the_checks_curves_and_one_final_check(tmp_path):
+    from _ranks import run_torchrun
+
+    job = tiny_job(tmp_path, num_steps=2, structures=16)
+    job["validation"] = {"every_n_steps": 1}
+    job["evaluation"] = {
+        "md": {"temperatures_K": [300], "nvt_ps": 0.01, "nve_ps": 0.01, "every_n_validations": 1}
+    }
+    path = write_job(tmp_path / "job.json", job)
+    args = ["-m", "nvalchemi.training.cli", "spec", "run", path, "--ddp-backend", "gloo"]
+    result = run_torchrun(args, cwd=tmp_path)  # exit code 0 is checked by run_torchrun
+    assert result.stderr.count("MD check (") == 1  # the final check: rank 0 only
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "validation/md/stable_fraction" in r] == [1, 2]
+    final = json.loads((tmp_path / "run" / "final_evaluation.json").read_text())
+    assert final["md"]["runs"] >= 1
