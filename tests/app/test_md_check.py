@@ -317,3 +317,17 @@ def test_a_ddp_run_reports_the_checks_curves_and_one_final_check(tmp_path):
     assert [r["step"] for r in rows if "validation/md/stable_fraction" in r] == [1, 2]
     final = json.loads((tmp_path / "run" / "final_evaluation.json").read_text())
     assert final["md"]["runs"] >= 1
+
+
+def test_without_torch_sim_auto_uses_ase_and_asking_for_it_names_the_extra(small_data, monkeypatch):
+    import sys
+
+    from nvalchemi._optional import OptionalDependencyError
+
+    monkeypatch.setitem(sys.modules, "torch_sim", None)  # as if it were not installed
+    settings = MDCheckSettings(temperatures_K=[300], nvt_ps=0.01, nve_ps=0.01)
+    assert md_check(EMTModel(), _readers(small_data), settings).engine == "ase"
+    with pytest.raises(OptionalDependencyError, match=r"nvalchemi-training\[md\]"):
+        md_check(
+            EMTModel(), _readers(small_data), settings.model_copy(update={"engine": "torch-sim"})
+        )
