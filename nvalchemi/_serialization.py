@@ -49,6 +49,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import json
 import os
 import site
 import sys
@@ -198,7 +199,8 @@ def _pth_folder_names(pth: Any) -> set[str]:
 
 def _is_editable(dist: Any) -> bool:
     """Whether ``dist`` is installed in development mode (its code is not in site-packages)."""
-    if '"editable": true' in (dist.read_text("direct_url.json") or "").replace(" ", ""):
+    direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if isinstance(direct_url, dict) and (direct_url.get("dir_info") or {}).get("editable"):
         return True  # PEP 660 (pip install -e)
     home = os.path.realpath(str(dist.locate_file("")))
     return not _is_installed_file(home + os.sep)  # metadata beside the code: setup.py develop

@@ -283,7 +283,7 @@ def test_an_editable_install_is_not_your_code_even_in_the_working_directory(
         (info / "PKG-INFO").write_text(metadata)
         (info / "top_level.txt").write_text("nv_far_installed\n")
     else:
-        site_dir = tmp_path / "site"
+        site_dir = tmp_path / "lib" / "site-packages"  # where installers put metadata
         info = site_dir / "nv_far_installed-1.0.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(metadata)
