@@ -48,6 +48,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -55,7 +56,7 @@ import site
 import sys
 import sysconfig
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any
 
 import torch
@@ -68,6 +69,7 @@ __all__ = [
     "is_import_allowed",
     "is_trusted_path",
     "is_user_module",
+    "own_module_problem",
     "object_to_path",
     "allow_import_path",
     "register_trusted",
@@ -268,6 +270,42 @@ def _not_user_code(name: str) -> str | None:
             f"{top!r} is imported from {home}, which is neither the working directory nor the "
             "folder of the running script"
         )
+    return None
+
+
+def own_module_problem(name: str, folders: Iterable[str | os.PathLike[str]]) -> str | None:
+    """Why importing ``name`` would not import your own code from one of ``folders``.
+
+    ``None`` when the top-level package (or module) of ``name`` would be imported from
+    directly inside one of ``folders`` and is neither the standard library nor provided by
+    an installed distribution (editable ones included); else the reason, in words. Nothing
+    is imported (only located). Used for a job file's ``imports:``.
+
+    >>> own_module_problem("subprocess", ["."])
+    "'subprocess' is part of the standard library"
+    """
+    top = name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return f"{top!r} is part of the standard library"
+    dist = _editable_names(tuple(sys.path)).get(top)
+    if dist is not None:
+        return f"{top!r} is provided by the installed (editable) distribution {dist!r}"
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: located, nothing imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"no module {top!r} is found"
+    if spec.submodule_search_locations:
+        homes = {os.path.dirname(os.path.realpath(p)) for p in spec.submodule_search_locations}
+    elif spec.origin and os.path.isfile(spec.origin):
+        homes = {os.path.dirname(os.path.realpath(spec.origin))}
+    else:
+        return f"{top!r} has no source file (a builtin or frozen module)"
+    wanted = {os.path.realpath(f) for f in folders}
+    outside = sorted(h for h in homes if h not in wanted or _is_installed_file(h + os.sep))
+    if outside:
+        return f"{top!r} would be imported from {outside[0]}"
     return None
 
 
@@ -511,10 +549,11 @@ def check_spec_target(
             "nvalchemi._serialization.spec_factory."
         )
     if expect is not None and (cls is None or not issubclass(cls, expect)):
-        wanted = _expected_names(expect)
+        wanted, defined = _expected_names(expect), _defined_path(cls or obj)
+        named = repr(path) if defined == path else f"{path!r} names {defined!r}, which"
         raise RuntimeError(
-            f"{prefix}{path!r} names {_defined_path(cls or obj)!r}, which is not a subclass of "
-            f"{wanted}: expected {wanted} (or a marked factory of one). Nothing was built."
+            f"{prefix}{named} is not a subclass of {wanted}: expected {wanted} (or a marked "
+            "factory of one). Nothing was built."
         )
 
 

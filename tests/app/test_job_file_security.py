@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ._support import write_job
 
 PICKLE_TRAJECTORY = "ase.io.pickletrajectory.PickleTrajectory"
@@ -146,3 +148,156 @@ def test_a_checkpoint_cannot_reach_a_pickle_reader_of_a_package_on_pythonpath(
     assert "Traceback" not in resumed.stderr, resumed.stderr
     assert PICKLE_TRAJECTORY in resumed.stderr and "model.cls_path" in resumed.stderr
 
+
+# ------------------------------------------------- item 2: a job file cannot run commands
+def test_spec_report_does_not_run_a_command_named_by_the_job_file(tmp_path):
+    from ._support import run_cli, tiny_job
+
+    marker = tmp_path / "marker"
+    job = tiny_job(tmp_path)
+    job["imports"] = ["subprocess"]
+    hook = {"cls_path": "subprocess.Popen", "args": ["sh", "-c", f"touch {marker}"]}
+    job["source"]["hooks"].append({"spec": hook})
+    path = write_job(tmp_path / "job.json", job)
+    result = run_cli("spec", "report", path, cwd=tmp_path)
+    assert not marker.exists(), result.stderr
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "imports[0]" in result.stderr and "subprocess" in result.stderr, result.stderr
+
+
+_NOT_A_HOOK = '''
+import pathlib
+
+
+class Toucher:
+    """Your own class whose constructor acts on the file a spec names (not a hook, not a
+    model, not a loss, not an optimizer config)."""
+
+    def __init__(self, path: str = "x", **kwargs):
+        pathlib.Path(path).touch()
+'''
+
+
+@pytest.fixture
+def job_dir(tmp_path, monkeypatch):
+    """A job folder with the user's module ``nv_job_own`` in it; the allow-list, the import
+    path and the imported modules are restored afterwards."""
+    from nvalchemi import _serialization as ser
+
+    (tmp_path / "nv_job_own.py").write_text(_NOT_A_HOOK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    allowed = set(ser._ALLOWED)
+    yield tmp_path
+    ser._ALLOWED.clear()
+    ser._ALLOWED.update(allowed)
+    sys.modules.pop("nv_job_own", None)
+    ser._resolve.cache_clear()
+
+
+def _crafted(case: str, tmp_path: Path, marker: Path) -> tuple[dict, list[str], str]:
+    """A job edited by ``case``: (the job, extra CLI options, the field the error names)."""
+    from ._support import tiny_job
+
+    job = tiny_job(tmp_path)
+    touch = ["sh", "-c", f"touch {marker}"]
+    own = {"cls_path": "nv_job_own.Toucher", "path": str(marker)}
+    hooks, strategy = job["source"]["hooks"], job["strategy"]
+    if case.startswith("imports:") and case != "imports:elsewhere":  # stdlib, installed
+        module, hook = {
+            "imports:subprocess": ("subprocess", {"cls_path": "subprocess.Popen", "args": touch}),
+            "imports:os": ("os", {"cls_path": "os.system", "command": f"touch {marker}"}),
+            "imports:shutil": ("shutil", {"cls_path": "shutil.rmtree", "path": str(marker)}),
+            "imports:ase": ("ase.io", {"cls_path": PICKLE_TRAJECTORY, "filename": str(marker)}),
+        }[case]
+        job["imports"] = [module]
+        hooks.append({"spec": hook})
+        return job, [], "imports[0]"
+    if case == "imports:elsewhere":  # a module found on the path, not beside the job
+        (tmp_path / "vendor").mkdir()
+        (tmp_path / "vendor" / "nv_job_far.py").write_text(_NOT_A_HOOK)
+        sys.path.insert(0, str(tmp_path / "vendor"))
+        job["imports"] = ["nv_job_far"]
+        hooks.append({"spec": {**own, "cls_path": "nv_job_far.Toucher"}})
+        return job, [], "imports[0]"
+    job["imports"] = ["nv_job_own"]
+    if case == "trusted_popen_hook":
+        job["imports"] = ["subprocess"]
+        hooks.append({"spec": {"cls_path": "subprocess.Popen", "args": touch}})
+        return job, ["--trust"], f"source.hooks[{len(hooks) - 1}].spec.cls_path"
+    if case == "own_class_as_hook":
+        hooks.append({"spec": own})
+        return job, [], f"source.hooks[{len(hooks) - 1}].spec.cls_path"
+    if case == "own_class_as_model":
+        strategy["model_specs"]["main"] = own
+        return job, [], "strategy.model_specs.main"
+    if case == "own_class_nested_in_model":
+        wrapper = "nvalchemi.models.demo.DemoModelWrapper"
+        strategy["model_specs"]["main"] = {"cls_path": wrapper, "model": own}
+        return job, [], "strategy.model_specs.main"
+    if case == "own_class_as_loss":
+        strategy["loss_fn_spec"] = own
+        return job, [], "strategy.loss_fn_spec"
+    if case == "own_class_nested_in_loss":
+        strategy["loss_fn_spec"]["components"][0] = own
+        return job, [], "strategy.loss_fn_spec"
+    if case == "own_class_as_optimizer":
+        strategy["optimizer_configs"]["main"][0] = own
+        return job, [], "strategy.optimizer_configs.main[0]"
+    assert case == "own_class_as_patch"
+    strategy["module_patches"] = {"model.layer": own}
+    return job, [], "strategy.module_patches.model.layer"
+
+
+_CASES = [
+    "imports:subprocess",
+    "imports:os",
+    "imports:shutil",
+    "imports:ase",
+    "imports:elsewhere",
+    "trusted_popen_hook",
+    "own_class_as_hook",
+    "own_class_as_model",
+    "own_class_nested_in_model",
+    "own_class_as_loss",
+    "own_class_nested_in_loss",
+    "own_class_as_optimizer",
+    "own_class_as_patch",
+]
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_a_crafted_job_file_runs_nothing_and_names_the_field(job_dir, case):
+    from ._support import assert_user_error, invoke
+
+    marker = job_dir / "marker"
+    job, options, field = _crafted(case, job_dir, marker)
+    path = write_job(job_dir / "job.json", job)
+    result = invoke("spec", "report", path, *options)
+    assert not marker.exists(), result.stderr
+    assert_user_error(result, field)
+    if case.startswith("imports:"):
+        assert "is not your own code" in result.stderr, result.stderr
+    else:
+        assert "nv_job_own.Toucher" in result.stderr or "subprocess.Popen" in result.stderr
+    assert "nv_job_far" not in sys.modules and not marker.exists()
+
+
+def test_a_job_naming_its_own_module_and_trusted_imports_still_work(job_dir):
+    from ._support import invoke, tiny_job
+
+    (job_dir / "nv_job_own.py").write_text(
+        "from nvalchemi.training.hooks.early_stopping import EarlyStoppingHook\n\n\n"
+        "class Patience(EarlyStoppingHook):\n    pass\n"
+    )
+    job = tiny_job(job_dir)
+    job["imports"] = ["nv_job_own"]
+    job["source"]["hooks"].append({"spec": {"cls_path": "nv_job_own.Patience"}})
+    path = write_job(job_dir / "job.json", job)
+    result = invoke("spec", "report", path)
+    assert result.exit_code == 0, result.stderr
+    job["imports"] = ["json"]  # the standard library, by a job file you wrote: --trust
+    write_job(path, job)
+    assert invoke("spec", "report", path).exit_code == 1
+    result = invoke("spec", "report", path, "--trust")
+    assert result.exit_code == 0, result.stderr

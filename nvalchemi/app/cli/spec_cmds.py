@@ -21,12 +21,13 @@ DEFAULT_THREADS = 1
 """torch and neighbour-list threads of ``spec run`` on the CPU, as for ``quickstart``."""
 
 _TRUST_HELP = (
-    "Trust the job file: resolve dotted paths outside the import allow-list and load "
-    "pickled model files. Only for files you wrote or trust."
+    "Trust the job file: let its `imports:` name any module, resolve dotted paths outside "
+    "the import allow-list and load pickled model files. Only for files you wrote or trust."
 )
 _ALLOW_HELP = (
-    "Let the job and its checkpoints name classes and functions of this module of yours "
-    "(repeatable; also `imports:` in the job file), e.g. --allow-import common."
+    "Let the job and its checkpoints name classes and functions of this module or package "
+    "(repeatable; any package, since you name it; a job file's `imports:` names only modules "
+    "of yours beside it), e.g. --allow-import common."
 )
 allow_import_option = click.option(
     "--allow-import", "allow_imports", multiple=True, metavar="PKG", help=_ALLOW_HELP
