@@ -235,6 +235,16 @@ Examples:
 )
 def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any) -> None:
     """Train a job spec."""
+    from nvalchemi.app.jobs.signals import SetupSignals
+
+    # first: a stop signal while the job is read and checked gets its message and 75 too
+    with SetupSignals.on_main_rank(err_console()) as signals:
+        _spec_run(path, max_structures, report, signals, **kwargs)
+
+
+def _spec_run(
+    path: str, max_structures: int | None, report: bool, signals: Any, **kwargs: Any
+) -> None:
     from nvalchemi.app.cli.report import render_report
     from nvalchemi.app.jobs.checks import check_horizons
     from nvalchemi.app.jobs.resolve import load_job
@@ -252,7 +262,7 @@ def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any)
         check_horizons(
             job.strategy.model_dump()["optimizer_configs"] or {}, options.num_steps, warn=is_main
         )
-    result = run_job(job, resolved, options, console=console)
+    result = run_job(job, resolved, options, console=console, signals=signals)
     _summary(result, console)
 
 
@@ -296,6 +306,16 @@ def spec_resume(
 ) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
     change the learning rate with --lr)."""
+    from nvalchemi.app.jobs.signals import SetupSignals
+
+    # first: a stop signal while the job is read and checked gets its message and 75 too
+    with SetupSignals.on_main_rank(err_console()) as signals:
+        _spec_resume(checkpoint_dir, spec_path, checkpoint_index, signals, **kwargs)
+
+
+def _spec_resume(
+    checkpoint_dir: str, spec_path: str, checkpoint_index: str, signals: Any, **kwargs: Any
+) -> None:
     from nvalchemi.app.cli._errors import CLIError
     from nvalchemi.app.jobs.checks import check_horizons
     from nvalchemi.app.jobs.resolve import load_job
@@ -348,7 +368,13 @@ def spec_resume(
     if num_steps is not None:
         check_horizons(progress.optimizer_configs, num_steps, warn=is_main, resume=True)
     result = run_job(
-        job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
+        job,
+        resolved,
+        options,
+        resume_from=checkpoint_dir,
+        checkpoint_index=index,
+        console=console,
+        signals=signals,
     )
     if result.strategy.step_count == progress.step_count and num_steps is None:
         return complete(f"was already complete ({progress.describe()}); nothing was trained")

@@ -312,21 +312,20 @@ def run_job(
     resume_from: str | Path | None = None,
     checkpoint_index: Any = -1,
     console: Any = None,
+    signals: SetupSignals | None = None,
 ) -> RunResult:
     """Train (or resume) ``job``; returns the strategy and where results are.
 
     ``console`` (anything with ``print(text)``, e.g. a rich console) gets a few lines
-    about the data, the model and the plan; the reporters show progress.
+    about the data, the model and the plan; the reporters show progress. ``signals``: the
+    caller's :class:`SetupSignals` when it installed them earlier (the command line does,
+    before it reads the job); else this call installs its own.
     """
-    from nvalchemi.distributed.launch import detect_launch_env
-
     options = options or RunOptions()
-    try:
-        main_rank = detect_launch_env().rank == 0
-    except ValueError:
-        main_rank = True  # the launch error is raised with its fix once the run starts
-    with SetupSignals(console if main_rank else None) as signals:
+    if signals is not None:
         return _run(job, resolved, options, signals, resume_from, checkpoint_index, console)
+    with SetupSignals.on_main_rank(console) as own:
+        return _run(job, resolved, options, own, resume_from, checkpoint_index, console)
 
 
 def _budget_hook(job: TrainingJobSpec, options: RunOptions) -> Any:
