@@ -7,11 +7,13 @@ from typing import Any
 import click
 
 from nvalchemi.app.cli._app import (
+    MINUTES,
     batch_size_value,
     debug_option,
     main,
     option_group,
     parse_checkpoint_index,
+    threads_value,
 )
 from nvalchemi.app.cli._console import err_console, print_table
 
@@ -90,13 +92,14 @@ _run_options = option_group(
     click.option("--validation-every-steps", type=click.IntRange(min=1)),
     click.option(
         "--minutes",
-        type=click.FloatRange(min=0, min_open=True),
+        type=MINUTES,
         help="Time budget (override the job's minutes): the run's length and "
         "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
     ),
     click.option(
         "--threads",
         type=click.IntRange(min=1),
+        callback=threads_value,
         default=DEFAULT_THREADS,
         show_default=True,
         help="torch CPU threads and neighbour-list threads. Small models gain "
@@ -251,7 +254,9 @@ def _spec_run(
     from nvalchemi.app.jobs.run import launch_env, run_job
 
     options = _options(kwargs)
-    job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
+    job, resolved = load_job(
+        path, trust=options.trust, allow_imports=options.allow_imports, minutes=options.minutes
+    )
     is_main = launch_env().rank == 0
     if max_structures is not None:
         job.dataset.max_structures = max_structures
@@ -324,7 +329,12 @@ def _spec_resume(
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
     num_steps = options.num_steps
-    job, resolved = load_job(spec_path, trust=options.trust, allow_imports=options.allow_imports)
+    job, resolved = load_job(
+        spec_path,
+        trust=options.trust,
+        allow_imports=options.allow_imports,
+        minutes=options.minutes,
+    )
     console = err_console()
     is_main = launch_env().rank == 0
     progress = saved_progress(checkpoint_dir, index)

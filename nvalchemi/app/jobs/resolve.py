@@ -121,10 +121,18 @@ def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
 
 
 def load_job(
-    path: str | Path, *, trust: bool = False, allow_imports: Sequence[str] = ()
+    path: str | Path,
+    *,
+    trust: bool = False,
+    allow_imports: Sequence[str] = (),
+    minutes: float | None = None,
 ) -> tuple[TrainingJobSpec, ResolvedJob]:
     """Parse, validate and resolve the job file at ``path`` (its relative paths are taken
-    relative to the file; its ``imports:`` and ``allow_imports`` pass the trust rule)."""
+    relative to the file; its ``imports:`` and ``allow_imports`` pass the trust rule).
+
+    ``minutes`` (``--minutes``) replaces the job's time budget before it is validated, so
+    it also gives a job without a length its length.
+    """
     try:
         data = read_job_file(path)
     except FileNotFoundError as exc:
@@ -143,6 +151,8 @@ def load_job(
         )
         raise FieldError(message, fix=fix) from None
     data = resolve_job_paths(data, Path(path).parent)
+    if minutes is not None and isinstance(data, dict):
+        data = {**data, "minutes": minutes}
     job = validate_job_data(data, str(path))
     allow_user_code(job.imports, Path(path).parent, own_only=not trust)
     allow_user_code(list(allow_imports), Path(path).parent, field="--allow-import")

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,32 @@ def _checkpoint_dir(hooks: list[Any]) -> Path | None:
         if isinstance(hook, CheckpointHook):
             return Path(hook.checkpoint_dir)
     return None
+
+
+def _check_writable(path: Path, field: str) -> None:
+    """Refuse, before anything runs, a directory the run could not write (read-only, no
+    permission): a :class:`FieldError` naming it and the cause. Leaves nothing behind."""
+    import tempfile
+
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FieldError(
+            f"{path} cannot be created: {existing} is not a directory",
+            field=field,
+            fix="choose a writable directory",
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nvalchemi-write-test-", dir=existing))
+    except OSError as exc:
+        cause = exc.strerror or type(exc).__name__
+        whose = "" if existing == path.absolute() else f" (the nearest existing folder of {path})"
+        raise FieldError(
+            f"cannot write in {existing}{whose}: {cause}",
+            field=field,
+            fix=f"choose a writable directory for {path}, or make {existing} writable",
+        ) from None
 
 
 def check_devices(
@@ -507,6 +534,9 @@ def _run(
     if forgetting is not None:
         hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
+    _check_writable(run_dir, "output.run_dir")
+    if checkpoint_dir is not None:
+        _check_writable(checkpoint_dir, "source.hooks (CheckpointHook.checkpoint_dir)")
     if resume is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise FieldError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run",
