@@ -452,7 +452,9 @@ def test_a_nested_spec_of_the_wrong_type_is_refused_before_anything_is_built(
             lambda: load_model_from_checkpoint(root, trust=trust),
             lambda: load_checkpoint(root, trust=trust),
         ):
-            with pytest.raises(RuntimeError, match=r"expected DemoModel.*Nothing was built") as info:
+            with pytest.raises(
+                RuntimeError, match=r"expected DemoModel.*Nothing was built"
+            ) as info:
                 load()
             assert f"{spec_file}, key 'model.cls_path'" in str(info.value)
             assert repr(nested) in str(info.value)
