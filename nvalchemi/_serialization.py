@@ -10,13 +10,16 @@ rule** (the one check every loader uses):
    ``dtype``/``Size`` and plain builtin value types; plus prefixes you allow with
    :func:`allow_import_path` (the CLI's ``--allow-import PKG`` and a job file's
    ``imports:``) and objects given to :func:`register_trusted`;
-2. **your own code that this process has already imported**: a module in
-   ``sys.modules`` (``__main__`` included) whose file is not part of the standard library
-   or of an installed package (``site-packages``). A script that does ``from common import
-   PairPotential`` loads checkpoints naming ``common.PairPotential`` with no extra call.
-   Nothing is ever imported through this door: a module that is not imported yet stays
-   refused, and the standard library and third-party packages stay refused whatever is
-   imported;
+2. **your own code that this process has already imported**: ``__main__``, and any module
+   in ``sys.modules`` whose top-level package or module lies directly in the current working
+   directory or in the folder of the running script (where Python imports your own files
+   from), and whose top-level name no installed distribution provides (its
+   ``top_level.txt``/``RECORD``, editable installs included). A script that does ``from
+   common import PairPotential`` loads checkpoints naming ``common.PairPotential`` with no
+   extra call. Nothing is ever imported through this door: a module that is not imported yet
+   stays refused; the standard library, installed packages (editable too) and packages put
+   on ``PYTHONPATH`` from elsewhere stay refused whatever is imported (allow those with
+   :func:`allow_import_path` if you trust what your files name);
 3. anything at all with ``trust=True`` or inside ``with trusted_imports():``.
 
 Both the path as written and the place the object is really defined must pass, so aliases
@@ -45,13 +48,15 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import importlib.util
 import inspect
+import json
 import os
 import site
 import sys
 import sysconfig
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Annotated, Any
 
 import torch
@@ -64,6 +69,7 @@ __all__ = [
     "is_import_allowed",
     "is_trusted_path",
     "is_user_module",
+    "own_module_problem",
     "object_to_path",
     "allow_import_path",
     "register_trusted",
@@ -117,6 +123,7 @@ _DENIED: set[str] = {
     "torch.serialization",
     "torch.package",
     "torch.utils.cpp_extension",
+    "torch.utils.data.datapipes",  # its decoders unpickle the files they read
     "torch.ops",
     "torch.library",
 }
@@ -146,34 +153,172 @@ def is_import_allowed(path: str) -> bool:
 @functools.cache
 def _installed_code_dirs() -> tuple[str, ...]:
     """Directories of the standard library and of installed packages (never user code)."""
-    dirs = {sysconfig.get_path(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    keys = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
+    dirs = {sysconfig.get_path(key) for key in keys}
     dirs |= set(site.getsitepackages()) | {site.getusersitepackages()}
     return tuple(sorted(os.path.realpath(d) + os.sep for d in dirs if d))
+
+
+def _is_installed_file(real: str) -> bool:
+    parts = set(real.split(os.sep))
+    return bool(parts & {"site-packages", "dist-packages"}) or real.startswith(
+        _installed_code_dirs()
+    )
+
+
+def _user_code_dirs() -> tuple[str, ...]:
+    """Where your own code lives: the working directory and the running script's folder."""
+    dirs = []
+    with contextlib.suppress(OSError):
+        dirs.append(os.path.realpath(os.getcwd()))
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(main_file, str):
+        dirs.append(os.path.dirname(os.path.realpath(main_file)))
+    return tuple(d for d in dirs if not _is_installed_file(d + os.sep))
+
+
+def _pth_folder_names(pth: Any) -> set[str]:
+    """Top-level names importable from the folders a distribution's ``.pth`` file adds."""
+    names: set[str] = set()
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        base = os.path.dirname(str(pth))
+        for line in pth.read_text().splitlines():
+            line = line.strip()
+            if not line or line.startswith(("#", "import ", "import\t")):
+                continue
+            folder = os.path.join(base, line)
+            if not os.path.isdir(folder):
+                continue
+            for entry in os.listdir(folder):
+                stem = entry.partition(".")[0]
+                if stem.isidentifier() and (
+                    entry.endswith((".py", ".so", ".pyd"))
+                    or os.path.isdir(os.path.join(folder, entry))
+                ):
+                    names.add(stem)
+    return names
+
+
+def _is_editable(dist: Any) -> bool:
+    """Whether ``dist`` is installed in development mode (its code is not in site-packages)."""
+    direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if isinstance(direct_url, dict) and (direct_url.get("dir_info") or {}).get("editable"):
+        return True  # PEP 660 (pip install -e)
+    home = os.path.realpath(str(dist.locate_file("")))
+    return not _is_installed_file(home + os.sep)  # metadata beside the code: setup.py develop
+
+
+def _top_level_names(dist: Any) -> set[str]:
+    names = set((dist.read_text("top_level.txt") or "").split())
+    for file in dist.files or ():
+        if file.parts and file.parts[0] != ".." and not file.parts[0].endswith("-info"):
+            names.add(file.parts[0].partition(".")[0])
+        if file.suffix == ".pth":
+            names |= _pth_folder_names(dist.locate_file(file))
+    return names
+
+
+@functools.lru_cache(maxsize=4)
+def _editable_names(search_path: tuple[str, ...]) -> dict[str, str]:
+    """``{top-level name: distribution}`` of the editable installs found on ``search_path``.
+
+    Regular installs need no entry: their code lies in site-packages, which never passes.
+    """
+    import importlib.metadata as metadata  # lazy: only the user-code door needs it
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions(path=list(search_path)):
+        with contextlib.suppress(Exception):  # a broken install must not break loading
+            if _is_editable(dist):
+                for name in _top_level_names(dist):
+                    out.setdefault(name, dist.metadata["Name"])
+    return out
+
+
+def _not_user_code(name: str) -> str | None:
+    """Why module ``name`` is not your own imported code (``None`` when it is)."""
+    module = sys.modules.get(name)
+    top = name.partition(".")[0]
+    if module is None:
+        return f"module {name!r} is not imported"
+    if top == "__main__":
+        return None
+    if top == "nvalchemi":
+        return "nvalchemi is governed by the allow-list alone"
+    if top in sys.stdlib_module_names:
+        return f"{top!r} is part of the standard library"
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str):
+        return f"{name!r} has no source file (a builtin, frozen or namespace module)"
+    real = os.path.realpath(file)
+    if _is_installed_file(real):
+        return f"{name!r} is installed code ({real})"
+    dist = _editable_names(tuple(sys.path)).get(top)
+    if dist is not None:
+        return f"{top!r} belongs to the installed (editable) distribution {dist!r}"
+    top_module = sys.modules.get(top)
+    if hasattr(top_module, "__path__"):  # a package, regular or namespace
+        folders = [os.path.realpath(p) for p in top_module.__path__]
+        inside = [f for f in folders if real.startswith(f + os.sep)]
+        if not inside:
+            return f"{name!r} is loaded from {real}, outside its package {top!r}"
+        home = os.path.dirname(inside[0])
+    else:
+        home = os.path.dirname(real)
+    if home not in _user_code_dirs():
+        return (
+            f"{top!r} is imported from {home}, which is neither the working directory nor the "
+            "folder of the running script"
+        )
+    return None
+
+
+def own_module_problem(name: str, folders: Iterable[str | os.PathLike[str]]) -> str | None:
+    """Why importing ``name`` would not import your own code from one of ``folders``.
+
+    ``None`` when the top-level package (or module) of ``name`` would be imported from
+    directly inside one of ``folders`` and is neither the standard library nor provided by
+    an installed distribution (editable ones included); else the reason, in words. Nothing
+    is imported (only located). Used for a job file's ``imports:``.
+
+    >>> own_module_problem("subprocess", ["."])
+    "'subprocess' is part of the standard library"
+    """
+    top = name.partition(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        return f"{top!r} is part of the standard library"
+    dist = _editable_names(tuple(sys.path)).get(top)
+    if dist is not None:
+        return f"{top!r} is provided by the installed (editable) distribution {dist!r}"
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: located, nothing imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"no module {top!r} is found"
+    if spec.submodule_search_locations:
+        homes = {os.path.dirname(os.path.realpath(p)) for p in spec.submodule_search_locations}
+    elif spec.origin and os.path.isfile(spec.origin):
+        homes = {os.path.dirname(os.path.realpath(spec.origin))}
+    else:
+        return f"{top!r} has no source file (a builtin or frozen module)"
+    wanted = {os.path.realpath(f) for f in folders}
+    outside = sorted(h for h in homes if h not in wanted or _is_installed_file(h + os.sep))
+    if outside:
+        return f"{top!r} would be imported from {outside[0]}"
+    return None
 
 
 def is_user_module(name: str) -> bool:
     """Whether module ``name`` is the user's own code that this process already imported.
 
-    ``__main__`` counts; so does any imported module whose file lies outside the standard
-    library and installed packages (``site-packages``/``dist-packages``) and outside
-    ``nvalchemi`` (governed by the allow-list). Nothing is imported to answer.
+    ``__main__`` counts; so does an imported module whose top-level package (or module)
+    lies directly in the current working directory or the running script's folder and
+    whose top-level name no installed distribution provides. The standard library,
+    installed packages (editable ones too), packages found elsewhere on ``PYTHONPATH`` and
+    ``nvalchemi`` (governed by the allow-list) never count. Nothing is imported to answer.
     """
-    module = sys.modules.get(name)
-    if module is None:
-        return False
-    top = name.partition(".")[0]
-    if top == "__main__":
-        return True
-    if top == "nvalchemi" or top in sys.stdlib_module_names:
-        return False
-    file = getattr(module, "__file__", None)
-    if not isinstance(file, str):
-        return False  # builtin, frozen or namespace module
-    real = os.path.realpath(file)
-    parts = set(real.split(os.sep))
-    if "site-packages" in parts or "dist-packages" in parts:
-        return False
-    return not real.startswith(_installed_code_dirs())
+    return _not_user_code(name) is None
 
 
 def _imported_prefix(path: str) -> str | None:
@@ -210,7 +355,11 @@ def check_import_path(path: str, *, trust: bool = False) -> None:
             f"`imports: [{top}]` in the job file)"
         )
     else:
-        hint = f"allow it explicitly with allow_import_path({top!r}) or register_trusted(<obj>)"
+        reason = _not_user_code(_imported_prefix(path) or top)
+        hint = (
+            f"{reason + '; ' if reason else ''}allow it explicitly with "
+            f"allow_import_path({top!r}) or register_trusted(<obj>) if you trust what names it"
+        )
     raise UnsafeImportError(
         f"Refusing to import {path!r}: it is outside the import allow-list (nvalchemi.*, "
         "torch.nn.*, torch.optim.*, torch.utils.data.*, torch dtypes, registered types) and "
@@ -346,6 +495,20 @@ def _pickle_refusal(path: str, obj: Any, where: str) -> UnsafeImportError:
     )
 
 
+def _returned_class(obj: Any) -> type | None:
+    """The class a routine says it returns (its return annotation), if it says."""
+    try:
+        returned = inspect.signature(obj, eval_str=True).return_annotation
+    except (NameError, TypeError, ValueError, SyntaxError):
+        return None
+    return returned if isinstance(returned, type) else None
+
+
+def _expected_names(expect: type | tuple[type, ...]) -> str:
+    items = expect if isinstance(expect, tuple) else (expect,)
+    return " or ".join("nn.Module" if t is torch.nn.Module else t.__name__ for t in items)
+
+
 def check_spec_target(
     obj: Any,
     *,
@@ -354,41 +517,43 @@ def check_spec_target(
     expect: type | tuple[type, ...] | None = None,
     trust: bool = False,
 ) -> None:
-    """Refuse what an untrusted spec may not call, judged on the resolved object ``obj``.
+    """Refuse what a spec may not call, judged on the resolved object ``obj`` before any call.
 
     Without trust (``trust=True`` or a :func:`trusted_imports` block) the target must be a
     class, a classmethod of a class of your own imported code, or a callable marked with
     :func:`spec_factory` / :func:`register_spec_factory`, and never one marked with
-    :func:`requires_trust`. With ``expect``, the class (or the
-    class owning a classmethod factory) must subclass it (else ``RuntimeError`` saying what
-    was expected). ``where`` (e.g. the spec file and key) starts the error message.
-    Raises :class:`UnsafeImportError`.
+    :func:`requires_trust` (else :class:`UnsafeImportError`). With ``expect``, the class (the
+    class owning a classmethod factory, or the class a factory is annotated to return) must
+    subclass it, trusted or not (else ``RuntimeError`` saying what was expected); a trusted
+    routine that does not say what it returns is not judged. ``where`` (e.g. the spec file
+    and key) starts the error message.
     """
-    if _trusted_now(trust):
-        return
-    if is_trust_required(obj):
-        raise _pickle_refusal(path, obj, where)
     prefix = f"{where}: " if where else ""
-    hint = (
-        "Pass trust=True only if you trust this input; or mark a safe factory with "
-        "nvalchemi._serialization.spec_factory."
-    )
     owner = getattr(obj, "__self__", None)
-    if isinstance(obj, type):
+    owner = owner if isinstance(owner, type) else None
+    if _trusted_now(trust):
+        cls = obj if isinstance(obj, type) else owner or _returned_class(obj)
+        if cls is None:
+            return
+    elif is_trust_required(obj):
+        raise _pickle_refusal(path, obj, where)
+    elif isinstance(obj, type):
         cls = obj
-    elif is_spec_factory(obj) or (isinstance(owner, type) and is_user_module(owner.__module__)):
-        cls = owner if isinstance(owner, type) else None
+    elif is_spec_factory(obj) or (owner is not None and is_user_module(owner.__module__)):
+        cls = owner or _returned_class(obj)
     else:
         raise UnsafeImportError(
             f"{prefix}{path!r} resolves to {_defined_path(obj)!r}, which is neither a class nor "
-            f"a callable marked safe for specs; an untrusted spec may only call those. {hint}"
+            "a callable marked safe for specs; an untrusted spec may only call those. Pass "
+            "trust=True only if you trust this input; or mark a safe factory with "
+            "nvalchemi._serialization.spec_factory."
         )
     if expect is not None and (cls is None or not issubclass(cls, expect)):
-        items = expect if isinstance(expect, tuple) else (expect,)
-        wanted = " or ".join("nn.Module" if t is torch.nn.Module else t.__name__ for t in items)
+        wanted, defined = _expected_names(expect), _defined_path(cls or obj)
+        named = repr(path) if defined == path else f"{path!r} names {defined!r}, which"
         raise RuntimeError(
-            f"{prefix}{path!r} names {_defined_path(cls or obj)!r}, which is not a subclass of "
-            f"{wanted}: expected {wanted} (or a marked factory of one). Nothing was built."
+            f"{prefix}{named} is not a subclass of {wanted}: expected {wanted} (or a marked "
+            "factory of one). Nothing was built."
         )
 
 

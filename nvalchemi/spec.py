@@ -389,6 +389,20 @@ def _wants_class(annotation: Any) -> bool:
     return any(m is type or typing.get_origin(m) is type for m in _union_members(annotation))
 
 
+def _class_argument(annotation: Any) -> tuple[type, ...] | None:
+    """``(X,)`` for a parameter annotated ``type[X]`` (``None`` when any class will do)."""
+    out = []
+    for member in _union_members(annotation):
+        if typing.get_origin(member) is type:
+            expected = _expected_type(typing.get_args(member)[0])
+            if expected is None:
+                return None
+            out.extend(expected)
+        elif member is type:
+            return None
+    return tuple(out) or None
+
+
 def _wants_tuple(annotation: Any) -> bool:
     return any(m is tuple or typing.get_origin(m) is tuple for m in _union_members(annotation))
 
@@ -404,17 +418,51 @@ def _item_annotation(annotation: Any) -> Any:
     return _EMPTY
 
 
+def _expected_type(annotation: Any) -> tuple[type, ...] | None:
+    """The classes a nested spec for a parameter annotated ``annotation`` must build.
+
+    ``None`` when the annotation does not say (absent, ``Any``, ``object``, a spec kept
+    unbuilt, a protocol ``issubclass`` cannot check): then only the trust rule applies.
+    Generic aliases count as their origin (``Callable[..., T]`` wants a class with
+    ``__call__``, ``Sequence[T]`` a sequence).
+    """
+    members = _union_members(annotation)
+    out = []
+    for member in members:
+        cls = typing.get_origin(member) or member
+        if not isinstance(cls, type) or cls is object or issubclass(cls, BaseSpec):
+            return None
+        try:
+            issubclass(object, cls)
+        except TypeError:  # a protocol with data members
+            return None
+        out.append(cls)
+    return tuple(out) or None
+
+
+def _value_annotation(annotation: Any) -> Any:
+    """Value annotation of ``dict[K, V]``/``Mapping[K, V]`` (else unannotated)."""
+    for member in _union_members(annotation):
+        origin, args = typing.get_origin(member), typing.get_args(member)
+        if isinstance(origin, type) and issubclass(origin, Mapping) and len(args) == 2:
+            return args[1]
+    return _EMPTY
+
+
 def _decode(value: Any, annotation: Any, name: str, trust: bool, where: str, key: str) -> Any:
     if isinstance(value, Mapping):
         if "cls_path" in value:
-            return _rehydrate(value, trust, None, where, key)
+            # a nested spec is built before the object that receives it: judge its class
+            # against what the receiving parameter accepts now, before anything is built
+            return _rehydrate(value, trust, _expected_type(annotation), where, key)
         try:
             decoded = decode_tagged(value, trust=trust)
         except UnsafeImportError as exc:
             raise _refuse(exc, _located(where, f"{key}.__type__")) from None
         if decoded is not _NOT_TAGGED:
             return decoded
-        return {k: _decode(v, _EMPTY, k, trust, where, f"{key}.{k}") for k, v in value.items()}
+        item = _value_annotation(annotation)
+        return {k: _decode(v, item, k, trust, where, f"{key}.{k}") for k, v in value.items()}
     if isinstance(value, list):
         item = _item_annotation(annotation)
         items = [_decode(v, item, "", trust, where, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -423,7 +471,8 @@ def _decode(value: Any, annotation: Any, name: str, trust: bool, where: str, key
         if _wants_class(annotation):
             try:
                 cls = import_path(value, trust=trust)
-                check_spec_target(cls, path=value, trust=trust)  # it is called later
+                # it is called later: it must be a class of the kind the parameter names
+                check_spec_target(cls, path=value, trust=trust, expect=_class_argument(annotation))
             except UnsafeImportError as exc:
                 raise _refuse(exc, _located(where, key)) from None
             return cls

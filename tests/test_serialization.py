@@ -1,8 +1,10 @@
 """Import allow-list, trust controls and value codecs of nvalchemi._serialization."""
 
 import inspect
+import json
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -186,6 +188,7 @@ def user_package(tmp_path, monkeypatch):
     )
     (root / "sub.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass X: pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # your own code lives in the working directory
     yield marker
     for name in ("nv_user_pkg", "nv_user_pkg.sub"):
         sys.modules.pop(name, None)
@@ -224,6 +227,101 @@ def test_user_code_cannot_reach_the_standard_library_or_installed_packages(user_
     assert not ser.is_user_module("json") and not ser.is_user_module("numpy")
     assert not ser.is_user_module("torch") and not ser.is_user_module("nvalchemi.spec")
     assert ser.is_user_module("__main__") and json
+
+
+def _package(folder, name):
+    """A tiny package ``name`` in ``folder`` (a class, and a marker of its import)."""
+    (folder / name).mkdir(parents=True)
+    (folder / name / "__init__.py").write_text("class Thing:\n    pass\n")
+    return folder
+
+
+@pytest.fixture
+def forget_packages():
+    yield
+    for name in [n for n in sys.modules if n.startswith("nv_far_")]:
+        sys.modules.pop(name)
+    ser._resolve.cache_clear()
+    ser._editable_names.cache_clear()
+
+
+def test_a_package_on_the_path_from_elsewhere_is_not_your_code(
+    tmp_path, monkeypatch, forget_packages
+):
+    vendor = _package(tmp_path / "vendor", "nv_far_vendor")
+    _package(tmp_path / "work", "nv_far_mine")
+    monkeypatch.syspath_prepend(str(vendor))  # as PYTHONPATH=vendor
+    monkeypatch.syspath_prepend(str(tmp_path / "work"))
+    monkeypatch.chdir(tmp_path / "work")
+    import nv_far_mine
+    import nv_far_vendor
+
+    assert import_path("nv_far_mine.Thing") is nv_far_mine.Thing
+    with pytest.raises(UnsafeImportError, match=r"neither the working directory nor the folder"):
+        import_path("nv_far_vendor.Thing")
+    monkeypatch.chdir(tmp_path)  # the working directory is the vendor folder's parent
+    assert not ser.is_user_module("nv_far_mine") and not ser.is_user_module("nv_far_vendor")
+    monkeypatch.chdir(vendor)  # from inside the checkout, it is the user's code being worked on
+    assert ser.is_user_module("nv_far_vendor")
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "work" / "train.py")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    assert ser.is_user_module("nv_far_mine")  # next to the running script
+    assert nv_far_vendor
+
+
+@pytest.mark.parametrize("kind", ["pep660_top_level", "pep660_pth", "develop_egg_info"])
+def test_an_editable_install_is_not_your_code_even_in_the_working_directory(
+    tmp_path, monkeypatch, forget_packages, kind
+):
+    work = _package(tmp_path / "work", "nv_far_installed")
+    metadata = "Metadata-Version: 2.1\nName: nv-far-installed\nVersion: 1.0\n"
+    editable = json.dumps({"url": f"file://{work}", "dir_info": {"editable": True}})
+    if kind == "develop_egg_info":  # `setup.py develop`: the metadata sits beside the code
+        info = work / "nv_far_installed.egg-info"
+        info.mkdir()
+        (info / "PKG-INFO").write_text(metadata)
+        (info / "top_level.txt").write_text("nv_far_installed\n")
+    else:
+        site_dir = tmp_path / "lib" / "site-packages"  # where installers put metadata
+        info = site_dir / "nv_far_installed-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(metadata)
+        (info / "direct_url.json").write_text(editable)
+        if kind == "pep660_top_level":  # a finder module maps the name to the project
+            (info / "top_level.txt").write_text("nv_far_installed\n")
+            (info / "RECORD").write_text("__editable___nv_far_installed_finder.py,,\n")
+        else:  # a .pth file puts the project folder on the path
+            (site_dir / "_nv_far_installed.pth").write_text(f"{work}\n")
+            (info / "RECORD").write_text("_nv_far_installed.pth,,\n")
+        monkeypatch.syspath_prepend(str(site_dir))
+    monkeypatch.syspath_prepend(str(work))
+    monkeypatch.chdir(work)
+    import nv_far_installed
+
+    with pytest.raises(
+        UnsafeImportError, match=r"installed \(editable\) distribution 'nv-far-installed'"
+    ) as info_:
+        import_path("nv_far_installed.Thing")
+    assert "allow_import_path('nv_far_installed')" in str(info_.value)
+    allow_import_path("nv_far_installed")  # what the hint says: an explicit allowance
+    try:
+        assert import_path("nv_far_installed.Thing") is nv_far_installed.Thing
+    finally:
+        ser._ALLOWED.discard("nv_far_installed")
+
+
+def test_a_namespace_package_of_yours_counts_and_its_name_alone_does_not(
+    tmp_path, monkeypatch, forget_packages
+):
+    (tmp_path / "nv_far_space").mkdir()  # no __init__.py: a namespace package
+    (tmp_path / "nv_far_space" / "models.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    import nv_far_space.models
+
+    assert import_path("nv_far_space.models.Thing") is nv_far_space.models.Thing
+    assert not ser.is_user_module("nv_far_space")  # no file: nothing of it is callable
 
 
 def test_allow_import_path_rejects_empty_prefix():

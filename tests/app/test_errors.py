@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ._support import TRAIN, assert_user_error, invoke, run_cli, tiny_job, write_job
 
 
@@ -235,3 +237,106 @@ def test_subprocess_errors_have_no_traceback_unless_debug(tmp_path):
     debug = run_cli("--debug", "spec", "run", missing)
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr
+
+
+# ---------------------------------------------- where the machine says no (issue 30, point 11)
+def _unwritable_dir(tmp_path):
+    """A directory this process cannot write in (root ignores permission bits: then a
+    kernel folder, where even root may not create files)."""
+    import os
+    from pathlib import Path
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    for candidate in (folder, Path("/sys/kernel")):
+        try:
+            os.rmdir(os.path.join(candidate, os.path.basename(_mkdtemp(candidate))))
+        except OSError:
+            return candidate
+    pytest.skip("no directory here refuses writes to this process")
+
+
+def _mkdtemp(folder):
+    import tempfile
+
+    return tempfile.mkdtemp(dir=folder)
+
+
+@pytest.mark.parametrize("where", ["run_dir", "checkpoint_dir", "run_dir_parent"])
+def test_an_unwritable_run_dir_or_checkpoint_root_is_named_before_anything_runs(tmp_path, where):
+    locked = _unwritable_dir(tmp_path)
+    job = tiny_job(tmp_path, num_steps=1)
+    job["output"]["tensorboard"] = True  # its writer thread must not get to fail
+    if where == "checkpoint_dir":
+        target, field = locked / "checkpoints", "CheckpointHook.checkpoint_dir"
+        job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(target)
+        job["output"]["checkpoint_dir"] = str(target)
+    else:
+        target = locked if where == "run_dir" else locked / "new" / "run"
+        field = "output.run_dir"
+        job["output"]["run_dir"] = str(target)
+    result = _run(tmp_path, job)
+    assert_user_error(result, field, str(locked), fix="writable")
+    assert "data:" not in result.stderr  # refused before the data is read
+    assert "Traceback" not in result.stderr and "may be a bug" not in result.stderr
+
+
+def test_a_full_disk_in_data_convert_names_the_output_and_the_cause(tmp_path):
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def small_files():  # as a full disk would: writes past 20 kB fail
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    out = tmp_path / "out.zarr"
+    result = subprocess.run(
+        [sys.executable, "-m", "nvalchemi.training.cli", "data", "convert", TRAIN, out],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert_user_error(result, str(out), "File too large", fix="free space")
+    assert "may be a bug" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_minutes_must_be_finite(tmp_path, value):
+    job = tiny_job(tmp_path, num_steps=1)
+    for result in (
+        _run(tmp_path, job, "--minutes", value),
+        invoke("quickstart", "--quick", "--minutes", value, "--run-dir", tmp_path / "qs"),
+    ):
+        assert result.exit_code == 2, result.output
+        assert "--minutes" in result.stderr and "finite" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "qs").exists()
+
+
+def test_minutes_gives_a_job_without_a_length_its_length(tmp_path):
+    job = tiny_job(tmp_path)
+    job["strategy"].update(num_steps=None, num_epochs=None)
+    job.pop("minutes", None)
+    job["output"]["plots"] = False
+    result = _run(tmp_path, job)
+    assert_user_error(result, "the job has no length", fix="correct")
+    result = _run(tmp_path, job, "--minutes", 0.02)
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["minutes"] == 0.02
+
+
+def test_threads_beyond_the_machine_are_capped_with_a_warning(tmp_path):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    job = tiny_job(tmp_path, num_steps=1)
+    job["output"]["plots"] = False
+    path = write_job(tmp_path / "job.json", job)
+    result = run_cli("spec", "run", path, "--no-report", "--threads", 4096, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"warning: --threads 4096 is more than the {cores} CPU core" in result.stderr

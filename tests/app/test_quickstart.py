@@ -112,3 +112,43 @@ def test_calculator_snippet_quotes_the_checkpoint_path_as_data():
         n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and hasattr(n.func, "attr")
     }
     assert "system" not in calls
+
+
+def test_overwrite_refuses_a_run_quickstart_did_not_create(tmp_path, trained_run):
+    import shutil
+
+    run = tmp_path / "spec_run"
+    shutil.copytree(trained_run["run_dir"], run)  # a `spec run`'s results: checkpoints, ...
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    for flags in ((), ("--overwrite",), ("--resume",)):
+        result = invoke("quickstart", "--quick", *flags, "--run-dir", run)
+        assert result.exit_code == 1, result.output
+        assert "checkpoints" in result.stderr and str(run) in result.stderr, result.stderr
+    assert "quickstart did not create" in result.stderr or "no quickstart run" in result.stderr
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing deleted
+
+
+def _plan(run, **options):
+    from nvalchemi.app.jobs import quickstart as qs
+
+    settings = {"resume": False, "overwrite": False, "quick": True, "epochs": None}
+    return qs.prepare_run(run, **{**settings, "minutes": None, "device": "cpu", **options})
+
+
+def test_overwrite_deletes_only_what_the_quickstart_run_created(tmp_path):
+    from nvalchemi.app.jobs import quickstart as qs
+
+    run = tmp_path / "qs"
+    qs.save_plan(_plan(run))  # the record quickstart writes before it trains
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "manifest.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")
+    (run / "notes.txt").write_text("mine")  # the user's, beside the run
+    elsewhere = tmp_path / "data"
+    elsewhere.mkdir()
+    (elsewhere / "keep.extxyz").write_text("data")
+    (run / "tensorboard").symlink_to(elsewhere)  # a link quickstart did not make... nor follow
+    plan = _plan(run, overwrite=True)
+    assert not plan.resume
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    assert (elsewhere / "keep.extxyz").read_text() == "data"

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _ranks import run_torchrun
 
+from nvalchemi.app.jobs import TrainingJobSpec
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import (
     CheckpointManifest,
@@ -248,3 +249,29 @@ def test_resume_warns_only_about_job_hooks_the_job_dropped(tmp_path):
     assert len(lines) == 1, result.stderr
     assert "['GradientClipHook']" in lines[0]  # not TimeBudgetHook: --minutes is the CLI's
     assert "source.hooks" in lines[0] and "hooks=[...]" not in lines[0]
+
+
+def test_job_json_is_the_job_as_run_and_a_refused_run_keeps_the_previous_copy(tmp_path):
+    job = tiny_job(tmp_path, num_steps=3)
+    job["output"]["plots"] = False
+    path = write_job(tmp_path / "job.json", job)
+    overrides = ("--num-steps", 2, "--minutes", 30, "--batch-size", 3, "--no-shuffle")
+    validation = ("--validation-dataset", VAL, "--validation-every-steps", 1)
+    result = invoke("spec", "run", path, "--no-report", *overrides, *validation)
+    assert result.exit_code == 0, result.output
+    as_run = json.loads((tmp_path / "run" / "job.json").read_text())
+    assert as_run["strategy"]["num_steps"] == 2 and "num_epochs" not in as_run["strategy"]
+    assert as_run["minutes"] == 30 and as_run["dataset"]["batch_size"] == 3
+    assert as_run["dataset"]["shuffle"] is False
+    assert as_run["dataset"]["validation_path"] == [str(VAL)]
+    assert "val_fraction" not in as_run["dataset"]
+    assert as_run["validation"]["every_n_steps"] == 1
+    assert TrainingJobSpec.model_validate(as_run)  # still a job `spec run` takes
+    before = (tmp_path / "run" / "job.json").read_bytes()
+
+    job["dataset"]["dtype"] = "float64"  # refused at the first batch: the loss's dtype check
+    job["source"]["hooks"][0]["spec"]["checkpoint_dir"] = str(tmp_path / "other")
+    job["output"]["checkpoint_dir"] = str(tmp_path / "other")
+    refused = invoke("spec", "run", write_job(tmp_path / "bad.json", job), "--no-report")
+    assert refused.exit_code == 1 and "dtype" in refused.stderr, refused.output
+    assert (tmp_path / "run" / "job.json").read_bytes() == before

@@ -84,6 +84,37 @@ def test_sigterm_during_setup_says_nothing_needs_resuming_and_exits_75(tmp_path)
     assert not (tmp_path / "run" / "checkpoints" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "resume"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_while_the_job_is_checked_gets_the_message_too(tmp_path, signum, command):
+    """The signal arrives while the job file's own module is imported (job checks), seconds
+    before any data is read: the handlers are in place from the command's start."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "nv_stop_on_import.py").write_text(
+        "import os\n"
+        f"os.kill(os.getpid(), {int(signum)})  # what a scheduler does at the wrong moment\n"
+        "from nvalchemi.training import default_training_fn as training_fn\n"
+    )
+    job = tiny_job(tmp_path, num_steps=2)
+    job["imports"] = ["nv_stop_on_import"]
+    job["strategy"]["training_fn"] = "nv_stop_on_import.training_fn"
+    path = write_job(project / "job.json", job)
+    args = ["run", path] if command == "run" else ["resume", tmp_path, "--spec", path]
+    proc = subprocess.run(
+        [*CLI, "spec", *args, "--no-report"] if command == "run" else [*CLI, "spec", *args],
+        env=clean_env({"COLUMNS": "200"}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    name = signal.Signals(signum).name
+    assert proc.returncode == PREEMPTION_EXIT_CODE, (proc.returncode, proc.stderr)
+    assert f"Stopped by {name} while setting up" in proc.stderr, proc.stderr
+    assert "nothing needs resuming" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.distributed
 def test_a_stalled_rank_is_named_with_the_collective_within_the_timeout(tmp_path):
     job = tiny_job(tmp_path, num_steps=100_000, structures=16)

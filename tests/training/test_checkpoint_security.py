@@ -169,6 +169,7 @@ def test_user_models_load_once_their_module_is_imported_and_never_import_it(tmp_
         "        self.layer = torch.nn.Linear(width, 1)\n"
     )
     monkeypatch.syspath_prepend(str(package))
+    monkeypatch.chdir(package)  # your own code: a module in the working directory
     import ckpt_custom_model
 
     model = ckpt_custom_model.Custom(width=3)
@@ -412,3 +413,51 @@ def test_crafted_paths_are_refused_naming_the_file_and_key_and_run_nothing(saved
     assert repr(target) in text or target in text
     assert key in text and (str(file) in text or where in ("loss", "training_fn"))
     assert not marker.exists() and "nv_not_imported_user_module" not in sys.modules
+
+
+# ------------------------------- nested specs are judged against the receiving parameter
+_READER = '''
+import pathlib
+
+
+class Reader:
+    """Your own class whose constructor acts on a file the spec names."""
+
+    def __init__(self, filename: str = "x"):
+        pathlib.Path(filename).touch()
+'''
+
+
+@pytest.mark.parametrize("trust", [False, True])
+@pytest.mark.parametrize(
+    "nested",
+    ["ckpt_reader_module.Reader", "torch.nn.modules.linear.Linear", "builtins.dict"],
+)
+def test_a_nested_spec_of_the_wrong_type_is_refused_before_anything_is_built(
+    saved, tmp_path, monkeypatch, nested, trust
+):
+    root, folder, marker = saved
+    (tmp_path / "ckpt_reader_module.py").write_text(_READER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # your own module: it passes the trust rule
+    import ckpt_reader_module  # noqa: F401
+
+    spec_file = folder / "models" / "main" / "spec.json"
+    evil = {"cls_path": nested, "timestamp": "t", "filename": str(marker)}
+    if nested == "torch.nn.modules.linear.Linear":
+        evil = {"cls_path": nested, "timestamp": "t", "in_features": 1, "out_features": 1}
+    _edit_json(spec_file, lambda d: d.update(model=evil))  # DemoModelWrapper(model: DemoModel)
+    try:
+        for load in (
+            lambda: load_model_from_checkpoint(root, trust=trust),
+            lambda: load_checkpoint(root, trust=trust),
+        ):
+            with pytest.raises(
+                RuntimeError, match=r"expected DemoModel.*Nothing was built"
+            ) as info:
+                load()
+            assert f"{spec_file}, key 'model.cls_path'" in str(info.value)
+            assert repr(nested) in str(info.value)
+    finally:
+        sys.modules.pop("ckpt_reader_module", None)
+    assert not marker.exists()

@@ -7,6 +7,8 @@ message and exit status 1 (``--debug``: the traceback); warnings print as ``warn
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import sys
 import traceback
 import warnings
@@ -16,9 +18,23 @@ from typing import Any
 import click
 
 from nvalchemi._errors import FieldError
-from nvalchemi.app.cli._errors import CLIError, debug_enabled, enable_debug, user_message
+from nvalchemi.app.cli._errors import (
+    CLIError,
+    debug_enabled,
+    enable_debug,
+    environment_error,
+    user_message,
+)
 
-__all__ = ["batch_size_value", "debug_option", "main", "option_group", "parse_checkpoint_index"]
+__all__ = [
+    "MINUTES",
+    "batch_size_value",
+    "debug_option",
+    "main",
+    "option_group",
+    "parse_checkpoint_index",
+    "threads_value",
+]
 
 _EPILOG = """\b
 Examples:
@@ -76,6 +92,40 @@ def batch_size_value(ctx: Any, param: Any, value: str | None) -> int | str | Non
     return number
 
 
+class _Minutes(click.ParamType):
+    """A time budget in minutes: a finite number > 0 (``inf`` and ``nan`` are refused)."""
+
+    name = "minutes"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of minutes", param, ctx)
+        if not math.isfinite(number) or number <= 0:
+            self.fail(f"{value!r} is not a finite number of minutes > 0, e.g. 10", param, ctx)
+        return number
+
+
+MINUTES = _Minutes()
+"""The type of every ``--minutes`` option."""
+
+
+def threads_value(ctx: Any, param: Any, value: int | None) -> int | None:
+    """A ``--threads`` value capped at the CPU cores this process may use, with a warning
+    (far more threads than cores only slows a run down, and thousands crash OpenMP)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if value is None or cores is None or value <= cores:
+        return value
+    warnings.warn(
+        f"--threads {value} is more than the {cores} CPU core(s) this process may use; "
+        f"using {cores}",
+        UserWarning,
+        stacklevel=2,
+    )
+    return cores
+
+
 def parse_checkpoint_index(text: str) -> int | str:
     """A ``--checkpoint-index`` value: ``"latest"``, ``"best"`` or an int."""
     if text in ("latest", "best"):
@@ -125,6 +175,9 @@ class _Main(click.Group):
                     ctx.exit(130)
                 if isinstance(exc, FieldError):  # a library error naming the field and the fix
                     raise CLIError(" ".join(str(exc).split())) from None
+                refused = environment_error(exc)  # the machine said no: not a bug
+                if refused is not None:
+                    raise refused from None
                 raise CLIError(
                     user_message(exc) + " (run with --debug for the traceback)"
                 ) from None

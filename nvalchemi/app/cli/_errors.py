@@ -7,12 +7,13 @@ already name the field and the fix; anything else is worded by :func:`user_messa
 
 from __future__ import annotations
 
+import errno
 import os
 import textwrap
 
 import click
 
-__all__ = ["CLIError", "debug_enabled", "enable_debug", "user_message"]
+__all__ = ["CLIError", "debug_enabled", "enable_debug", "environment_error", "user_message"]
 
 
 class CLIError(click.ClickException):
@@ -46,6 +47,39 @@ def debug_enabled(ctx: click.Context) -> bool:
     if os.environ.get("NVALCHEMI_DEBUG", "").lower() in ("1", "true", "yes"):
         return True
     return bool(ctx.find_root().meta.get("nvalchemi_debug"))
+
+
+_ELSEWHERE = "or write elsewhere"
+_MACHINE_FIXES = {
+    errno.ENOSPC: f"free space on that disk, {_ELSEWHERE}",
+    errno.EDQUOT: f"free space within your disk quota, {_ELSEWHERE}",
+    errno.EFBIG: f"a file size limit (ulimit -f) or the disk is full: raise it or free space, "
+    f"{_ELSEWHERE}",
+    errno.EROFS: f"the file system is read-only: {_ELSEWHERE}",
+    errno.EACCES: "choose a path you may write (and read), or fix its permissions",
+    errno.EPERM: "choose a path you may write (and read), or fix its permissions",
+}
+
+
+def environment_error(exc: BaseException, path: object = None) -> CLIError | None:
+    """``exc`` as a user error when the machine refused (a full disk, a read-only file
+    system, no permission), naming the path (``exc.filename``, else ``path``) and the
+    cause; ``None`` for anything else.
+
+    >>> import errno
+    >>> str(environment_error(OSError(errno.ENOSPC, "No space left on device"), "out.zarr"))
+    'out.zarr: No space left on device. Fix: free space on that disk, or write elsewhere.'
+    """
+    from nvalchemi.training.checkpoint.store import CheckpointWriteError
+
+    if not isinstance(exc, OSError) or isinstance(exc, CheckpointWriteError):
+        return None
+    fix = _MACHINE_FIXES.get(exc.errno)
+    if fix is None:
+        return None
+    where = exc.filename if exc.filename is not None else path
+    cause = exc.strerror or os.strerror(exc.errno)
+    return CLIError(f"{where}: {cause}" if where is not None else cause, fix=fix)
 
 
 def _collective_text(exc: BaseException) -> str:

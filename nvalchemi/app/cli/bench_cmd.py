@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._app import debug_option, main, threads_value
 from nvalchemi.app.cli._console import err_console, print_table
 
 __all__ = ["bench"]
@@ -136,7 +136,12 @@ Examples:
     help="A compiled candidate: TrainingStrategy(compile=True); its warm-up compiles.",
 )
 @click.option(
-    "--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch CPU threads."
+    "--threads",
+    type=click.IntRange(min=1),
+    callback=threads_value,
+    default=1,
+    show_default=True,
+    help="torch CPU threads.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("--trust", is_flag=True, help="Trust the job file (dotted paths, pickles).")

@@ -11,7 +11,7 @@ import click
 
 from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
-from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.cli._errors import CLIError, environment_error
 
 __all__ = ["data"]
 
@@ -116,16 +116,22 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
         label_keys=options["label_keys"],
         max_structures=options["max_structures"],
     )
-    with _progress(f"writing {output}") as update:
-        summary = convert_to_zarr(
-            readers,
-            output,
-            cutoff=options["cutoff"],
-            half_list=options["half_list"],
-            chunk_size=options["chunk_size"],
-            progress=update,
-            overwrite=options["overwrite"],
-        )
+    try:
+        with _progress(f"writing {output}") as update:
+            summary = convert_to_zarr(
+                readers,
+                output,
+                cutoff=options["cutoff"],
+                half_list=options["half_list"],
+                chunk_size=options["chunk_size"],
+                progress=update,
+                overwrite=options["overwrite"],
+            )
+    except OSError as exc:  # zarr's write errors name no file: name the store being written
+        refused = environment_error(exc, f"writing {output}")
+        if refused is None:
+            raise
+        raise refused from None
     console = err_console()
     text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
     if "edges" in summary:

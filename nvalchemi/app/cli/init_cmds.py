@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from nvalchemi.app.cli._app import (
+    MINUTES,
     batch_size_value,
     debug_option,
     main,
@@ -56,7 +57,7 @@ def _common_options(default_lr: float, *, required: bool = True):
         ),
         click.option(
             "--minutes",
-            type=click.FloatRange(min=0, min_open=True),
+            type=MINUTES,
             help="Time budget: the run's length and learning-rate schedule are "
             "fitted to it at run time (train init default: 10).",
         ),

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._app import MINUTES, debug_option, main, threads_value
 from nvalchemi.app.cli._console import err_console
 
 __all__ = ["calculator_snippet", "quickstart"]
@@ -70,7 +70,7 @@ Examples:
 )
 @click.option(
     "--minutes",
-    type=click.FloatRange(min=0, min_open=True),
+    type=MINUTES,
     help="Training time budget (default 5 min). Without --epochs the run's length and "
     "learning-rate schedule are fitted to it after timing the first steps; with --epochs "
     "it is a cap. Training stops cleanly when it runs out.",
@@ -85,6 +85,7 @@ Examples:
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
+    callback=threads_value,
     default=1,
     show_default=True,
     help="torch CPU threads. This small model gains little from more, and extra "

@@ -7,11 +7,13 @@ from typing import Any
 import click
 
 from nvalchemi.app.cli._app import (
+    MINUTES,
     batch_size_value,
     debug_option,
     main,
     option_group,
     parse_checkpoint_index,
+    threads_value,
 )
 from nvalchemi.app.cli._console import err_console, print_table
 
@@ -21,12 +23,13 @@ DEFAULT_THREADS = 1
 """torch and neighbour-list threads of ``spec run`` on the CPU, as for ``quickstart``."""
 
 _TRUST_HELP = (
-    "Trust the job file: resolve dotted paths outside the import allow-list and load "
-    "pickled model files. Only for files you wrote or trust."
+    "Trust the job file: let its `imports:` name any module, resolve dotted paths outside "
+    "the import allow-list and load pickled model files. Only for files you wrote or trust."
 )
 _ALLOW_HELP = (
-    "Let the job and its checkpoints name classes and functions of this module of yours "
-    "(repeatable; also `imports:` in the job file), e.g. --allow-import common."
+    "Let the job and its checkpoints name classes and functions of this module or package "
+    "(repeatable; any package, since you name it; a job file's `imports:` names only modules "
+    "of yours beside it), e.g. --allow-import common."
 )
 allow_import_option = click.option(
     "--allow-import", "allow_imports", multiple=True, metavar="PKG", help=_ALLOW_HELP
@@ -89,13 +92,14 @@ _run_options = option_group(
     click.option("--validation-every-steps", type=click.IntRange(min=1)),
     click.option(
         "--minutes",
-        type=click.FloatRange(min=0, min_open=True),
+        type=MINUTES,
         help="Time budget (override the job's minutes): the run's length and "
         "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
     ),
     click.option(
         "--threads",
         type=click.IntRange(min=1),
+        callback=threads_value,
         default=DEFAULT_THREADS,
         show_default=True,
         help="torch CPU threads and neighbour-list threads. Small models gain "
@@ -236,13 +240,25 @@ Examples:
 )
 def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any) -> None:
     """Train a job spec."""
+    from nvalchemi.app.jobs.signals import SetupSignals
+
+    # first: a stop signal while the job is read and checked gets its message and 75 too
+    with SetupSignals.on_main_rank(err_console()) as signals:
+        _spec_run(path, max_structures, report, signals, **kwargs)
+
+
+def _spec_run(
+    path: str, max_structures: int | None, report: bool, signals: Any, **kwargs: Any
+) -> None:
     from nvalchemi.app.cli.report import render_report
     from nvalchemi.app.jobs.checks import check_horizons
     from nvalchemi.app.jobs.resolve import load_job
     from nvalchemi.app.jobs.run import launch_env, run_job
 
     options = _options(kwargs)
-    job, resolved = load_job(path, trust=options.trust, allow_imports=options.allow_imports)
+    job, resolved = load_job(
+        path, trust=options.trust, allow_imports=options.allow_imports, minutes=options.minutes
+    )
     is_main = launch_env().rank == 0
     if max_structures is not None:
         job.dataset.max_structures = max_structures
@@ -253,7 +269,7 @@ def spec_run(path: str, max_structures: int | None, report: bool, **kwargs: Any)
         check_horizons(
             job.strategy.model_dump()["optimizer_configs"] or {}, options.num_steps, warn=is_main
         )
-    result = run_job(job, resolved, options, console=console)
+    result = run_job(job, resolved, options, console=console, signals=signals)
     _summary(result, console)
 
 
@@ -297,6 +313,16 @@ def spec_resume(
 ) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
     change the learning rate with --lr)."""
+    from nvalchemi.app.jobs.signals import SetupSignals
+
+    # first: a stop signal while the job is read and checked gets its message and 75 too
+    with SetupSignals.on_main_rank(err_console()) as signals:
+        _spec_resume(checkpoint_dir, spec_path, checkpoint_index, signals, **kwargs)
+
+
+def _spec_resume(
+    checkpoint_dir: str, spec_path: str, checkpoint_index: str, signals: Any, **kwargs: Any
+) -> None:
     from nvalchemi.app.cli._errors import CLIError
     from nvalchemi.app.jobs.checks import check_horizons
     from nvalchemi.app.jobs.resolve import load_job
@@ -305,7 +331,12 @@ def spec_resume(
     index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
     num_steps = options.num_steps
-    job, resolved = load_job(spec_path, trust=options.trust, allow_imports=options.allow_imports)
+    job, resolved = load_job(
+        spec_path,
+        trust=options.trust,
+        allow_imports=options.allow_imports,
+        minutes=options.minutes,
+    )
     console = err_console()
     is_main = launch_env().rank == 0
     progress = saved_progress(checkpoint_dir, index)
@@ -349,7 +380,13 @@ def spec_resume(
     if num_steps is not None:
         check_horizons(progress.optimizer_configs, num_steps, warn=is_main, resume=True)
     result = run_job(
-        job, resolved, options, resume_from=checkpoint_dir, checkpoint_index=index, console=console
+        job,
+        resolved,
+        options,
+        resume_from=checkpoint_dir,
+        checkpoint_index=index,
+        console=console,
+        signals=signals,
     )
     if result.strategy.step_count == progress.step_count and num_steps is None:
         return complete(f"was already complete ({progress.describe()}); nothing was trained")

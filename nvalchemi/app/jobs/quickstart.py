@@ -34,6 +34,7 @@ _OWNED = (
     "parity_forces.png",
     "parity_stress.png",
 )
+_WRITTEN_BY = "nvalchemi-training quickstart"  # marks the record, and so the run, as ours
 
 
 @dataclass
@@ -45,6 +46,8 @@ class QuickstartPlan:
     resume: bool
     budget_s: float | None
     device: str
+    created: list[str] = field(default_factory=list)
+    """What of :data:`_OWNED` this run creates (recorded, so ``--overwrite`` deletes only that)."""
 
     @property
     def fitted(self) -> bool:
@@ -78,6 +81,63 @@ def _saved_recipe(run_dir: Path) -> PaiNNRecipe | None:
         ) from None
 
 
+def _found(run_dir: Path) -> list[str]:
+    """The names quickstart writes that already lie in ``run_dir``."""
+    return [n for n in _OWNED if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+
+
+def _created_by_quickstart(run_dir: Path) -> list[str] | None:
+    """What the quickstart record of ``run_dir`` says quickstart created there, or ``None``
+    when no record written by quickstart marks the folder."""
+    try:
+        record = json.loads((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("written_by") != _WRITTEN_BY:
+        return None
+    created = record.get("created")
+    if not isinstance(created, list):
+        return None
+    return [name for name in created if name in _OWNED]
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)  # a link goes, never what it points at
+    else:
+        shutil.rmtree(path)
+
+
+def _clear_earlier_run(run_dir: Path, found: list[str], overwrite: bool) -> None:
+    """Delete the earlier quickstart run in ``run_dir`` (``--overwrite``): only what its
+    record says it created; refuse anything quickstart did not create."""
+    created = _created_by_quickstart(run_dir)
+    listing = ", ".join(found)
+    if created is None:
+        raise FieldError(
+            f"{run_dir} holds {listing}, which quickstart did not create (no quickstart.json "
+            "written by quickstart marks them); nothing was deleted",
+            field="--run-dir",
+            fix="choose another --run-dir (quickstart deletes only runs it created itself)",
+        )
+    if not overwrite:
+        raise FieldError(
+            f"{run_dir} already holds a quickstart run",
+            fix="pass --resume to continue it, --overwrite to start over, or choose "
+            "another --run-dir",
+        )
+    foreign = [name for name in found if name not in created]
+    if foreign:
+        raise FieldError(
+            f"{run_dir} holds {', '.join(foreign)}, which the quickstart run there did not "
+            "create; nothing was deleted",
+            field="--run-dir",
+            fix="move them away yourself, or choose another --run-dir",
+        )
+    for name in created:
+        _remove(run_dir / name)
+
+
 def prepare_run(
     run_dir: str | Path,
     *,
@@ -88,21 +148,24 @@ def prepare_run(
     minutes: float | None,
     device: str,
 ) -> QuickstartPlan:
-    """Check the run directory against the flags and settle the recipe."""
+    """Check the run directory against the flags and settle the recipe.
+
+    ``--overwrite`` deletes only what an earlier quickstart run recorded as created in
+    ``quickstart.json``; a folder holding anything else quickstart would write (another
+    run's checkpoints, ...) is refused with what was found, and nothing is deleted.
+    """
     from nvalchemi.app.devices import check_device
 
     check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
     run_dir = Path(run_dir)
-    has_run = (run_dir / "checkpoints" / "manifest.json").is_file() or (
-        run_dir / CONFIG_FILE
-    ).is_file()
     if resume and overwrite:
         raise FieldError("--resume and --overwrite contradict each other", fix="pick one")
     if resume:
         saved = _saved_recipe(run_dir)
         if saved is None or not (run_dir / "checkpoints" / "manifest.json").is_file():
+            found = ", ".join(_found(run_dir)) or "nothing of a quickstart run"
             raise FieldError(
-                f"there is no quickstart run to resume in {run_dir}",
+                f"there is no quickstart run to resume in {run_dir} (found: {found})",
                 field="--resume",
                 fix="run `nvalchemi-training quickstart` without --resume first (or point "
                 "--run-dir at an earlier run)",
@@ -123,29 +186,25 @@ def prepare_run(
             minutes = saved.minutes  # the same budget: the saved plan continues
         budget = None if minutes is None else minutes * 60
         return QuickstartPlan(saved, run_dir, True, budget, device)
-    if has_run:
-        if not overwrite:
-            raise FieldError(
-                f"{run_dir} already holds a quickstart run",
-                fix="pass --resume to continue it, --overwrite to start over, or choose "
-                "another --run-dir",
-            )
-        for name in _OWNED:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+    found = _found(run_dir)
+    if found:
+        _clear_earlier_run(run_dir, found, overwrite)
     recipe = (QUICK if quick else QUICKSTART).replace(epochs=epochs, minutes=minutes)
     if recipe.epochs is None:
         minutes = recipe.minutes
     budget = None if minutes is None else minutes * 60
-    return QuickstartPlan(recipe, run_dir, False, budget, device)
+    created = [name for name in _OWNED if name not in _found(run_dir)]
+    return QuickstartPlan(recipe, run_dir, False, budget, device, created)
 
 
 def save_plan(plan: QuickstartPlan) -> None:
     plan.run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"recipe": plan.recipe.to_dict(), "device": plan.device}
+    record = {
+        "written_by": _WRITTEN_BY,
+        "created": plan.created,
+        "recipe": plan.recipe.to_dict(),
+        "device": plan.device,
+    }
     (plan.run_dir / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -59,13 +59,29 @@ class ResolvedJob:
     devices: list[Any] = field(default_factory=list)
 
 
-def allow_user_code(modules: Sequence[str], directory: str | Path, field: str = "imports") -> None:
+def allow_user_code(
+    modules: Sequence[str],
+    directory: str | Path,
+    field: str = "imports",
+    *,
+    own_only: bool = False,
+) -> None:
     """Let specs and checkpoints name ``modules`` (a job's ``imports:``, ``--allow-import``),
-    found in ``directory`` or the working directory (appended to ``sys.path``)."""
-    from nvalchemi._serialization import allow_import_path
+    found in ``directory`` or the working directory (appended to ``sys.path``).
+
+    With ``own_only`` (a job file's ``imports:`` without ``--trust``) each module must be
+    the user's own: a package or module directly in ``directory`` or the working directory,
+    neither the standard library nor an installed package; else a :class:`FieldError`
+    naming the entry. Nothing is imported here.
+    """
+    from nvalchemi._serialization import allow_import_path, own_module_problem
 
     if not modules:
         return
+    folders = [str(Path(directory).resolve()), str(Path.cwd())]
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
     for i, name in enumerate(modules):
         if not isinstance(name, str) or not _MODULE.fullmatch(name):
             raise FieldError(
@@ -73,10 +89,18 @@ def allow_user_code(modules: Sequence[str], directory: str | Path, field: str = 
                 field=f"{field}[{i}]",
                 fix="list dotted module names such as common or mypkg.models",
             )
+        problem = own_module_problem(name, folders) if own_only else None
+        if problem is not None:
+            raise FieldError(
+                f"{name!r} is not your own code: {problem}; a job file's imports name only "
+                f"modules of yours next to the job file ({folders[0]}) or in the working "
+                f"directory ({folders[1]})",
+                field=f"{field}[{i}]",
+                fix="remove it; to trust another package, pass --allow-import "
+                f"{name.partition('.')[0]} yourself (or --trust if you wrote this job file)",
+            )
+    for name in modules:
         allow_import_path(name)
-    for folder in (str(Path(directory).resolve()), str(Path.cwd())):
-        if folder not in sys.path:
-            sys.path.append(folder)
 
 
 def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
@@ -97,10 +121,18 @@ def validate_job_data(data: dict[str, Any], where: str) -> TrainingJobSpec:
 
 
 def load_job(
-    path: str | Path, *, trust: bool = False, allow_imports: Sequence[str] = ()
+    path: str | Path,
+    *,
+    trust: bool = False,
+    allow_imports: Sequence[str] = (),
+    minutes: float | None = None,
 ) -> tuple[TrainingJobSpec, ResolvedJob]:
     """Parse, validate and resolve the job file at ``path`` (its relative paths are taken
-    relative to the file; its ``imports:`` and ``allow_imports`` pass the trust rule)."""
+    relative to the file; its ``imports:`` and ``allow_imports`` pass the trust rule).
+
+    ``minutes`` (``--minutes``) replaces the job's time budget before it is validated, so
+    it also gives a job without a length its length.
+    """
     try:
         data = read_job_file(path)
     except FileNotFoundError as exc:
@@ -119,8 +151,10 @@ def load_job(
         )
         raise FieldError(message, fix=fix) from None
     data = resolve_job_paths(data, Path(path).parent)
+    if minutes is not None and isinstance(data, dict):
+        data = {**data, "minutes": minutes}
     job = validate_job_data(data, str(path))
-    allow_user_code(job.imports, Path(path).parent)
+    allow_user_code(job.imports, Path(path).parent, own_only=not trust)
     allow_user_code(list(allow_imports), Path(path).parent, field="--allow-import")
     return job, check_job(job, trust=trust)
 
@@ -149,6 +183,7 @@ def build_hooks(entries: list[RuntimeHookSpec], trust: bool) -> list[tuple[Any, 
         where = f"source.hooks[{i}]"
         for stage in entry.stages or [None]:
             spec = parse_spec(entry.spec, f"{where}.spec", trust)
+            _check_hook_class(spec.target(), spec.cls_path, f"{where}.spec.cls_path")
             kwargs = {}
             if "stage" in spec.kwargs:
                 kwargs["stage"] = _stage(spec.kwargs["stage"], f"{where}.spec.stage")
@@ -172,6 +207,68 @@ def build_hooks(entries: list[RuntimeHookSpec], trust: bool) -> list[tuple[Any, 
                 )
             out.append((hook, stage))
     return out
+
+
+def _check_hook_class(target: Any, path: str, where: str) -> None:
+    """Refuse a hook spec whose class cannot make a hook, before it is called.
+
+    A hook is a class whose instances are callable (``__call__(ctx, stage)``) or carry
+    checkpointed state (``state_dict``/``load_state_dict``); a classmethod factory is
+    judged by its class.
+    """
+    owner = getattr(target, "__self__", None)
+    cls = target if isinstance(target, type) else owner if isinstance(owner, type) else None
+    members = set() if cls is None else {n for k in cls.__mro__[:-1] for n in vars(k)}
+    if "__call__" in members or {"state_dict", "load_state_dict"} <= members:
+        return
+    raise FieldError(
+        f"{path!r} is not a hook class (a hook's instances are called as hook(ctx, stage)); "
+        "nothing was built",
+        field=where,
+        fix="name a hook class (see nvalchemi.training.hooks)",
+    )
+
+
+def _judge_strategy_specs(job: TrainingJobSpec, trust: bool) -> list[FieldError]:
+    """Every spec of ``job.strategy`` read against what receives it, before any is built:
+    models and module patches are modules, the loss a loss, each optimizer entry an
+    ``OptimizerConfig`` (nested specs: their parameter's annotation)."""
+    import torch
+
+    from nvalchemi.spec import create_model_spec_from_json
+    from nvalchemi.training.losses.base import BaseLossFunction, ComposedLossFunction
+    from nvalchemi.training.optimizers import OptimizerConfig
+    from nvalchemi.training.strategy_payload import with_timestamps
+
+    payload = job.strategy
+    optimizer = (OptimizerConfig, "nvalchemi.training.optimizers.OptimizerConfig")
+    loss = ((BaseLossFunction, ComposedLossFunction), "a loss, e.g. a ComposedLossFunction")
+    module = (torch.nn.Module, "a model class (an nn.Module)")
+    entries: list[tuple[str, Any, tuple[Any, str]]] = []
+    for key, specs in (payload.optimizer_configs or {}).items():
+        entries += [
+            (f"strategy.optimizer_configs.{key}[{i}]", data, optimizer)
+            for i, data in enumerate(specs)
+        ]
+    if payload.loss_fn_spec is not None:
+        entries.append(("strategy.loss_fn_spec", payload.loss_fn_spec, loss))
+    for group in ("model_specs", "module_patches"):
+        entries += [
+            (f"strategy.{group}.{key}", data, module)
+            for key, data in getattr(payload, group).items()
+        ]
+    problems = []
+    for where, data, (expect, wanted) in entries:
+        if not isinstance(data, dict) or "cls_path" not in data:
+            continue  # the resolver names what is missing
+        try:
+            create_model_spec_from_json(with_timestamps(data), trust=trust, expect=expect)
+        except RuntimeError as exc:  # the wrong kind of class
+            fix = f"name {wanted} at the key given (nested keys: the class the parameter takes)"
+            problems.append(spec_error(where, exc, fix))
+        except Exception as exc:
+            problems.append(spec_error(where, exc))
+    return problems
 
 
 def _needed_outputs(loss_fn: Any) -> dict[str, str]:
@@ -235,6 +332,9 @@ def check_job(job: TrainingJobSpec, *, trust: bool = False) -> ResolvedJob:
         resolved.hooks = build_hooks(job.source.hooks, trust)
     except FieldError as exc:
         problems.append(exc)
+    judged = _judge_strategy_specs(job, trust)
+    if judged:
+        raise combined_error(problems + judged)
     try:
         strategy = job.strategy.resolve(trust=trust)
         resolved.loss_fn = strategy.loss_fn

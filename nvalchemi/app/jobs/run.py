@@ -18,12 +18,14 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
+from nvalchemi._fileio import write_atomic
 from nvalchemi.app.jobs.resolve import ResolvedJob
 from nvalchemi.app.jobs.signals import SetupSignals
 from nvalchemi.app.jobs.spec import TrainingJobSpec, dump_job
@@ -168,6 +170,32 @@ def _checkpoint_dir(hooks: list[Any]) -> Path | None:
         if isinstance(hook, CheckpointHook):
             return Path(hook.checkpoint_dir)
     return None
+
+
+def _check_writable(path: Path, field: str) -> None:
+    """Refuse, before anything runs, a directory the run could not write (read-only, no
+    permission): a :class:`FieldError` naming it and the cause. Leaves nothing behind."""
+    import tempfile
+
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise FieldError(
+            f"{path} cannot be created: {existing} is not a directory",
+            field=field,
+            fix="choose a writable directory",
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nvalchemi-write-test-", dir=existing))
+    except OSError as exc:
+        cause = exc.strerror or type(exc).__name__
+        whose = "" if existing == path.absolute() else f" (the nearest existing folder of {path})"
+        raise FieldError(
+            f"cannot write in {existing}{whose}: {cause}",
+            field=field,
+            fix=f"choose a writable directory for {path}, or make {existing} writable",
+        ) from None
 
 
 def check_devices(
@@ -317,21 +345,20 @@ def run_job(
     resume_from: str | Path | None = None,
     checkpoint_index: Any = -1,
     console: Any = None,
+    signals: SetupSignals | None = None,
 ) -> RunResult:
     """Train (or resume) ``job``; returns the strategy and where results are.
 
     ``console`` (anything with ``print(text)``, e.g. a rich console) gets a few lines
-    about the data, the model and the plan; the reporters show progress.
+    about the data, the model and the plan; the reporters show progress. ``signals``: the
+    caller's :class:`SetupSignals` when it installed them earlier (the command line does,
+    before it reads the job); else this call installs its own.
     """
-    from nvalchemi.distributed.launch import detect_launch_env
-
     options = options or RunOptions()
-    try:
-        main_rank = detect_launch_env().rank == 0
-    except ValueError:
-        main_rank = True  # the launch error is raised with its fix once the run starts
-    with SetupSignals(console if main_rank else None) as signals:
+    if signals is not None:
         return _run(job, resolved, options, signals, resume_from, checkpoint_index, console)
+    with SetupSignals.on_main_rank(console) as own:
+        return _run(job, resolved, options, own, resume_from, checkpoint_index, console)
 
 
 def _budget_hook(job: TrainingJobSpec, options: RunOptions) -> Any:
@@ -513,6 +540,9 @@ def _run(
     if forgetting is not None:
         hooks.append(forgetting)  # ahead of the reporters: its numbers join validation rows
     checkpoint_dir = _checkpoint_dir(hooks)
+    _check_writable(run_dir, "output.run_dir")
+    if checkpoint_dir is not None:
+        _check_writable(checkpoint_dir, "source.hooks (CheckpointHook.checkpoint_dir)")
     if resume is None and checkpoint_dir and (checkpoint_dir / "manifest.json").is_file():
         raise FieldError(
             f"{checkpoint_dir} already holds checkpoints of an earlier run",
@@ -593,13 +623,17 @@ def _run(
         )
         if val_loader is not None:
             strategy.validation_config = _validation_config(job, options, val_loader)
-        if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            dump_job(job, run_dir / "job.json")
+        restore_job_copy = record_job(run_dir, job_as_run(job, options)) if is_main else None
         if console is not None and budget is not None:
             console.print(_budget_line(budget))
         signals.training_started()
-        strategy.run(loader)
+        first_step = strategy.step_count
+        try:
+            strategy.run(loader)
+        except BaseException:
+            if restore_job_copy is not None and strategy.step_count == first_step:
+                restore_job_copy()  # refused before its first step: the earlier copy stands
+            raise
         result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
         result.forgetting = None if forgetting is None else forgetting.result
         result.budget = None if budget is None else budget.plan
@@ -611,6 +645,71 @@ def _run(
     finally:
         sources.close()
     return result
+
+
+def job_as_run(job: TrainingJobSpec, options: RunOptions) -> dict[str, Any]:
+    """``job`` with every override of ``options`` that is a job setting applied: what
+    ``<run_dir>/job.json`` records, and a job ``spec run`` takes to train the same way.
+
+    Execution options that are no job setting (``--threads``, ``--distributed``,
+    ``--ddp-backend``, ``--drop-last``, ``--trust``, ``--allow-import``) are not in it.
+    """
+    data = job.model_dump(mode="json", exclude_none=True)
+    dataset, strategy = data["dataset"], data["strategy"]
+    batch_size, max_atoms, max_edges = _batch_options(job, options)
+    dataset.update(batch_size=batch_size, max_atoms=max_atoms, max_edges=max_edges)
+    if options.shuffle is not None:
+        dataset["shuffle"] = options.shuffle
+    if options.num_workers is not None:
+        dataset["num_workers"] = options.num_workers
+    if options.validation_paths:
+        dataset["validation_path"] = [str(Path(p).resolve()) for p in options.validation_paths]
+        dataset["val_fraction"] = None
+    if options.validation_every_epochs or options.validation_every_steps:
+        data["validation"] = {
+            **data.get("validation", {}),
+            "every_n_epochs": options.validation_every_epochs,
+            "every_n_steps": options.validation_every_steps,
+        }
+    if options.minutes is not None:
+        data["minutes"] = options.minutes
+    if options.num_steps is not None:
+        strategy.update(num_steps=options.num_steps, num_epochs=None)
+    if options.map_location is not None:
+        strategy["devices"] = [options.map_location]
+    if options.lr is not None:
+        for configs in (strategy.get("optimizer_configs") or {}).values():
+            for config in configs:
+                config.setdefault("optimizer_kwargs", {})["lr"] = options.lr
+    if options.dist_timeout_s is not None:
+        data["distributed"] = {**data.get("distributed", {}), "timeout_s": options.dist_timeout_s}
+    if options.group_by is not None:
+        data["output"]["group_by"] = options.group_by
+    return _without_none(data)
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def record_job(run_dir: Path, job: dict[str, Any]) -> Any:
+    """Write ``job`` to ``<run_dir>/job.json`` (atomically); returns a function that puts
+    back what was there before (the previous run's copy, or nothing)."""
+    path = run_dir / "job.json"
+    previous = path.read_bytes() if path.is_file() else None
+    write_atomic(path, dump_job(job).encode())
+
+    def restore() -> None:
+        if previous is None:
+            path.unlink(missing_ok=True)
+        else:
+            write_atomic(path, previous)
+
+    return restore
 
 
 def _budget_line(budget: Any) -> str:

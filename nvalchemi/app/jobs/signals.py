@@ -2,7 +2,8 @@
 
 Setting up a run can take minutes; :class:`SetupSignals` turns ``SIGTERM``/``SIGUSR1`` then
 into a message that nothing was trained or saved and exit status 75, so a job script that
-requeues on 75 runs the same command again.
+requeues on 75 runs the same command again. ``spec run``/``spec resume`` install it first
+thing, before the job is read and checked (which imports the user's modules and torch).
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class SetupSignals:
         self.console = console
         self.training = False
         self._previous: dict[int, Any] = {}
+
+    @classmethod
+    def on_main_rank(cls, console: Any = None) -> SetupSignals:
+        """Handlers whose message ``console`` prints on the launch's main rank only."""
+        from nvalchemi.distributed.launch import detect_launch_env
+
+        try:
+            main_rank = detect_launch_env().rank == 0
+        except ValueError:
+            main_rank = True  # the launch error is raised with its fix once the run starts
+        return cls(console if main_rank else None)
 
     def __enter__(self) -> SetupSignals:
         import signal
@@ -72,8 +84,9 @@ class SetupSignals:
         if self.console is not None:
             name = signal.Signals(exc.signum).name
             self.console.print(
-                f"Stopped by {name} while setting up (reading data, statistics, neighbour "
-                "lists), before the first training step: nothing was trained or saved, so "
+                f"Stopped by {name} while setting up (checking the job, reading data, "
+                "statistics, neighbour lists), before the first training step: nothing was "
+                "trained or saved, so "
                 "nothing needs resuming; run the same command again to start. Exit status "
                 f"{PREEMPTION_EXIT_CODE}.",
                 markup=False,

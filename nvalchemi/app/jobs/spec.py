@@ -471,8 +471,9 @@ class TrainingJobSpec(_Block):
     )
     imports: list[str] = Field(
         default_factory=list,
-        description="modules of your own code (next to the job file, or installed) whose classes "
-        "and functions this job names, e.g. [common]: they pass the import trust rule",
+        description="modules of your own code (next to the job file or in the working "
+        "directory; never the standard library or installed packages unless --trust) whose "
+        "classes and functions this job names, e.g. [common]: they pass the import trust rule",
     )
     source: SourceSpec
     dataset: DatasetSpec
