@@ -137,20 +137,19 @@ def test_neighbor_inputs_keep_the_dtype_and_reject_bad_batches():
 
 # ------------------------------------------------------------------ Potential
 @pytest.mark.parametrize("case", ["periodic", "primitive", "slab", "molecule"])
-def test_potential_equals_the_calculator(helpers, case):
+def test_potential_equals_the_model_on_a_batch(helpers, case):
     atoms = _cases(helpers)[case]
     model = _painn()
     potential = Potential(model)
     out = potential(contract_inputs(atoms, potential.cutoff))
-    atoms.calc = NvalchemiCalculator(model)
+    with torch.no_grad():
+        direct = model(helpers.batch_of([atoms], model.cutoff))
     assert out["energy"].shape == ()
-    np.testing.assert_allclose(float(out["energy"]), atoms.get_potential_energy(), **TIGHT)
-    np.testing.assert_allclose(out["forces"].numpy(), atoms.get_forces(), **TIGHT)
+    np.testing.assert_allclose(float(out["energy"]), float(direct["energy"]), **TIGHT)
+    np.testing.assert_allclose(out["forces"].numpy(), direct["forces"].numpy(), **TIGHT)
     np.testing.assert_allclose(float(out["atomic_energies"].sum()), float(out["energy"]), **TIGHT)
     if atoms.pbc.any():
-        from ase.stress import voigt_6_to_full_3x3_stress
-
-        stress = voigt_6_to_full_3x3_stress(atoms.get_stress())
+        stress = direct["stress"][0].numpy()
         np.testing.assert_allclose(out["stress"].numpy(), stress, **TIGHT)
         np.testing.assert_allclose(out["virial"].numpy(), -stress * atoms.cell.volume, **TIGHT)
     else:
@@ -576,3 +575,50 @@ def test_an_export_runs_where_nvalchemi_cannot_be_imported(helpers, tmp_path, wh
     assert set(out) == set(eager)
     for key in eager:
         np.testing.assert_allclose(out[key].numpy(), eager[key].numpy(), **TIGHT)
+
+
+# ------------------------------------------------------------------ ASE from an export
+def test_calculator_from_export_equals_the_calculator_on_the_model(helpers, painn_export):
+    model, path, _ = painn_export
+    for atoms in _check_set(helpers):
+        exported, eager = atoms.copy(), atoms.copy()
+        exported.calc = NvalchemiCalculator.from_export(path)
+        eager.calc = NvalchemiCalculator(model)
+        assert exported.calc.model is None
+        np.testing.assert_allclose(
+            exported.get_potential_energy(), eager.get_potential_energy(), **TIGHT
+        )
+        np.testing.assert_allclose(exported.get_forces(), eager.get_forces(), **TIGHT)
+        if atoms.pbc.any():
+            np.testing.assert_allclose(exported.get_stress(), eager.get_stress(), **TIGHT)
+        else:
+            from ase.calculators.calculator import PropertyNotImplementedError
+
+            with pytest.raises(PropertyNotImplementedError):
+                exported.get_stress()
+
+
+def test_calculator_from_export_caches_and_refuses_what_an_export_cannot_do(helpers, painn_export):
+    _, path, _ = painn_export
+    calc = NvalchemiCalculator.from_export(path, label="x")
+    assert calc.label == "x" and calc.implemented_properties == [
+        "energy",
+        "free_energy",
+        "forces",
+        "stress",
+    ]
+    atoms = helpers.triclinic_cu_au()
+    atoms.calc = calc
+    first = atoms.get_forces()
+    results = calc.results
+    atoms.get_potential_energy(), atoms.get_stress()
+    assert calc.results is results  # one call for everything, cached until the atoms change
+    atoms.positions[0, 0] += 0.01
+    assert not np.array_equal(atoms.get_forces(), first) and calc.results is not results
+    atoms.numbers[0] = 8
+    with pytest.raises(ValueError, match=r"cannot handle O \(Z=8\)"):
+        atoms.get_potential_energy()
+    with pytest.raises(TypeError, match="exported with"):
+        NvalchemiCalculator(calc.potential, head="pbe")
+    with pytest.raises(TypeError, match=r"\['dtype'\]"):
+        NvalchemiCalculator.from_export(path, dtype=torch.float32)
