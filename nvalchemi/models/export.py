@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 import nvalchemi
+from nvalchemi._errors import FieldError
 from nvalchemi._fileio import write_atomic
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.batch import Batch
@@ -514,6 +515,7 @@ least 1e-3 of its unit): float64 agrees to round-off; in float32 TorchScript and
 PyTorch sum in different orders, which moves forces of a few eV/Å by ~1e-6."""
 
 _FLOOR = 1e-3
+_DTYPE_FIX = "export in float64 or float32"
 
 _UNITS = {
     "positions": "Å",
@@ -527,8 +529,12 @@ _UNITS = {
 }
 
 
-class ExportError(ValueError):
-    """A model that cannot be exported, or an export that disagrees with its model."""
+class ExportError(FieldError):
+    """A model that cannot be exported, or an export that disagrees with its model.
+
+    A :class:`~nvalchemi._errors.FieldError`: its text names the argument (``field``)
+    and the fix, as the command line prints it.
+    """
 
 
 def export_model(
@@ -584,7 +590,7 @@ def export_model(
         (5.0, [29])
     """
     path = Path(path)
-    _check_format(format)
+    check_format(format)
     _check_target(path)
     prepared = _prepared_copy(model, dtype)
     run_dtype = _parameter_dtype(prepared)
@@ -627,10 +633,11 @@ def script_potential(model: nn.Module, head: str | None, dtype: torch.dtype) -> 
     name = type(model).__name__
     if not callable(energy_module):
         raise ExportError(
-            f"{name} cannot be exported: it has no atomic_energy_module(head) method. Give it "
-            "one that returns a TorchScript-compatible nn.Module mapping (positions, "
-            "atomic_numbers, edge_index, shifts, batch, num_systems) to per-atom energies, "
-            "with cutoff and atomic_numbers attributes (see PaiNN.atomic_energy_module)."
+            f"{name} cannot be exported: it has no atomic_energy_module(head) method",
+            field="model",
+            fix="give it one that returns a TorchScript-compatible nn.Module mapping "
+            "(positions, atomic_numbers, edge_index, shifts, batch, num_systems) to per-atom "
+            "energies, with cutoff and atomic_numbers attributes (as PaiNN's)",
         )
     energies = energy_module(head)
     # Innermost modules first: TorchScript's message names the construct but not always
@@ -646,7 +653,10 @@ def script_potential(model: nn.Module, head: str | None, dtype: torch.dtype) -> 
             where = type(module).__name__ + (f" (the energy module's {path})" if path else "")
             raise ExportError(
                 f"{name} cannot be exported: TorchScript cannot compile {where}: "
-                f"{_torchscript_reason(exc)}"
+                f"{_torchscript_reason(exc)}",
+                field="model",
+                fix=f"write that construct of {type(module).__name__} in TorchScript's "
+                "subset of Python (torch operations, typed arguments, no library calls)",
             ) from exc
     with quiet_torchscript():
         return torch.jit.script(_ExportedPotential(energies, dtype))
@@ -678,7 +688,11 @@ def self_check(
             got = exported(inputs)
         for key, reference in expected.items():
             if key not in got:
-                raise ExportError(f"the exported model returned no {key!r} for {where}.")
+                raise ExportError(
+                    f"the exported model returned no {key!r} for {where}",
+                    field="model",
+                    fix="make its atomic_energy_module compute every output the model does",
+                )
             error = _relative_error(got[key], reference)
             if key not in worst or error > worst[key][0]:
                 worst[key] = (error, where)
@@ -690,7 +704,10 @@ def self_check(
         )
         raise ExportError(
             f"the exported model disagrees with the eager model beyond the {dtype_name(dtype)} "
-            f"tolerance {tolerance:g}: {details}. Nothing was written."
+            f"tolerance {tolerance:g}: {details}; nothing was written",
+            field="model",
+            fix="make the model's atomic_energy_module compute what its forward does (an "
+            "export must not change the potential); for a float32 export, try float64",
         )
     return {
         "structures": names,
@@ -726,28 +743,34 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_format(format: str) -> None:
+def check_format(format: str) -> None:
+    """Raise :class:`ExportError` unless ``format`` is one :func:`export_model` writes."""
     if format == "torchscript":
         return
     if format == "aoti":
         raise ExportError(
-            "format 'aoti' (AOTInductor) is not provided yet: the exported model computes "
-            "forces and stress with autograd inside its forward, which torch.export cannot "
-            "capture here. Use format 'torchscript' (the default), which every engine loads."
+            "'aoti' (AOTInductor) is not provided yet: the exported model computes forces "
+            "and stress with autograd inside its forward, which torch.export does not "
+            "capture here",
+            field="format",
+            fix="use 'torchscript' (the default), which torch, torch-sim, LAMMPS and ASE load",
         )
-    raise ExportError(f"unknown export format {format!r}; use one of {list(FORMATS)}.")
+    raise ExportError(f"unknown export format {format!r}", field="format", fix="use 'torchscript'")
 
 
 def _check_target(path: Path) -> None:
     if path.is_dir():
-        raise ExportError(f"{path} is a directory; give the exported file's path (e.g. model.pt).")
+        raise ExportError(
+            f"{path} is a directory", field="path", fix="give the file to write, e.g. model.pt"
+        )
     if path.exists():
         try:
             read_export_metadata(path)
         except Exception:  # any failure to read it back means: not ours
             raise ExportError(
-                f"{path} exists and is not an nvalchemi export; it is left alone. Choose "
-                "another output path (or remove the file yourself)."
+                f"{path} exists and is not an nvalchemi export; it is left alone",
+                field="path",
+                fix="choose another output path (or remove the file yourself)",
             ) from None
 
 
@@ -755,10 +778,10 @@ def _prepared_copy(model: nn.Module, dtype: torch.dtype | str | None) -> nn.Modu
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype.removeprefix("torch."), None)
         if resolved not in SELF_CHECK_TOLERANCE:
-            raise ExportError(f"dtype {dtype!r}: export in 'float64' or 'float32'.")
+            raise ExportError(f"unknown dtype {dtype!r}", field="dtype", fix=_DTYPE_FIX)
         dtype = resolved
     if dtype is not None and dtype not in SELF_CHECK_TOLERANCE:
-        raise ExportError(f"dtype {dtype}: export in torch.float64 or torch.float32.")
+        raise ExportError(f"cannot export in {dtype}", field="dtype", fix=_DTYPE_FIX)
     prepared = copy.deepcopy(model).to("cpu")
     if dtype is not None:
         prepared = prepared.to(dtype)

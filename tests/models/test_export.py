@@ -341,7 +341,7 @@ def test_a_failing_self_check_writes_nothing_and_says_by_how_much(tmp_path):
         cutoff=4.0, hidden_channels=8, elements=[29], dtype=torch.float64
     )
     with pytest.raises(
-        ExportError, match=r"energy off by [0-9.e-]+ \(relative\).*Nothing was written"
+        ExportError, match=r"energy off by [0-9.e-]+ \(relative\).*nothing was written"
     ):
         export_model(model, tmp_path / "bad.pt")
     assert list(tmp_path.iterdir()) == []
@@ -385,7 +385,9 @@ def test_a_construct_torchscript_cannot_compile_is_named(tmp_path):
 
 
 def test_formats_and_targets_are_checked(tmp_path):
-    with pytest.raises(ExportError, match=r"'aoti'.*not provided yet.*torchscript"):
+    with pytest.raises(
+        ExportError, match=r"format: 'aoti'.*not provided yet.*Fix: use 'torchscript'"
+    ):
         export_model(_painn(), tmp_path / "m.pt2", format="aoti")
     with pytest.raises(ExportError, match="unknown export format 'onnx'"):
         export_model(_painn(), tmp_path / "m.onnx", format="onnx")
