@@ -452,10 +452,14 @@ class _ExportedPotential(nn.Module):
         strained, strained_shifts = leaf, shifts
         if with_stress:
             strain = 0.5 * (displacement + displacement.transpose(1, 2))
-            atom_strain = strain.index_select(0, batch)
-            strained = leaf + torch.bmm(leaf.unsqueeze(1), atom_strain).squeeze(1)
-            edge_strain = atom_strain.index_select(0, edge_index[0])
-            strained_shifts = shifts + torch.bmm(shifts.unsqueeze(1), edge_strain).squeeze(1)
+            if num_systems == 1:  # one matrix product instead of one per atom and edge
+                strained = leaf + leaf @ strain[0]
+                strained_shifts = shifts + shifts @ strain[0]
+            else:
+                atom_strain = strain.index_select(0, batch)
+                strained = leaf + torch.bmm(leaf.unsqueeze(1), atom_strain).squeeze(1)
+                edge_strain = atom_strain.index_select(0, edge_index[0])
+                strained_shifts = shifts + torch.bmm(shifts.unsqueeze(1), edge_strain).squeeze(1)
         atomic = self.energies(strained, numbers, edge_index, strained_shifts, batch, num_systems)
         energy = torch.zeros([num_systems], dtype=atomic.dtype, device=atomic.device)
         energy = energy.index_add(0, batch, atomic)

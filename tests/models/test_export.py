@@ -624,3 +624,42 @@ def test_calculator_from_export_caches_and_refuses_what_an_export_cannot_do(help
         NvalchemiCalculator(calc.potential, head="pbe")
     with pytest.raises(TypeError, match=r"\['dtype'\]"):
         NvalchemiCalculator.from_export(path, dtype=torch.float32)
+
+
+def test_the_docs_torch_and_ase_recipe_gives_the_exports_results(helpers, painn_export):
+    """docs/deploy.md: inputs from ASE's own neighbour list, no nvalchemi involved."""
+    from ase.neighborlist import primitive_neighbor_list
+
+    _, path, _ = painn_export
+    m = _load(path)
+    for atoms in _check_set(helpers):
+        i, j, images = primitive_neighbor_list(
+            "ijS", atoms.pbc, atoms.cell, atoms.positions, m.cutoff, self_interaction=False
+        )
+        inputs = {
+            "positions": torch.tensor(atoms.positions),
+            "atomic_numbers": torch.tensor(atoms.numbers),
+            "cell": torch.tensor(atoms.cell.array),
+            "pbc": torch.tensor(atoms.pbc),
+            "edge_index": torch.tensor(np.stack([i, j])),
+            "shifts": torch.tensor(images @ atoms.cell.array),
+        }
+        ours = m(contract_inputs(atoms, m.cutoff))
+        theirs = m(inputs)
+        for key in ours:
+            np.testing.assert_allclose(theirs[key].numpy(), ours[key].numpy(), **TIGHT)
+
+
+def test_a_multi_head_model_exports_the_head_asked_for(helpers, tmp_path):
+    model = _painn(heads=["pbe", "r2scan"])
+    model.add_head("scan", copy_from="r2scan")
+    with torch.no_grad():
+        model.head_readouts["scan"].readout[-1].bias.add_(0.5)  # another head, other energies
+    info = export_model(model, tmp_path / "scan.pt", head="scan")
+    assert info["model"]["head"] == "scan"
+    exported = _load(tmp_path / "scan.pt")
+    inputs = contract_inputs(helpers.triclinic_cu_au(), exported.cutoff)
+    out = exported(inputs)
+    for key, value in Potential(model, head="scan")(inputs).items():
+        np.testing.assert_allclose(out[key].numpy(), value.numpy(), **TIGHT)
+    assert abs(float(out["energy"] - Potential(model)(inputs)["energy"])) > 1.0
