@@ -442,10 +442,17 @@ class _ExportedPotential(nn.Module):
         pbcs = inputs["pbc"].to(torch.bool).reshape(-1, 3)
         self._check_elements(numbers)
         num_systems = cells.shape[0]
+        if pbcs.shape[0] != num_systems or (num_systems != 1 and not batched):
+            raise ValueError(
+                "cell and pbc must be (3, 3) and (3,) for one system, or (B, 3, 3) and (B, 3) "
+                "with a batch input saying which system every atom belongs to"
+            )
         periodic = pbcs.any(dim=1)
         with_stress = bool(periodic.any())
         grad_was_enabled = torch.is_grad_enabled()
-        torch.set_grad_enabled(True)  # forces are derivatives, also under torch.no_grad()
+        # Forces are derivatives, also under torch.no_grad() (TorchScript has no
+        # enable_grad(); the mode is set back below, unless the energy module raises).
+        torch.set_grad_enabled(True)
         leaf = positions.detach().requires_grad_(True)
         displacement = torch.zeros([num_systems, 3, 3], dtype=dtype, device=positions.device)
         displacement.requires_grad_(with_stress)

@@ -663,3 +663,17 @@ def test_a_multi_head_model_exports_the_head_asked_for(helpers, tmp_path):
     for key, value in Potential(model, head="scan")(inputs).items():
         np.testing.assert_allclose(out[key].numpy(), value.numpy(), **TIGHT)
     assert abs(float(out["energy"] - Potential(model)(inputs)["energy"])) > 1.0
+
+
+def test_the_export_refuses_inputs_that_do_not_follow_the_contract(helpers, painn_export):
+    _, path, _ = painn_export
+    exported = _load(path)
+    atoms_list = _check_set(helpers)
+    inputs = batched_inputs(atoms_list, exported.cutoff)
+    del inputs["batch"]  # several cells but no batch
+    with pytest.raises(Exception, match=r"\(B, 3, 3\) and \(B, 3\) with a batch input"):
+        exported(inputs)
+    inputs = contract_inputs(atoms_list[0], exported.cutoff)
+    del inputs["shifts"]
+    with pytest.raises(Exception, match="the inputs have no shifts"):
+        exported(inputs)
