@@ -677,3 +677,13 @@ def test_the_export_refuses_inputs_that_do_not_follow_the_contract(helpers, pain
     del inputs["shifts"]
     with pytest.raises(Exception, match="the inputs have no shifts"):
         exported(inputs)
+
+
+def test_the_examples_in_the_docstrings_run():
+    import doctest
+
+    from nvalchemi.models import calculator, export
+
+    for module in (export, calculator):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
