@@ -46,19 +46,40 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import copy
+import io
+import json
+import platform
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+import nvalchemi
+from nvalchemi._errors import FieldError
+from nvalchemi._fileio import write_atomic
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.batch import Batch
 from nvalchemi.data.neighbors import neighbor_list_for_system
 from nvalchemi.models.base import NeighborListFormat
 
-__all__ = ["Potential", "neighbor_inputs"]
+__all__ = [
+    "FORMATS",
+    "METADATA_FILE",
+    "SELF_CHECK_TOLERANCE",
+    "ExportError",
+    "Potential",
+    "export_model",
+    "neighbor_inputs",
+    "read_export_metadata",
+    "sample_structures",
+]
 
 INPUT_KEYS = ("positions", "atomic_numbers", "cell", "pbc", "edge_index", "shifts")
 """The inputs every call needs (``batch`` is optional)."""
@@ -191,10 +212,7 @@ def check_head(model: Any, head: str | None) -> None:
 
 
 def known_elements(model: Any) -> list[int]:
-    """The atomic numbers ``model`` handles, as far as it says (``[]``: it does not say)."""
-    exporter = getattr(model, "atomic_energy_module", None)
-    if callable(exporter):
-        return [int(z) for z in exporter().atomic_numbers]
+    """The atomic numbers ``model`` was built for (its ``elements``; ``[]``: it does not say)."""
     elements = getattr(model, "elements", None)
     return [] if elements is None else [int(z) for z in elements]
 
@@ -373,3 +391,519 @@ def _contract_outputs(
         virial = -stress * volume.view(-1, 1, 1)
         out["stress"], out["virial"] = (stress, virial) if batched else (stress[0], virial[0])
     return out
+
+
+# --------------------------------------------------------------------------- exported
+_MAX_Z = 118
+
+
+class _ExportedPotential(nn.Module):
+    """The contract around a model's per-atom energy module: what ``export_model`` scripts.
+
+    ``energies`` (from ``model.atomic_energy_module(head)``) maps
+    ``(positions, atomic_numbers, edge_index, shifts, batch, num_systems)`` to per-atom
+    energies; this module checks the inputs and elements, sums the energies per system
+    and takes forces and, for periodic systems, the virial and stress by one
+    ``autograd.grad`` through a symmetric strain of positions and shifts. Every method
+    compiles with TorchScript; eager, it computes what the scripted module does.
+    """
+
+    def __init__(self, energies: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        from ase.data import chemical_symbols  # ase is a dependency; only needed here
+
+        self.energies = energies
+        self.cutoff = float(energies.cutoff)
+        self.atomic_numbers = [int(z) for z in energies.atomic_numbers]
+        self.symbols = list(chemical_symbols[: _MAX_Z + 1])
+        known = torch.zeros(_MAX_Z + 1, dtype=torch.bool)
+        known[torch.tensor(self.atomic_numbers, dtype=torch.long)] = True
+        self.register_buffer("known", known)
+        self.register_buffer("dtype_of", torch.zeros(0, dtype=dtype))
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for key in ["positions", "atomic_numbers", "cell", "pbc", "edge_index", "shifts"]:
+            if key not in inputs:
+                raise KeyError(
+                    "the inputs have no " + key + "; the model needs positions, atomic_numbers, "
+                    "cell, pbc, edge_index and shifts (and batch for several systems)"
+                )
+        dtype = self.dtype_of.dtype
+        positions = inputs["positions"].to(dtype)
+        numbers = inputs["atomic_numbers"].to(torch.long)
+        edge_index = inputs["edge_index"].to(torch.long)
+        shifts = inputs["shifts"].to(dtype)
+        batched = "batch" in inputs
+        if batched:
+            batch = inputs["batch"].to(torch.long)
+        else:
+            batch = torch.zeros_like(numbers)
+        cells = inputs["cell"].to(dtype).reshape(-1, 3, 3)
+        pbcs = inputs["pbc"].to(torch.bool).reshape(-1, 3)
+        self._check_elements(numbers)
+        num_systems = cells.shape[0]
+        if pbcs.shape[0] != num_systems or (num_systems != 1 and not batched):
+            raise ValueError(
+                "cell and pbc must be (3, 3) and (3,) for one system, or (B, 3, 3) and (B, 3) "
+                "with a batch input saying which system every atom belongs to"
+            )
+        periodic = pbcs.any(dim=1)
+        with_stress = bool(periodic.any())
+        grad_was_enabled = torch.is_grad_enabled()
+        # Forces are derivatives, also under torch.no_grad() (TorchScript has no
+        # enable_grad(); the mode is set back below, unless the energy module raises).
+        torch.set_grad_enabled(True)
+        leaf = positions.detach().requires_grad_(True)
+        displacement = torch.zeros([num_systems, 3, 3], dtype=dtype, device=positions.device)
+        displacement.requires_grad_(with_stress)
+        strained, strained_shifts = leaf, shifts
+        if with_stress:
+            strain = 0.5 * (displacement + displacement.transpose(1, 2))
+            if num_systems == 1:  # one matrix product instead of one per atom and edge
+                strained = leaf + leaf @ strain[0]
+                strained_shifts = shifts + shifts @ strain[0]
+            else:
+                atom_strain = strain.index_select(0, batch)
+                strained = leaf + torch.bmm(leaf.unsqueeze(1), atom_strain).squeeze(1)
+                edge_strain = atom_strain.index_select(0, edge_index[0])
+                strained_shifts = shifts + torch.bmm(shifts.unsqueeze(1), edge_strain).squeeze(1)
+        atomic = self.energies(strained, numbers, edge_index, strained_shifts, batch, num_systems)
+        energy = torch.zeros([num_systems], dtype=atomic.dtype, device=atomic.device)
+        energy = energy.index_add(0, batch, atomic)
+        wrt = [leaf, displacement] if with_stress else [leaf]
+        grads = torch.autograd.grad([energy.sum()], wrt, allow_unused=True)
+        torch.set_grad_enabled(grad_was_enabled)
+        grad_positions = grads[0]
+        forces = torch.zeros_like(positions) if grad_positions is None else -grad_positions
+        out: dict[str, torch.Tensor] = {
+            "energy": energy.detach() if batched else energy.detach()[0],
+            "atomic_energies": atomic.detach(),
+            "forces": forces.detach(),
+        }
+        if with_stress:
+            grad_strain = grads[1]
+            if grad_strain is None:
+                grad_strain = torch.zeros_like(displacement)
+            volume = torch.linalg.det(cells).abs()
+            keep = periodic & (volume > 0)
+            safe_volume = torch.where(keep, volume, torch.ones_like(volume))
+            stress = grad_strain.detach() / safe_volume.view(-1, 1, 1)
+            stress = stress * keep.to(dtype).view(-1, 1, 1)
+            virial = -stress * volume.view(-1, 1, 1)
+            out["stress"] = stress if batched else stress[0]
+            out["virial"] = virial if batched else virial[0]
+        return out
+
+    def _check_elements(self, numbers: torch.Tensor) -> None:
+        largest = self.known.shape[0] - 1
+        inside = (numbers >= 0) & (numbers <= largest)
+        known = self.known.index_select(0, numbers.clamp(0, largest)) & inside
+        if bool((~known).any()):
+            names: list[str] = []
+            unknown: list[int] = torch.unique(numbers[~known]).tolist()
+            for z in unknown:
+                symbol = self.symbols[z] if 0 < z <= largest else "?"
+                names.append(symbol + " (Z=" + str(z) + ")")
+            raise ValueError(
+                "this model knows the elements Z = "
+                + str(self.atomic_numbers)
+                + " and cannot handle "
+                + ", ".join(names)
+            )
+
+
+# --------------------------------------------------------------------------- export_model
+FORMATS = ("torchscript", "aoti")
+"""Formats ``export_model`` knows; only ``torchscript`` is written (see :func:`export_model`)."""
+
+METADATA_FILE = "metadata.json"
+"""The archive's extra file holding the export's metadata (:func:`read_export_metadata`)."""
+
+SELF_CHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4}
+"""Largest relative difference between the exported and the eager model that the self-check
+accepts, per dtype. Relative to the largest magnitude of each output over a structure (at
+least 1e-3 of its unit): float64 agrees to round-off; in float32 TorchScript and eager
+PyTorch sum in different orders, which moves forces of a few eV/Å by ~1e-6."""
+
+_FLOOR = 1e-3
+_DTYPE_FIX = "export in float64 or float32"
+
+_UNITS = {
+    "positions": "Å",
+    "cell": "Å",
+    "shifts": "Å",
+    "energy": "eV",
+    "atomic_energies": "eV",
+    "forces": "eV/Å",
+    "stress": "eV/Å³ (positive = tensile, ASE's sign)",
+    "virial": "eV (-stress * volume)",
+}
+
+
+class ExportError(FieldError):
+    """A model that cannot be exported, or an export that disagrees with its model.
+
+    A :class:`~nvalchemi._errors.FieldError`: its text names the argument (``field``)
+    and the fix, as the command line prints it.
+    """
+
+
+def export_model(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    head: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    structures: Iterable[Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    format: str = "torchscript",
+) -> dict[str, Any]:
+    """Export ``model`` to a file that runs with torch only (``torch.jit.load(path)``).
+
+    The file follows the contract of this module (inputs, outputs, ``cutoff``,
+    ``atomic_numbers``; an unknown element raises inside it, naming the element) and
+    holds a JSON metadata file (:data:`METADATA_FILE`, read it with
+    :func:`read_export_metadata`). Before anything is written the export checks itself:
+    the saved and reloaded module and the eager model (:class:`Potential`) must agree on
+    ``structures``, one by one and as one batch, to :data:`SELF_CHECK_TOLERANCE`;
+    otherwise nothing is written and :class:`ExportError` says by how much. The file
+    is replaced atomically (an existing file is overwritten only if it is an export).
+
+    A model exports when it has ``atomic_energy_module(head)``, a TorchScript-compatible
+    module that maps ``(positions, atomic_numbers, edge_index, shifts, batch,
+    num_systems)`` to per-atom energies (eV) and has ``cutoff`` and ``atomic_numbers``
+    attributes (:class:`~nvalchemi.models.PaiNN` and
+    :class:`~nvalchemi.models.MACEWrapper` have one); forces, stress and virial are
+    derived from it by the export.
+
+    Args:
+        model: the model (not modified: a CPU copy is exported).
+        path: the output file (conventionally ``.pt``); parent folders are created.
+        head: the readout head of a multi-head model (default: its default head).
+        dtype: ``float64``/``float32`` (default: the model's own).
+        structures: ``ase.Atoms`` to check on (default: :func:`sample_structures`).
+        metadata: more JSON-ready entries for the metadata (training step, data, ...).
+        format: ``"torchscript"``. ``"aoti"`` (AOTInductor) is not provided yet and
+            raises :class:`ExportError`.
+
+    Returns:
+        The metadata written into the file.
+
+    Raises:
+        ExportError: an unknown format, a model without ``atomic_energy_module``, a
+            module TorchScript cannot compile (the message names the construct), a
+            self-check that fails, or ``path`` naming a file that is not an export.
+
+    Example:
+        >>> model = PaiNN(elements=[29], hidden_channels=8)  # doctest: +SKIP
+        >>> info = export_model(model, "cu.pt")  # doctest: +SKIP
+        >>> m = torch.jit.load("cu.pt"); m.cutoff, m.atomic_numbers  # doctest: +SKIP
+        (5.0, [29])
+    """
+    path = Path(path)
+    check_format(format)
+    _check_target(path)
+    prepared = _prepared_copy(model, dtype)
+    run_dtype = _parameter_dtype(prepared)
+    loaded = _round_trip(script_potential(prepared, head, run_dtype))
+    structures = list(structures) if structures is not None else None
+    if not structures:
+        structures = sample_structures(loaded.atomic_numbers)
+    report = self_check(Potential(prepared, head), loaded, structures, run_dtype)
+    info = _metadata(prepared, loaded, head, run_dtype, report, metadata)
+    buffer = io.BytesIO()
+    with quiet_torchscript():
+        torch.jit.save(loaded, buffer, _extra_files={METADATA_FILE: json.dumps(info, indent=2)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getvalue())
+    return info
+
+
+def read_export_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata JSON of an exported file (model, units, dtype, checks, training run).
+
+    Reads it the way any torch program can:
+    ``torch.jit.load(path, _extra_files={"metadata.json": ""})``.
+    """
+    extra = {METADATA_FILE: ""}
+    with quiet_torchscript():
+        torch.jit.load(str(path), map_location="cpu", _extra_files=extra)
+    if not extra[METADATA_FILE]:
+        raise ValueError(f"{path} has no {METADATA_FILE}: it is not an nvalchemi export.")
+    return json.loads(extra[METADATA_FILE])
+
+
+def script_potential(model: nn.Module, head: str | None, dtype: torch.dtype) -> Any:
+    """The model's contract module compiled by TorchScript (not saved, not checked).
+
+    Raises:
+        ExportError: no ``atomic_energy_module``, or a construct TorchScript cannot compile.
+    """
+    check_head(model, head)
+    energy_module = getattr(model, "atomic_energy_module", None)
+    name = type(model).__name__
+    if not callable(energy_module):
+        raise ExportError(
+            f"{name} cannot be exported: it has no atomic_energy_module(head) method",
+            field="model",
+            fix="give it one that returns a TorchScript-compatible nn.Module mapping "
+            "(positions, atomic_numbers, edge_index, shifts, batch, num_systems) to per-atom "
+            "energies, with cutoff and atomic_numbers attributes (as PaiNN's)",
+        )
+    energies = energy_module(head)
+    # Innermost modules first: TorchScript's message names the construct but not always
+    # the module using it (a library function it tried to compile, say), and a class
+    # that failed once cannot be compiled again in this process to find out.
+    for path, module in reversed(list(energies.named_modules())):
+        if isinstance(module, torch.jit.ScriptModule):
+            continue
+        try:
+            with quiet_torchscript():
+                torch.jit.script(module)
+        except Exception as exc:  # TorchScript raises several types; all mean "cannot compile"
+            where = type(module).__name__ + (f" (the energy module's {path})" if path else "")
+            raise ExportError(
+                f"{name} cannot be exported: TorchScript cannot compile {where}: "
+                f"{_torchscript_reason(exc)}",
+                field="model",
+                fix=f"write that construct of {type(module).__name__} in TorchScript's "
+                "subset of Python (torch operations, typed arguments, no library calls)",
+            ) from exc
+    with quiet_torchscript():
+        return torch.jit.script(_ExportedPotential(energies, dtype))
+
+
+def self_check(
+    eager: nn.Module, exported: Any, structures: Sequence[Any], dtype: torch.dtype
+) -> dict[str, Any]:
+    """Compare ``exported`` with ``eager`` on ``structures`` (alone and as one batch).
+
+    Returns:
+        ``{"structures", "tolerance", "max_relative_error": {output: value}, ...}``.
+
+    Raises:
+        ExportError: an output missing or off by more than :data:`SELF_CHECK_TOLERANCE`.
+    """
+    tolerance = SELF_CHECK_TOLERANCE.get(dtype, SELF_CHECK_TOLERANCE[torch.float32])
+    worst: dict[str, tuple[float, str]] = {}
+    names = [_formula(s) for s in structures]
+    cases = [(names[i], [s]) for i, s in enumerate(structures)]
+    if len(structures) > 1:
+        cases.append(("all structures as one batch", list(structures)))
+    for where, group in cases:
+        inputs = _inputs_of(group, exported.cutoff, dtype, batched=len(group) > 1)
+        expected = eager(inputs)
+        # Without the profiling executor's optimizations, which only re-plan the same
+        # operations (on the CPU) but cost a second or more for every new input shape.
+        with torch.jit.optimized_execution(False):
+            got = exported(inputs)
+        for key, reference in expected.items():
+            if key not in got:
+                raise ExportError(
+                    f"the exported model returned no {key!r} for {where}",
+                    field="model",
+                    fix="make its atomic_energy_module compute every output the model does",
+                )
+            error = _relative_error(got[key], reference)
+            if key not in worst or error > worst[key][0]:
+                worst[key] = (error, where)
+    failed = {k: v for k, v in worst.items() if not v[0] <= tolerance}
+    if failed:
+        details = "; ".join(
+            f"{key} off by {error:.3g} (relative) on {where}"
+            for key, (error, where) in failed.items()
+        )
+        raise ExportError(
+            f"the exported model disagrees with the eager model beyond the {dtype_name(dtype)} "
+            f"tolerance {tolerance:g}: {details}; nothing was written",
+            field="model",
+            fix="make the model's atomic_energy_module compute what its forward does (an "
+            "export must not change the potential); for a float32 export, try float64",
+        )
+    return {
+        "structures": names,
+        "reference": "the eager model (nvalchemi.models.export.Potential), same dtype",
+        "tolerance": tolerance,
+        "max_relative_error": {key: error for key, (error, _) in sorted(worst.items())},
+    }
+
+
+def sample_structures(atomic_numbers: Sequence[int], seed: int = 0) -> list[Any]:
+    """Three small structures of the given elements for the self-check.
+
+    A sheared periodic cell, a slab (periodic in x and y) and a four-atom cluster, atoms
+    about 2.6 Å apart and rattled: not physical, but every output is exercised.
+    """
+    from ase import Atoms  # ase is a dependency; only the self-check builds structures
+
+    zs = [int(z) for z in atomic_numbers] or [1]
+    rng = np.random.default_rng(seed)
+    grid = np.array([[i, j, k] for i in range(2) for j in range(2) for k in range(2)]) * 2.6
+    shear = np.array([[5.2, 0.0, 0.0], [0.4, 5.2, 0.0], [0.3, -0.2, 5.2]])
+    numbers = [zs[i % len(zs)] for i in range(len(grid))]
+    bulk = Atoms(numbers, positions=grid @ (shear / 5.2), cell=shear, pbc=True)
+    slab = Atoms(numbers, positions=grid, cell=np.diag([5.2, 5.2, 14.0]), pbc=[True, True, False])
+    tetrahedron = np.array([[0, 0, 0], [2.5, 0, 0], [1.25, 2.1, 0], [1.25, 0.7, 2.0]])
+    cluster = Atoms([zs[i % len(zs)] for i in range(4)], positions=tetrahedron)
+    for atoms in (bulk, slab, cluster):
+        atoms.positions += rng.normal(scale=0.1, size=atoms.positions.shape)
+    return [bulk, slab, cluster]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_format(format: str) -> None:
+    """Raise :class:`ExportError` unless ``format`` is one :func:`export_model` writes."""
+    if format == "torchscript":
+        return
+    if format == "aoti":
+        raise ExportError(
+            "'aoti' (AOTInductor) is not provided yet: the exported model computes forces "
+            "and stress with autograd inside its forward, which torch.export does not "
+            "capture here",
+            field="format",
+            fix="use 'torchscript' (the default), which torch, torch-sim, LAMMPS and ASE load",
+        )
+    raise ExportError(f"unknown export format {format!r}", field="format", fix="use 'torchscript'")
+
+
+def _check_target(path: Path) -> None:
+    if path.is_dir():
+        raise ExportError(
+            f"{path} is a directory", field="path", fix="give the file to write, e.g. model.pt"
+        )
+    if path.exists():
+        try:
+            read_export_metadata(path)
+        except Exception:  # any failure to read it back means: not ours
+            raise ExportError(
+                f"{path} exists and is not an nvalchemi export; it is left alone",
+                field="path",
+                fix="choose another output path (or remove the file yourself)",
+            ) from None
+
+
+def _prepared_copy(model: nn.Module, dtype: torch.dtype | str | None) -> nn.Module:
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if resolved not in SELF_CHECK_TOLERANCE:
+            raise ExportError(f"unknown dtype {dtype!r}", field="dtype", fix=_DTYPE_FIX)
+        dtype = resolved
+    if dtype is not None and dtype not in SELF_CHECK_TOLERANCE:
+        raise ExportError(f"cannot export in {dtype}", field="dtype", fix=_DTYPE_FIX)
+    prepared = copy.deepcopy(model).to("cpu")
+    if dtype is not None:
+        prepared = prepared.to(dtype)
+    return prepared.eval()
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype:
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    for parameter in model.parameters():
+        if parameter.dtype.is_floating_point:
+            return parameter.dtype
+    return torch.get_default_dtype()
+
+
+def _round_trip(scripted: Any) -> Any:
+    """Save and load ``scripted``: the self-check runs what the file will hold."""
+    buffer = io.BytesIO()
+    with quiet_torchscript():
+        torch.jit.save(scripted, buffer)
+        buffer.seek(0)
+        return torch.jit.load(buffer, map_location="cpu")
+
+
+@contextlib.contextmanager
+def quiet_torchscript() -> Iterator[None]:
+    """Silence torch's notice that TorchScript is deprecated: the issue fixes it as the format."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.", category=DeprecationWarning)
+        yield
+
+
+def _torchscript_reason(exc: BaseException) -> str:
+    """TorchScript's message: what it cannot compile and where (its first lines)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return "\n".join(lines[:12])
+
+
+def _formula(structure: Any) -> str:
+    get = getattr(structure, "get_chemical_formula", None)
+    return get() if callable(get) else f"{len(structure)} atoms"
+
+
+def _inputs_of(
+    structures: Sequence[Any], cutoff: float, dtype: torch.dtype, batched: bool
+) -> dict[str, torch.Tensor]:
+    """The contract's inputs of ``ase.Atoms`` (one system, or a batch)."""
+    positions = np.concatenate([np.asarray(s.positions) for s in structures])
+    inputs = {
+        "positions": torch.tensor(positions, dtype=dtype),
+        "atomic_numbers": torch.tensor(np.concatenate([s.numbers for s in structures])),
+        "cell": torch.tensor(np.stack([s.cell.array for s in structures]), dtype=dtype),
+        "pbc": torch.tensor(np.stack([s.pbc for s in structures])),
+    }
+    if batched:
+        counts = torch.tensor([len(s) for s in structures])
+        inputs["batch"] = torch.repeat_interleave(torch.arange(len(structures)), counts)
+    else:
+        inputs["cell"], inputs["pbc"] = inputs["cell"][0], inputs["pbc"][0]
+    inputs.update(neighbor_inputs(**inputs, cutoff=cutoff))
+    return inputs
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.detach().double(), expected.detach().double()
+    if got.shape != expected.shape:
+        return float("inf")
+    if expected.numel() == 0:
+        return 0.0
+    scale = max(float(expected.abs().max()), _FLOOR)
+    return float((got - expected).abs().max()) / scale
+
+
+def _metadata(
+    model: nn.Module,
+    loaded: Any,
+    head: str | None,
+    dtype: torch.dtype,
+    report: dict[str, Any],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "format": "nvalchemi.export",
+        "format_version": 1,
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "head": head},
+        "dtype": dtype_name(dtype),
+        "cutoff": float(loaded.cutoff),
+        "atomic_numbers": list(loaded.atomic_numbers),
+        "units": _UNITS,
+        "inputs": [*INPUT_KEYS, "batch (optional)"],
+        "outputs": ["energy", "atomic_energies", "forces", "stress", "virial"],
+        "versions": _versions(),
+        "self_check": report,
+    }
+    for key, value in (extra or {}).items():
+        if isinstance(value, Mapping) and isinstance(info.get(key), Mapping):
+            info[key] = {**info[key], **value}
+        else:
+            info[key] = value
+    return json.loads(json.dumps(info))  # JSON-ready, or a TypeError naming the value
+
+
+def _versions() -> dict[str, str]:
+    versions = {
+        "nvalchemi": nvalchemi.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    for name in ("mace", "e3nn"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "__version__"):
+            versions[name] = str(module.__version__)
+    return versions

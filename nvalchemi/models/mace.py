@@ -341,6 +341,17 @@ class MACEWrapper(nn.Module, BaseModelMixin):
         data["graph_embeddings"] = graphs
         return data
 
+    def atomic_energy_module(self, head: str | int | None = None) -> nn.Module:
+        """The per-atom energies of ``head`` as a TorchScript-compatible module (the export).
+
+        It holds a TorchScript-compiled copy of this wrapper's MACE model (e3nn's
+        compile) and calls it without forces or stress (the exporter differentiates the energies itself);
+        ``forward(positions, atomic_numbers, edge_index, shifts, batch, num_systems)``
+        returns ``[N]`` energies in eV from the contract's inputs (see
+        :mod:`nvalchemi.models.export`); attributes ``cutoff`` and ``atomic_numbers``.
+        """
+        return _MACEAtomicEnergies(self, self.head_index(head))
+
     # --------------------------------------------------------- construction
     @classmethod
     @spec_factory  # builds from plain JSON values: safe for untrusted checkpoint specs
@@ -597,6 +608,58 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def export_model(self, path: str | Path, as_state_dict: bool = False) -> None:
         """Save the inner MACE module (pickled, loadable by mace-torch) or its state dict."""
         torch.save(self.model.state_dict() if as_state_dict else self.model, Path(path))
+
+
+class _MACEAtomicEnergies(nn.Module):
+    """Per-atom energies of one MACE head from the export contract's inputs (scriptable).
+
+    MACE reads Cartesian ``shifts`` for its edge vectors
+    (``positions[receiver] - positions[sender] + shifts``, the contract's convention),
+    so a strain the caller applies to positions and shifts gives the stress; its cell
+    and integer shifts are only read for its own stress, which is not asked for.
+    """
+
+    def __init__(self, wrapper: MACEWrapper, head: int) -> None:
+        super().__init__()
+        # e3nn generates some of MACE's modules; its compile scripts or traces each as
+        # it needs (mace-torch's own LAMMPS export does the same), on a copy.
+        from e3nn.util import jit  # a dependency of mace-torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit's notice
+            self.model = jit.compile(wrapper.model, in_place=False)
+        self.register_buffer("node_attrs_of", wrapper._node_emb.detach().clone())
+        self.head = int(head)
+        self.cutoff = wrapper.cutoff
+        self.atomic_numbers = wrapper.elements
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        atomic_numbers: torch.Tensor,
+        edge_index: torch.Tensor,
+        shifts: torch.Tensor,
+        batch: torch.Tensor,
+        num_systems: int,
+    ) -> torch.Tensor:
+        counts = torch.bincount(batch, minlength=num_systems)
+        ptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts, dim=0)])
+        data = {
+            "positions": positions,
+            "node_attrs": self.node_attrs_of.index_select(0, atomic_numbers),
+            "edge_index": edge_index,
+            "shifts": shifts,
+            "unit_shifts": torch.zeros_like(shifts),
+            "cell": positions.new_zeros(num_systems, 3, 3),
+            "batch": batch,
+            "ptr": ptr,
+            "head": torch.full([num_systems], self.head, dtype=torch.long, device=batch.device),
+        }
+        out = self.model(data, training=False, compute_force=False)
+        energies = out["node_energy"]
+        if energies is None:
+            raise RuntimeError("The MACE model returned no node_energy.")
+        return energies.to(positions.dtype)
 
 
 def _grown_state(old: nn.Module, new: nn.Module, heads: int, source: int) -> dict[str, Any]:

@@ -469,6 +469,20 @@ class PaiNN(nn.Module, BaseModelMixin):
     ) -> torch.Tensor:
         """Scalar features ``s [V, F]`` after all interaction blocks."""
         vectors = edge_vectors(positions, cell, neighbor_list, shifts, batch_idx)
+        return self.features_from_vectors(
+            species, vectors, neighbor_list[:, 0], neighbor_list[:, 1]
+        )
+
+    def features_from_vectors(
+        self,
+        species: torch.Tensor,
+        vectors: torch.Tensor,
+        centers: torch.Tensor,
+        neighbors: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scalar features ``s [V, F]`` from the edge vectors ``r_j - r_i [E, 3]`` of every
+        edge ``(centers[e], neighbors[e])``. TorchScript compiles it: the exported model
+        (:meth:`atomic_energy_module`) runs this same method."""
         distances = torch.sqrt((vectors * vectors).sum(dim=-1))
         directions = vectors / distances.unsqueeze(-1)
         if self.cutoff_fn == "cosine":
@@ -476,10 +490,9 @@ class PaiNN(nn.Module, BaseModelMixin):
         else:
             envelope = _polynomial_cutoff(distances, self.cutoff)
         radial = self.radial_basis(distances) * envelope.unsqueeze(-1)
-        centers, neighbors = neighbor_list[:, 0], neighbor_list[:, 1]
         norm = 1.0 if self.avg_num_neighbors is None else 1.0 / self.avg_num_neighbors
         s = self.embedding(species)
-        v = None
+        v: torch.Tensor | None = None
         for block in self.interactions:
             s, v = block(s, v, radial, directions, centers, neighbors, norm)
         return s
@@ -491,8 +504,7 @@ class PaiNN(nn.Module, BaseModelMixin):
         if isinstance(head, int):
             readout, e0 = self._head_parts(head)
             scale, shift = self.get_scale_shift(head)
-            out = readout(features).squeeze(-1)
-            return out * scale + shift + e0.index_select(0, species)
+            return _head_energy(readout(features), scale, shift, e0, species)
         energies = torch.stack(
             [self.atomic_energy(species, features, h) for h in range(len(self.head_names))], -1
         )
@@ -600,6 +612,16 @@ class PaiNN(nn.Module, BaseModelMixin):
         data["graph_embeddings"] = graphs
         return data
 
+    def atomic_energy_module(self, head: str | int | None = None) -> nn.Module:
+        """The per-atom energies of ``head`` as a TorchScript-compatible module (the export).
+
+        It shares this model's layers (no copy) and runs :meth:`features_from_vectors`;
+        ``forward(positions, atomic_numbers, edge_index, shifts, batch, num_systems)``
+        returns ``[N]`` energies in eV from the contract's inputs (see
+        :mod:`nvalchemi.models.export`); attributes ``cutoff`` and ``atomic_numbers``.
+        """
+        return _PaiNNAtomicEnergies(self, self.head_index(head))
+
     # ------------------------------------------------------------ data fitting
     @staticmethod
     def fit_atomic_energies(data: Any, elements: Sequence[int] | None = None) -> dict[int, float]:
@@ -685,6 +707,54 @@ class PaiNN(nn.Module, BaseModelMixin):
         model = cls(**payload["painn_kwargs"])
         model.load_state_dict(payload["state_dict"])
         return model
+
+
+def _head_energy(
+    readout: torch.Tensor, scale: float, shift: float, e0: torch.Tensor, species: torch.Tensor
+) -> torch.Tensor:
+    """``E_i = scale * readout_i + shift + E0[Z_i]`` (eV), from the readout's ``[V, 1]``."""
+    return readout.squeeze(-1) * scale + shift + e0.index_select(0, species)
+
+
+class _PaiNNAtomicEnergies(nn.Module):
+    """Per-atom energies of one PaiNN head from the export contract's inputs (scriptable).
+
+    Holds the model's own layers (shared, not copied) and runs its
+    :meth:`PaiNN.features_from_vectors`; the edge vectors come from the Cartesian
+    shifts (``positions[j] - positions[i] + shifts``), so a strain applied to positions
+    and shifts by the caller gives the stress.
+    """
+
+    def __init__(self, model: PaiNN, head: int) -> None:
+        super().__init__()
+        self.embedding = model.embedding
+        self.radial_basis = model.radial_basis
+        self.interactions = model.interactions
+        self.readout, e0 = model._head_parts(head)
+        self.scale, self.shift = (float(v) for v in model.get_scale_shift(head))
+        self.register_buffer("e0", e0.detach().clone())
+        self.register_buffer("species_of", model.z_to_index.detach().clone())
+        self.cutoff = model.cutoff
+        self.cutoff_fn = model.cutoff_fn
+        self.avg_num_neighbors = model.avg_num_neighbors
+        self.atomic_numbers = [int(z) for z in model._element_zs.tolist()]
+
+    features_from_vectors = PaiNN.features_from_vectors
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        atomic_numbers: torch.Tensor,
+        edge_index: torch.Tensor,
+        shifts: torch.Tensor,
+        batch: torch.Tensor,
+        num_systems: int,
+    ) -> torch.Tensor:
+        species = self.species_of.index_select(0, atomic_numbers)
+        centers, neighbors = edge_index[0], edge_index[1]
+        vectors = positions.index_select(0, neighbors) - positions.index_select(0, centers)
+        features = self.features_from_vectors(species, vectors + shifts, centers, neighbors)
+        return _head_energy(self.readout(features), self.scale, self.shift, self.e0, species)
 
 
 def _head_names(heads: Sequence[str] | None) -> tuple[str, ...]:
