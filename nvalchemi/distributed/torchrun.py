@@ -46,7 +46,9 @@ __all__ = ["FORWARDED_SIGNALS", "PREEMPTED", "exit_status", "main", "worker_pids
 PREEMPTED = 75
 """The workers' preemption exit status (``PREEMPTION_EXIT_CODE``, ``EX_TEMPFAIL``)."""
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+FORWARDED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
 """Signals passed on to the workers (the ones ``PreemptionHandler`` turns into a checkpoint)."""
 
 _PREFIX = "nvalchemi.distributed.torchrun: "
