@@ -6,12 +6,15 @@ come. So every rank of a process group created by
 thread that posts the time to the group's key-value store every few seconds (one
 tiny store write, nothing on the training path). A rank that is stopped
 (``SIGSTOP``), swapping, or stuck in a hung device or file-system call stops
-posting; a rank that is busy elsewhere (another code path, a longer data set) keeps
-posting. When a collective fails,
-:func:`~nvalchemi.distributed.runtime.explain_collective_failure` reads the heartbeats
-back (:func:`silent_ranks`) and adds a note to the exception
-(:func:`collective_failure_note`) that names the collective, the silent rank(s) (or
-says that every rank is alive), the timeout and what to check.
+posting, and so does a rank that died (killed by ``SIGKILL`` or the out-of-memory
+killer, crashed); a rank that is busy elsewhere (another code path, a longer data set)
+keeps posting. When a collective fails,
+:func:`~nvalchemi.distributed.runtime.explain_collective_failure` watches the heartbeats
+for two intervals (:func:`silent_ranks`: a rank that died a moment ago has a recent
+heartbeat, but no new one) and adds a note to the exception
+(:func:`collective_failure_note`) that names the collective, the silent rank(s) (dead,
+when the process group also lost its connection; or says that every rank is alive),
+the timeout and what to check.
 
 The note starts with ``nvalchemi:``; the CLI prints it instead of the bare
 "Timed out waiting 600000ms for send operation to complete".
@@ -49,6 +52,8 @@ _FAILURE_TEXTS = (
     "nccl",
 )
 # Where the training loop says it was (its note), and the collective that runs there.
+# The process group lost a peer's connection: that process ended (or closed the group).
+_PEER_GONE_TEXTS = ("connection closed by peer", "connection reset by peer", "broken pipe")
 _STAGES = (
     ("the backward pass", "the gradient all-reduce of DistributedDataParallel (backward pass)"),
     ("DO_BACKWARD", "the gradient all-reduce of DistributedDataParallel (backward pass)"),
@@ -115,28 +120,41 @@ class Heartbeat:
 
 
 def silent_ranks(
-    store: Any, world_size: int, interval: float, *, wait_s: float = 3.0
+    store: Any,
+    world_size: int,
+    interval: float,
+    *,
+    rank: int | None = None,
+    watch_s: float | None = None,
+    wait_s: float = 3.0,
 ) -> dict[int, float | None] | None:
-    """``{rank: seconds since its last heartbeat}`` of ranks silent for three intervals.
+    """``{rank: seconds since its last heartbeat}`` of the ranks that post no new heartbeat.
 
+    Reads every rank's heartbeat, then watches for up to ``watch_s`` seconds (default:
+    two intervals and a second) for each to post a new one: a rank that does is alive,
+    however recent its previous heartbeat (a rank killed a moment ago has a recent one
+    too). The watch ends as soon as every rank but ``rank`` (this one) has posted.
     ``None`` for a rank that never posted; ``None`` overall when the store does not
     answer within ``wait_s`` (it is hosted by rank 0 or the launcher, which may be the
     one that stalled).
     """
+    watch_s = 2 * float(interval) + 1.0 if watch_s is None else float(watch_s)
     try:
         reader = store.clone()
         reader.set_timeout(datetime.timedelta(seconds=wait_s))
+
+        def read(r: int) -> float | None:
+            key = f"{_KEY}{r}"
+            return float(reader.get(key).decode()) if reader.check([key]) else None
+
+        first = {r: read(r) for r in range(world_size) if r != rank}
+        quiet = set(first)
+        deadline = time.monotonic() + watch_s
+        while quiet and time.monotonic() < deadline:
+            time.sleep(min(0.2 * interval, max(deadline - time.monotonic(), 0.0)))
+            quiet = {r for r in quiet if read(r) in (None, first[r])}
         now = time.time()
-        out: dict[int, float | None] = {}
-        for rank in range(world_size):
-            key = f"{_KEY}{rank}"
-            if not reader.check([key]):
-                out[rank] = None
-                continue
-            age = now - float(reader.get(key).decode())
-            if age > 3 * interval:
-                out[rank] = age
-        return out
+        return {r: None if first[r] is None else now - first[r] for r in sorted(quiet)}
     except Exception:
         return None
 
@@ -163,7 +181,12 @@ def _collective_name(exc: BaseException, operation: str | None) -> str:
     return "a collective operation"
 
 
-def _rank_text(silent: dict[int, float | None] | None, rank: int) -> str:
+def _peer_gone(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(part in text for part in _PEER_GONE_TEXTS)
+
+
+def _rank_text(silent: dict[int, float | None] | None, rank: int, peer_gone: bool) -> str:
     if silent is None:
         return (
             "the rendezvous store did not answer either, so the rank (or launcher) hosting "
@@ -171,15 +194,32 @@ def _rank_text(silent: dict[int, float | None] | None, rank: int) -> str:
         )
     others = {r: age for r, age in silent.items() if r != rank}
     if not others:
+        if peer_gone:
+            return (
+                "every other rank is still running (their heartbeats go on), but one closed "
+                "its connection: it left the process group (an error on that rank, or it "
+                "finished early); check the logs of the others"
+            )
         return (
-            "every other rank is alive (their heartbeats are recent), so at least one of them "
+            "every other rank is alive (their heartbeats go on), so at least one of them "
             "is busy elsewhere instead of joining: a rank-dependent code path, an extra batch, "
             "or a slow step on one rank (e.g. rank-0-only work)"
         )
-    parts = []
-    for r, age in sorted(others.items()):
-        parts.append(f"rank {r} (never)" if age is None else f"rank {r} ({age:.0f} s ago)")
-    names = ", ".join(parts)
+    if peer_gone:
+        dead = ", ".join(
+            f"rank {r} (never posted)"
+            if age is None
+            else f"rank {r} (last heartbeat {age:.0f} s ago)"
+            for r, age in sorted(others.items())
+        )
+        return (
+            f"{dead} died: the process group lost its connection and no heartbeat came since "
+            "(killed: out of memory, SIGKILL, a lost node; or crashed); check its log and its node"
+        )
+    names = ", ".join(
+        f"rank {r} (never)" if age is None else f"rank {r} ({age:.0f} s ago)"
+        for r, age in sorted(others.items())
+    )
     return (
         f"no heartbeat from {names}: stalled (stopped, swapping, a hung GPU or file system) or "
         "dead; check its log and its node"
@@ -200,8 +240,8 @@ def collective_failure_note(
     if heartbeat is None:  # a group made elsewhere: no heartbeats to read
         who = "another rank most likely exited, crashed or stalled; check the logs of the others"
     else:
-        silent = silent_ranks(heartbeat.store, world_size, heartbeat.interval)
-        who = _rank_text(silent, rank)
+        silent = silent_ranks(heartbeat.store, world_size, heartbeat.interval, rank=rank)
+        who = _rank_text(silent, rank, _peer_gone(exc))
     timeout = f"{timeout_s:g} s" if timeout_s else "the process-group timeout"
     return (
         f"nvalchemi: {_collective_name(exc, operation)} failed on rank {rank} of {world_size} "
