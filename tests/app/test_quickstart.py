@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import torch
 
@@ -25,9 +27,21 @@ def test_quickstart_quick_end_to_end(tmp_path):
         "final checkpoint:",
         "NvalchemiCalculator.from_checkpoint",
         "PaiNN energy",
+        "meV/atom",
+        "Next: take the potential to molecular dynamics",
     ):
         assert fragment in text, fragment
     assert "Traceback" not in text
+    # the printed next steps are commands that run as printed (the export one, here)
+    export_line = next(
+        line for line in text.splitlines() if line.startswith("nvalchemi-training export")
+    )
+    exported = invoke(*shlex.split(export_line)[1:])
+    assert exported.exit_code == 0, exported.output
+    assert (run / "potential.pt").is_file()
+    md_line = next(line for line in text.splitlines() if " --md" in line)
+    assert shlex.split(md_line)[:3] == ["nvalchemi-training", "evaluate", str(run / "checkpoints")]
+    assert Path(shlex.split(md_line)[4]).is_file()
     metrics = json.loads((run / "test_metrics.json").read_text())["metrics"]
     assert metrics["num_structures"] == 16 and metrics["forces_mae"] > 0
     for name in ("learning_curves.png", "parity_energy_per_atom.png", "parity_forces.png"):

@@ -2,7 +2,8 @@
 
 Trains the built-in PaiNN on the bundled EMT data (:mod:`nvalchemi.app.jobs.quickstart`,
 settings in :mod:`nvalchemi.app.jobs.recipe`), evaluates the final checkpoint on the
-test split, writes plots, and prints and runs a snippet using the checkpoint from ASE.
+test split, writes plots, prints and runs a snippet using the checkpoint from ASE, and
+prints the commands that take it further (the MD check, the export).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ import click
 from nvalchemi.app.cli._app import MINUTES, debug_option, main, threads_value
 from nvalchemi.app.cli._console import err_console
 
-__all__ = ["calculator_snippet", "quickstart"]
+__all__ = ["calculator_snippet", "next_steps", "quickstart"]
 
 
 def calculator_snippet(checkpoint_dir: str | Path, symbol: str) -> str:
@@ -34,9 +36,26 @@ atoms.rattle(stdev=0.05, seed=1)
 atoms.calc = NvalchemiCalculator.from_checkpoint({str(checkpoint_dir)!r})
 energy, forces = atoms.get_potential_energy(), atoms.get_forces()
 atoms.calc = EMT()
-print(f"PaiNN energy {{energy:.4f}} eV, EMT {{atoms.get_potential_energy():.4f}} eV")
+reference = atoms.get_potential_energy()
+print(f"PaiNN energy {{energy:.4f}} eV, EMT {{reference:.4f}} eV ({{len(atoms)}} atoms)")
+print(f"energy error {{1000 * abs(energy - reference) / len(atoms):.2f}} meV/atom")
 print(f"max |force error| vs EMT {{abs(forces - atoms.get_forces()).max():.4f}} eV/Å")
 '''
+
+
+def next_steps(checkpoint_dir: str | Path, run_dir: str | Path) -> str:
+    """The commands that take a trained checkpoint to an MD engine, checked first."""
+    from nvalchemi.data.bundled import bundled_split_path
+
+    checkpoints, potential = shlex.quote(str(checkpoint_dir)), Path(run_dir) / "potential.pt"
+    test = shlex.quote(str(bundled_split_path("test")))
+    return f"""\
+# does it survive MD? Langevin NVT at 300 and 900 K then NVE, per structure type
+nvalchemi-training evaluate {checkpoints} --dataset {test} --md
+# a file that runs with torch only (ASE, torch-sim, LAMMPS); checked against the model
+nvalchemi-training export {checkpoints} {shlex.quote(str(potential))}
+# then: NvalchemiCalculator.from_export(...) in ASE, TorchSimModel.from_export(...) for
+# batched MD, nvalchemi.models.lammps.run_lammps(...) in LAMMPS: see docs/deploy.md"""
 
 
 def _demo_symbol(model: Any) -> str:
@@ -177,9 +196,13 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     console.print(f"final checkpoint: index {index} (step {step}), files in {path}")
     console.rule("Use the checkpoint as an ASE calculator")
     snippet = calculator_snippet(plan.checkpoint_dir, _demo_symbol(model))
-    console.print(snippet, markup=False, highlight=False)
+    console.print(snippet, markup=False, highlight=False, soft_wrap=True)
     console.print("output:", style="bold")
     console.print(_run_snippet(snippet).rstrip(), markup=False)
+    console.rule("Next: take the potential to molecular dynamics")
+    console.print(
+        next_steps(plan.checkpoint_dir, plan.run_dir), markup=False, highlight=False, soft_wrap=True
+    )
     seconds = time.perf_counter() - started
     took = f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
     console.print(f"done in {took}")
