@@ -66,22 +66,31 @@ def check_data(
     """Verify one data source end to end; return counts and every problem found.
 
     For a zarr store every chunk of every array is read and decoded
-    (:meth:`~nvalchemi.data.io.zarr.AtomicDataZarrReader.verify`); for any source every
-    structure is read and validated as ``AtomicData`` (shapes, dtypes, finite values,
-    atomic numbers 1..118, neighbour indices), plus finite positions.
+    (:meth:`~nvalchemi.data.io.zarr.AtomicDataZarrReader.verify`; opening the store has
+    already checked that pointers count up, that arrays and masks cover what they count
+    and that each array holds the field, level, shape and unit it is listed as). For any
+    source every structure is read and validated as ``AtomicData`` (shapes, dtypes,
+    finite values, atomic numbers 1..118, neighbour indices), plus finite positions, at
+    least one atom, and no two atoms closer than
+    :data:`~nvalchemi.data.close_pairs.DUPLICATE_DISTANCE` (a problem) or
+    :data:`~nvalchemi.data.close_pairs.IMPLAUSIBLE_DISTANCE` (a warning): positions
+    swapped with another array or in the wrong units fail here.
     """
     import torch
 
     from nvalchemi.data.atomic_data import AtomicData
+    from nvalchemi.data.close_pairs import closest_pair, describe_close_pair
     from nvalchemi.data.io.zarr import StoreDamagedError
 
     problems: list[str] = []
     warnings: list[str] = []
+    implausible: list[str] = []
     chunks = None
     store = _zarr_store(reader)
     if store is not None:
         report = store.verify()
         chunks = report["chunks"]
+        warnings += report["warnings"]
         if report["absent_may_be_zeros"]:
             warning = absent_chunk_warning(reader)
             warnings += [warning] if warning else []
@@ -101,6 +110,16 @@ def check_data(
         except (ValueError, TypeError) as exc:
             problems.append(f"structure {index}: {' '.join(str(exc).split())}")
             return
+        if data.num_nodes == 0:
+            problems.append(f"structure {index} has no atoms")
+            return
+        pair = closest_pair(data.positions, data.cell, data.pbc)
+        if pair is not None:
+            (problems if pair.duplicate else implausible).append(
+                describe_close_pair(pair, f"structure {index}")
+            )
+            if pair.duplicate:
+                return
         checked += 1
         atoms += data.num_nodes
 
@@ -124,6 +143,9 @@ def check_data(
             validate(index, fields)
         if progress is not None:
             progress(indices[-1] + 1, total)
+    if implausible:
+        more = f" (and {len(implausible) - 1:,} more structures)" if len(implausible) > 1 else ""
+        warnings.append(implausible[0] + more)
     return {
         "structures": total,
         "structures_valid": checked,
@@ -156,10 +178,11 @@ def _reference_energies(counts: np.ndarray, energies: np.ndarray, zs: list[int])
     solution, *_ = np.linalg.lstsq(counts[labelled], energies[labelled], rcond=None)
     residual = energies[labelled] - counts[labelled] @ solution
     atoms = counts[labelled].sum(axis=1)
-    return {
-        "reference_energies": {chemical_symbols[z]: float(e) for z, e in zip(zs, solution)},
-        "residual_energy_per_atom": _describe(residual / atoms),
-    }
+    out = {"reference_energies": {chemical_symbols[z]: float(e) for z, e in zip(zs, solution)}}
+    residual_per_atom = _describe(residual / atoms)
+    if residual_per_atom:
+        out["residual_energy_per_atom"] = residual_per_atom
+    return out
 
 
 def data_statistics(
@@ -234,8 +257,11 @@ def data_statistics(
         "labels": labels,
     }
     if labels["energy"]:
-        stats["energy_per_atom"] = _describe(energy / sizes_arr)
-        stats.update(_reference_energies(counts, energy, present))
+        has_atoms = sizes_arr > 0  # a structure without atoms has no energy per atom
+        per_atom = _describe(energy[has_atoms] / sizes_arr[has_atoms])
+        if per_atom:
+            stats["energy_per_atom"] = per_atom
+            stats.update(_reference_energies(counts[has_atoms], energy[has_atoms], present))
     if force_parts:
         forces = np.concatenate(force_parts)
         norms = np.linalg.norm(forces, axis=1)

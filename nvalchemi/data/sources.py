@@ -25,6 +25,7 @@ from typing import Any
 
 from nvalchemi._errors import FieldError
 from nvalchemi.data.datapipes.reader import Reader
+from nvalchemi.data.io._zarr_common import StoreDamagedError
 
 __all__ = [
     "ChainedBatches",
@@ -156,6 +157,8 @@ def open_reader(
         raise
     except Exception as exc:
         message = " ".join(str(exc).split())
+        if isinstance(exc, StoreDamagedError):  # names the store, the array and the fix
+            raise FieldError(message, field=field) from None
         raise FieldError(
             f"cannot read {path}: {message}", field=field, fix=f"check that it is an {_FORMATS}"
         ) from None

@@ -36,7 +36,10 @@ from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
     FORMAT,
+    FORMAT_FAMILY,
+    META_LEVELS,
     StoreDamagedError,
+    attribute_problems,
     describe,
     open_store,
     zarr_module,
@@ -430,17 +433,15 @@ class AtomicDataZarrReader(Reader):
         n = attrs.get("num_samples", 0)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise self._damaged(f"its num_samples attribute (zarr.json) is {n!r}, not a count")
+        self._ours = str(attrs.get("format", "")).startswith(FORMAT_FAMILY)
         meta = root["meta"]
         arrays: dict[str, _Rows] = {}
         levels: dict[str, str] = {}
-        for name, level in (
-            ("atoms_ptr", "ptr"),
-            ("edges_ptr", "ptr"),
-            ("samples_mask", "system"),
-            ("atoms_mask", "atom"),
-            ("edges_mask", "edge"),
-        ):
+        for name, level in META_LEVELS.items():
             if name in meta:
+                problems = attribute_problems("meta", name, level, meta[name], ours=self._ours)
+                if problems:
+                    raise self._damaged("; ".join(problems))
                 arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache)
                 levels[f"meta/{name}"] = level
         for name, need in (("atoms_ptr", n + 1), ("edges_ptr", n + 1), ("samples_mask", n)):
@@ -462,6 +463,8 @@ class AtomicDataZarrReader(Reader):
         if n:
             self._atoms_ptr = self._pointers("meta/atoms_ptr", n)
             self._edges_ptr = self._pointers("meta/edges_ptr", n)
+        self._num_samples = n
+        self._check_masks(n)
         mask = self._read("meta/samples_mask", 0, n).astype(bool) if n else np.zeros(0, bool)
         self._active = np.flatnonzero(mask).astype(np.int64)
         self._levels, self._arrays = self._data_arrays(root, attrs.get("fields", {}), n)
@@ -491,6 +494,25 @@ class AtomicDataZarrReader(Reader):
             raise self._damaged(f"{name} does not count up from 0 ({where})")
         return ptr
 
+    def _check_masks(self, n: int) -> None:
+        """Atom and edge masks must cover the atoms and edges the pointers count.
+
+        Appends extend the pointers before the masks, so a mask is never shorter than
+        its pointer's total, also after an interrupted append; a shorter one means
+        pointer arrays swapped or edited.
+        """
+        for mask, ptr, what in (
+            ("atoms_mask", self._atoms_ptr, "atoms"),
+            ("edges_mask", self._edges_ptr, "edges"),
+        ):
+            rows = self._meta_arrays.get(f"meta/{mask}")
+            if rows is not None and n and rows.shape[0] < int(ptr[-1]):
+                name = "atoms_ptr" if what == "atoms" else "edges_ptr"
+                raise self._damaged(
+                    f"meta/{name} counts {int(ptr[-1]):,} {what} in its {n:,} samples but "
+                    f"meta/{mask} has {rows.shape[0]:,} rows (pointer arrays swapped or edited)"
+                )
+
     def _data_arrays(
         self, root: Any, fields: dict[str, Any], n: int
     ) -> tuple[dict[str, str], dict[str, _Rows]]:
@@ -509,6 +531,9 @@ class AtomicDataZarrReader(Reader):
                 )
             for key in sorted(present):
                 level = declared.get(key, default)
+                problems = attribute_problems(group_name, key, level, group[key], ours=self._ours)
+                if problems:
+                    raise self._damaged("; ".join(problems))
                 rows = _Rows(group[key], self._strict, self._cache)
                 need = totals.get(level, 0)
                 if not rows.shape or rows.shape[0] < need:
@@ -523,7 +548,7 @@ class AtomicDataZarrReader(Reader):
 
     def _samples_of_rows(self, level: str, start: int, stop: int) -> tuple[int, int]:
         """Physical samples ``[a, b)`` that own rows ``[start, stop)`` of a ``level`` array."""
-        if level in ("system", "ptr"):
+        if level in ("system", "pointer"):
             return start, stop
         ptr = self._atoms_ptr if level == "atom" else self._edges_ptr
         first = max(0, int(np.searchsorted(ptr, start, side="right")) - 1)
@@ -561,7 +586,9 @@ class AtomicDataZarrReader(Reader):
     def verify(self) -> dict[str, Any]:
         """Read every chunk of every array; report what is missing, truncated or undecodable.
 
-        Returns ``{"chunks": checked, "problems": [text, ...], "absent_may_be_zeros": bool}``;
+        Returns ``{"chunks": checked, "problems": [text, ...], "warnings": [text, ...],
+        "absent_may_be_zeros": bool}``; warnings name arrays longer than the samples need
+        (rows an interrupted append left, which are never read);
         the last is True for stores of an older format (or the reference toolkit's), which
         leave out chunks of zeros, so an absent chunk there may be zeros rather than damage.
         """
@@ -570,10 +597,29 @@ class AtomicDataZarrReader(Reader):
         problems, chunks = [], 0
         named = [(name, rows, self._meta_levels[name]) for name, rows in self._meta_arrays.items()]
         named += [(self._array_path(k), r, self._levels[k]) for k, r in self._arrays.items()]
+        n = self._num_samples
+        need = {
+            "atom": int(self._atoms_ptr[-1]),
+            "edge": int(self._edges_ptr[-1]),
+            "system": n,
+            "pointer": n + 1,
+        }
+        warnings = []
         for name, rows, level in named:
             chunks += rows.num_chunks()
             problems += [self._problem_text(name, level, p) for p in rows.problems()]
-        return {"chunks": chunks, "problems": problems, "absent_may_be_zeros": not self._strict}
+            extra = (rows.shape[0] if rows.shape else 0) - need[level]
+            if n and extra > 0:
+                warnings.append(
+                    f"array {name} has {extra:,} rows beyond the store's {n:,} samples (left by "
+                    "an interrupted append; never read)"
+                )
+        return {
+            "chunks": chunks,
+            "problems": problems,
+            "warnings": warnings,
+            "absent_may_be_zeros": not self._strict,
+        }
 
     def refresh(self) -> None:
         """Re-read pointers, masks and fields (after external appends or deletes)."""

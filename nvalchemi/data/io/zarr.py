@@ -74,7 +74,9 @@ from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
     FORMAT,
     LEVELS,
+    META_LEVELS,
     StoreDamagedError,
+    array_attributes,
     describe,
     open_store,
     store_exists,
@@ -357,10 +359,13 @@ class AtomicDataZarrWriter:
             )
         return zarr.open_group(self._zstore, mode=mode)
 
-    def _create(self, group: Any, name: str, data: np.ndarray, group_name: str) -> Any:
+    def _create(self, group: Any, name: str, data: np.ndarray, group_name: str, level: str) -> Any:
         config = self.config.for_array(group_name, name)
         kwargs = config.array_kwargs(data)
-        array = group.create_array(name, shape=data.shape, dtype=data.dtype, **kwargs)
+        attributes = array_attributes(group_name, name, level)
+        array = group.create_array(
+            name, shape=data.shape, dtype=data.dtype, attributes=attributes, **kwargs
+        )
         if data.size:
             array[...] = data
         return array
@@ -370,14 +375,17 @@ class AtomicDataZarrWriter:
         core = root.require_group("core")
         root.require_group("custom")
         for key, array in payload.arrays.items():
-            self._create(core, key, array, "core")
+            self._create(core, key, array, "core", payload.levels[key])
         atoms_ptr = np.concatenate([[0], np.cumsum(payload.atom_counts)]).astype(np.int64)
         edges_ptr = np.concatenate([[0], np.cumsum(payload.edge_counts)]).astype(np.int64)
-        self._create(meta, "atoms_ptr", atoms_ptr, "meta")
-        self._create(meta, "edges_ptr", edges_ptr, "meta")
-        self._create(meta, "samples_mask", np.ones(payload.num_samples, bool), "meta")
-        self._create(meta, "atoms_mask", np.ones(payload.atom_rows(), bool), "meta")
-        self._create(meta, "edges_mask", np.ones(payload.edge_rows(), bool), "meta")
+        for name, values in (
+            ("atoms_ptr", atoms_ptr),
+            ("edges_ptr", edges_ptr),
+            ("samples_mask", np.ones(payload.num_samples, bool)),
+            ("atoms_mask", np.ones(payload.atom_rows(), bool)),
+            ("edges_mask", np.ones(payload.edge_rows(), bool)),
+        ):
+            self._create(meta, name, values, "meta", META_LEVELS[name])
         attrs = {
             "format": FORMAT,
             "fields": {"core": dict(payload.levels), "custom": {}},
@@ -567,7 +575,7 @@ class AtomicDataZarrWriter:
                     f"add_custom({key!r}): the store already has it; pass overwrite=True."
                 )
             del group[key]
-        self._create(group, key, array, "custom")
+        self._create(group, key, array, "custom", level)
         custom_levels[key] = level
         fields["custom"] = custom_levels
         root.attrs["fields"] = fields
@@ -681,7 +689,7 @@ class AtomicDataZarrWriter:
                 for group_name in ("core", "custom"):
                     target = group.require_group(group_name)
                     for key, values in arrays[group_name].items():
-                        self._create(target, key, values, group_name)
+                        self._create(target, key, values, group_name, fields[group_name][key])
                 for name, values in (
                     ("atoms_ptr", np.concatenate([[0], np.cumsum(atom_counts)]).astype(np.int64)),
                     ("edges_ptr", np.concatenate([[0], np.cumsum(edge_counts)]).astype(np.int64)),
@@ -689,7 +697,7 @@ class AtomicDataZarrWriter:
                     ("atoms_mask", np.ones(int(atom_counts.sum()), bool)),
                     ("edges_mask", np.ones(int(edge_counts.sum()), bool)),
                 ):
-                    self._create(meta_g, name, values, "meta")
+                    self._create(meta_g, name, values, "meta", META_LEVELS[name])
             else:
                 for name in ("meta", "core", "custom"):
                     group.require_group(name)
