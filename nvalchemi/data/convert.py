@@ -159,11 +159,13 @@ def _write_store(
     total = sum(len(r) for r in readers)
     writer = AtomicDataZarrWriter(str(path))
     done, atoms, edges, first = 0, 0, 0, True
+    warnings: list[str] = []
     for reader in readers:
         for start in range(0, len(reader), chunk_size):
             chunk = []
             for i in range(start, min(start + chunk_size, len(reader))):
                 data = reader.read_data(i)
+                warnings += _close_atoms(data, reader, i)
                 if transform is not None:
                     data, _ = transform(data, {"index": done + len(chunk)})
                     edges += int(data.num_edges)
@@ -181,7 +183,27 @@ def _write_store(
         raise FieldError(
             "the inputs hold no structures", field="INPUT", fix="check the input files"
         )
-    summary: dict[str, Any] = {"structures": done, "atoms": atoms}
+    summary: dict[str, Any] = {"structures": done, "atoms": atoms, "warnings": warnings}
     if cutoff is not None:
         summary.update({"neighbor_cutoff": float(cutoff), "edges": edges})
     return summary
+
+
+def _close_atoms(data: Any, reader: Any, index: int) -> list[str]:
+    """Refuse duplicate atoms (``FieldError`` naming file, frame and pair); warn of close ones."""
+    from nvalchemi.data.close_pairs import closest_pair, describe_close_pair
+
+    pair = closest_pair(data.positions, data.cell, data.pbc)
+    if pair is None:
+        return []
+    info = getattr(data, "info", {}) or {}
+    where = (
+        f"{info['source_file']}: frame {info['frame']}"
+        if "source_file" in info
+        else f"structure {index}"
+    )
+    text = describe_close_pair(pair, where)
+    if pair.duplicate:
+        message, _, fix = text.partition("; ")
+        raise FieldError(message, field="INPUT", fix=fix)
+    return [text]

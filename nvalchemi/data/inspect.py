@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from nvalchemi._errors import FieldError
+from nvalchemi.data.close_pairs import closest_pair, describe_close_pair
 
 __all__ = ["absent_chunk_warning", "check_data", "data_statistics", "label_counts"]
 
@@ -79,7 +80,6 @@ def check_data(
     import torch
 
     from nvalchemi.data.atomic_data import AtomicData
-    from nvalchemi.data.close_pairs import closest_pair, describe_close_pair
     from nvalchemi.data.io.zarr import StoreDamagedError
 
     problems: list[str] = []
@@ -188,12 +188,20 @@ def _reference_energies(counts: np.ndarray, energies: np.ndarray, zs: list[int])
 def data_statistics(
     readers: Sequence[Any], *, batch_size: int = 256, progress: ProgressFn | None = None
 ) -> dict[str, Any]:
-    """Counts, elements, label statistics and suggested reference energies of ``readers``."""
+    """Counts, elements, label statistics and suggested reference energies of ``readers``.
+
+    ``close_pairs`` lists the structures with two atoms closer than
+    :data:`~nvalchemi.data.close_pairs.IMPLAUSIBLE_DISTANCE` (``source``, ``structure``,
+    ``atoms``, ``distance`` and a sentence, ``text``): duplicate atoms, or positions in
+    the wrong units.
+    """
     from ase.data import chemical_symbols
 
     from nvalchemi.data.sources import ChainedBatches
 
     total = sum(len(r) for r in readers)
+    starts = np.cumsum([0, *(len(r) for r in readers)])
+    close_pairs: list[dict[str, Any]] = []
     loader = ChainedBatches(readers, batch_size=batch_size)
     sizes, energies, periodic, zs_all = [], [], [], []
     composition: list[np.ndarray] = []
@@ -227,6 +235,20 @@ def data_statistics(
             stress_parts.append(s[ok])
         if "pbc" in batch:
             periodic.append(batch.pbc.cpu().numpy().any(axis=1))
+        for g, pair in _close_pairs(batch):
+            k = int(np.searchsorted(starts, done + g, side="right")) - 1
+            where = f"structure {done + g - int(starts[k])}"
+            if len(readers) > 1:
+                where = f"{_source_name(readers[k])}: {where}"
+            close_pairs.append(
+                {
+                    "source": _source_name(readers[k]),
+                    "structure": done + g - int(starts[k]),
+                    "atoms": [pair.first, pair.second],
+                    "distance": pair.distance,
+                    "text": describe_close_pair(pair, where),
+                }
+            )
         done += len(n)
         if progress is not None:
             progress(done, total)
@@ -255,6 +277,7 @@ def data_statistics(
             for i, z in enumerate(present)
         },
         "labels": labels,
+        "close_pairs": close_pairs,
     }
     if labels["energy"]:
         has_atoms = sizes_arr > 0  # a structure without atoms has no energy per atom
@@ -272,6 +295,32 @@ def data_statistics(
     if stress_parts:
         stats["stress"] = _describe(np.concatenate(stress_parts).reshape(-1))
     return stats
+
+
+def _close_pairs(batch: Any) -> list[tuple[int, Any]]:
+    """``(structure in batch, ClosePair)`` for the structures with atoms too close."""
+    positions = batch.positions.detach().cpu().double().numpy()
+    ptr = batch.ptr.cpu().numpy()
+    cells = batch.cell.detach().cpu().double().numpy() if "cell" in batch else None
+    pbcs = batch.pbc.cpu().numpy() if "pbc" in batch else None
+    found = []
+    for g in range(len(ptr) - 1):
+        pair = closest_pair(
+            positions[ptr[g] : ptr[g + 1]],
+            None if cells is None else cells[g],
+            None if pbcs is None else pbcs[g],
+        )
+        if pair is not None:
+            found.append((g, pair))
+    return found
+
+
+def _source_name(reader: Any) -> str:
+    inner = getattr(reader, "reader", reader)
+    paths = getattr(inner, "paths", None)
+    if paths:
+        return str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    return str(getattr(inner, "store", type(inner).__name__))
 
 
 def label_counts(readers: Sequence[Any], *, limit: int | None = 500) -> dict[str, int]:

@@ -127,12 +127,20 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
             overwrite=options["overwrite"],
         )
     console = err_console()
+    _print_warnings(console, summary["warnings"])
     text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
     if "edges" in summary:
         text += (
             f" with {summary['edges']:,} neighbour pairs (cutoff {summary['neighbor_cutoff']} Å)"
         )
     console.print(text)
+
+
+def _print_warnings(console: Any, warnings: list[str], shown: int = 10) -> None:
+    for warning in warnings[:shown]:
+        console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    if len(warnings) > shown:
+        console.print(f"warning: ... and {len(warnings) - shown:,} more", markup=False)
 
 
 @data.command(
@@ -245,6 +253,7 @@ def stats(
 
 def _print_stats(result: dict[str, Any]) -> None:
     console = err_console()
+    _print_warnings(console, [pair["text"] for pair in result["close_pairs"]])
     sizes = result["atoms_per_structure"]
     rows = [
         ("structures", result["structures"]),
