@@ -5,7 +5,15 @@
 * :func:`convert_to_zarr` streams structures into an ``AtomicDataZarrWriter`` store in
   chunks (optionally with neighbour lists for a cutoff, so training need not build
   them), reporting progress, in a temporary sibling that is moved into place when
-  complete.
+  complete;
+* :func:`remove_leftovers` deletes the partial stores of conversions that were killed
+  (``SIGKILL``, a crash, a power cut) before they could clean up, and only those.
+
+A partial store ``.converting-<hex>-<name>`` is marked by a file next to it,
+``.converting-<hex>-<name>.owner``, that the converting process holds an exclusive
+``flock`` on while it runs and deletes when done. A marker whose lock can be taken
+belongs to a process that is gone: its partial store is ours to delete. A directory
+without a marker (or one whose lock is held) is left alone.
 
 Errors are :class:`~nvalchemi._errors.FieldError` naming ``INPUT`` / ``OUTPUT`` (the
 arguments of ``nvalchemi-training data convert``).
@@ -18,17 +26,30 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
-from collections.abc import Callable, Sequence
+import socket
+import stat
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
 from nvalchemi._fileio import replace_dir, temporary_sibling
 
-__all__ = ["check_output", "convert_to_zarr", "open_inputs"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: partial stores go unmarked, leftovers are never removed
+    fcntl = None
+
+__all__ = ["check_output", "convert_to_zarr", "open_inputs", "remove_leftovers"]
 
 ProgressFn = Callable[[int, int], None]
+_PARTIAL = "converting"  # partial stores are .converting-<hex>-<output name>
+_OWNER = ".owner"  # their markers: .converting-<hex>-<output name>.owner
+_MARK = "nvalchemi data convert"
 
 
 def open_inputs(
@@ -132,16 +153,93 @@ def convert_to_zarr(
             f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
         )
     output.parent.mkdir(parents=True, exist_ok=True)
-    partial = temporary_sibling(output, "converting")
+    removed = remove_leftovers(output.parent)
+    partial = temporary_sibling(output, _PARTIAL)
     try:
-        summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
-        replace_dir(partial, output)
+        with _claimed(partial, output):
+            summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
+            replace_dir(partial, output)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)  # only ever what this call created
         for reader in readers:
             reader.close()
     summary["output"] = str(output)
+    summary["removed_leftovers"] = [str(p) for p in removed]
     return summary
+
+
+@contextlib.contextmanager
+def _claimed(partial: Path, output: Path) -> Iterator[None]:
+    """Mark ``partial`` as this process's while the block runs; remove it afterwards.
+
+    The marker is created (and locked) before the partial store exists and deleted
+    after it is gone (moved into place or removed), so no moment leaves an unmarked
+    partial store behind, whatever kills the process.
+    """
+    if fcntl is None:
+        try:
+            yield
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return
+    marker = partial.with_name(partial.name + _OWNER)
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        note = {"mark": _MARK, "pid": os.getpid(), "host": socket.gethostname()}
+        os.write(fd, json.dumps({**note, "output": str(output)}).encode())
+        os.fsync(fd)
+        try:
+            yield
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)  # only ever what this call created
+    finally:
+        with contextlib.suppress(OSError):
+            marker.unlink()
+        os.close(fd)
+
+
+def remove_leftovers(folder: str | Path) -> list[Path]:
+    """Delete the partial stores that killed conversions left in ``folder``; return them.
+
+    Only a partial store whose marker (see the module docstring) is a regular file
+    written by ``data convert`` and whose lock nobody holds is deleted: its process is
+    gone. Running conversions (their lock is held), unmarked directories and anything
+    else are left alone. Without ``flock`` (not POSIX) nothing is removed.
+    """
+    if fcntl is None:
+        return []
+    removed = []
+    for marker in sorted(Path(folder).glob(f".{_PARTIAL}-*{_OWNER}")):
+        try:
+            fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # a symlink, gone meanwhile, unreadable: not ours to judge
+        try:
+            if not _is_our_marker(fd):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: that conversion is running
+            partial = marker.with_name(marker.name[: -len(_OWNER)])
+            if partial.is_dir() and not partial.is_symlink():
+                shutil.rmtree(partial)
+                removed.append(partial)
+            marker.unlink()
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _is_our_marker(fd: int) -> bool:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > 4096:
+        return False
+    try:
+        note = json.loads(os.read(fd, 4096))
+    except ValueError:
+        return False  # empty (being created) or not ours
+    return isinstance(note, dict) and note.get("mark") == _MARK
 
 
 def _write_store(

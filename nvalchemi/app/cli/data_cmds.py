@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +37,56 @@ def _progress(description: str) -> Iterator[Any]:
             progress.update(task, completed=done, total=total)
 
         yield update
+
+
+class _Stopped(BaseException):
+    """A stop signal during ``data convert`` (a ``BaseException``: no handler eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class _StopSignals:
+    """``SIGINT``, ``SIGTERM`` and ``SIGHUP`` while converting: stop cleanly, soon.
+
+    Before the store is written (:meth:`writing`) a signal raises :class:`_Stopped` at
+    once. While it is written, the first signal is remembered and raised at the next
+    :meth:`check` (after a chunk is written: never in the middle of zarr's writes, which
+    run on zarr's own thread and would go on filling the partial store while it is
+    removed); a second one raises at once.
+    """
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferred = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def writing(self) -> None:
+        self.deferred = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None or not self.deferred:
+            raise _Stopped(signum)
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise _Stopped(self.signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}  # a signal during the final swap: the store is whole, kept
 
 
 def _label_keys(ctx: Any, param: Any, pairs: tuple[str, ...]) -> dict[str, str]:
@@ -110,23 +162,46 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     if options["half_list"] and options["cutoff"] is None:
         raise CLIError("--half-list needs --cutoff", fix="add --cutoff 5.0 (or drop --half-list)")
     check_output(inputs, output, overwrite=options["overwrite"])
-    readers = open_inputs(
-        inputs,
-        dtype=options["dtype"],
-        label_keys=options["label_keys"],
-        max_structures=options["max_structures"],
-    )
-    with _progress(f"writing {output}") as update:
-        summary = convert_to_zarr(
-            readers,
-            output,
-            cutoff=options["cutoff"],
-            half_list=options["half_list"],
-            chunk_size=options["chunk_size"],
-            progress=update,
-            overwrite=options["overwrite"],
-        )
     console = err_console()
+    stops = _StopSignals()
+    try:
+        with stops:
+            readers = open_inputs(
+                inputs,
+                dtype=options["dtype"],
+                label_keys=options["label_keys"],
+                max_structures=options["max_structures"],
+            )
+            with _progress(f"writing {output}") as update:
+
+                def progress(done: int, total: int) -> None:
+                    update(done, total)
+                    stops.check()  # between chunks: no write of the store is in flight
+
+                stops.writing()
+                summary = convert_to_zarr(
+                    readers,
+                    output,
+                    cutoff=options["cutoff"],
+                    half_list=options["half_list"],
+                    chunk_size=options["chunk_size"],
+                    progress=progress,
+                    overwrite=options["overwrite"],
+                )
+    except _Stopped as stop:
+        console.print(
+            f"Stopped by {stop.name}: {output} was not written (the partial store was removed; "
+            f"an existing {output} is as it was).",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise SystemExit(128 + stop.signum) from None
+    for leftover in summary["removed_leftovers"]:
+        console.print(
+            f"Removed {leftover}, the partial store of a conversion that was killed.",
+            markup=False,
+            soft_wrap=True,
+        )
     _print_warnings(console, summary["warnings"])
     text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
     if "edges" in summary:
