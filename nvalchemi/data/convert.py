@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -152,11 +153,12 @@ def convert_to_zarr(
         raise FieldError(
             f"{output} already exists", field="OUTPUT", fix="choose a new path or pass --overwrite"
         )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    removed = remove_leftovers(output.parent)
-    partial = temporary_sibling(output, _PARTIAL)
     try:
-        with _claimed(partial, output):
+        with _writing(output):
+            output.parent.mkdir(parents=True, exist_ok=True)
+        removed = remove_leftovers(output.parent)
+        partial = temporary_sibling(output, _PARTIAL)
+        with _writing(output), _claimed(partial, output):
             summary = _write_store(readers, partial, cutoff, half_list, chunk_size, progress)
             replace_dir(partial, output)
     finally:
@@ -165,6 +167,41 @@ def convert_to_zarr(
     summary["output"] = str(output)
     summary["removed_leftovers"] = [str(p) for p in removed]
     return summary
+
+
+@contextlib.contextmanager
+def _writing(output: Path) -> Iterator[None]:
+    """A failed write of the store (full disk, read-only folder) as a ``FieldError``.
+
+    Raised inside :func:`_claimed`, so the message can say that the partial store is
+    gone. Errors of reading the inputs never pass here: the readers raise
+    ``ValueError`` naming the file.
+    """
+    try:
+        yield
+    except OSError as exc:
+        folder = output.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent  # the folder that could not take the new one
+        space = "free space there, or write OUTPUT to another disk"
+        elsewhere = "choose an OUTPUT in a folder you can write to"
+        cause, fix = {
+            errno.ENOSPC: (f"the disk holding {folder} is full (no space left on device)", space),
+            errno.EDQUOT: (f"your disk quota for {folder} is used up", space),
+            errno.EFBIG: (
+                "a file of the store would exceed the largest file size allowed here (the "
+                "file system's limit or `ulimit -f`)",
+                "raise the limit, or write OUTPUT to another disk",
+            ),
+            errno.EROFS: (f"{folder} is on a read-only file system", elsewhere),
+            errno.EACCES: (f"{folder} is not writable for you (permission denied)", elsewhere),
+            errno.EPERM: (f"{folder} is not writable for you (operation not permitted)", elsewhere),
+        }.get(exc.errno, (f"{exc.strerror or exc} ({exc.filename or folder})", elsewhere))
+        raise FieldError(
+            f"cannot write {output}: {cause}; nothing was written (the partial store was removed)",
+            field="OUTPUT",
+            fix=fix,
+        ) from exc
 
 
 @contextlib.contextmanager
