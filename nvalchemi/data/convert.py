@@ -60,7 +60,12 @@ def open_inputs(
     label_keys: dict[str, str] | None = None,
     max_structures: int | None = None,
 ) -> list[Any]:
-    """Readers of extxyz / ASE db ``inputs`` (``FieldError`` for stores or bad files)."""
+    """Readers of extxyz / ASE db ``inputs`` (``FieldError`` for stores or bad files).
+
+    Labels are read in float64; :func:`convert_to_zarr` stores per-atom ones in the
+    positions' ``dtype`` and keeps structure-level ones (energy, stress, virial, ...)
+    exact (see :mod:`nvalchemi.data.label_precision`).
+    """
     from nvalchemi.data.sources import detect_format, open_reader
 
     for path in inputs:
@@ -72,7 +77,12 @@ def open_inputs(
             )
     return [
         open_reader(
-            p, dtype=dtype, label_keys=label_keys, max_structures=max_structures, field="INPUT"
+            p,
+            dtype=dtype,
+            label_dtype="float64",
+            label_keys=label_keys,
+            max_structures=max_structures,
+            field="INPUT",
         )
         for p in inputs
     ]
@@ -299,7 +309,7 @@ def _write_store(
         for start in range(0, len(reader), chunk_size):
             chunk = []
             for i in range(start, min(start + chunk_size, len(reader))):
-                data = reader.read_data(i)
+                data = _stored_dtypes(reader.read_data(i))
                 warnings += _close_atoms(data, reader, i)
                 if transform is not None:
                     data, _ = transform(data, {"index": done + len(chunk)})
@@ -342,3 +352,20 @@ def _close_atoms(data: Any, reader: Any, index: int) -> list[str]:
         message, _, fix = text.partition("; ")
         raise FieldError(message, field="INPUT", fix=fix)
     return [text]
+
+
+def _stored_dtypes(data: Any) -> Any:
+    """Per-atom and per-edge floats in the positions' dtype; structure-level labels as read.
+
+    A structure's energy, stress or virial are a few numbers, kept in float64 (exact);
+    forces and the other per-atom arrays, the bulk of a store, follow the positions.
+    """
+    from nvalchemi.data.fields import FIELDS
+
+    dtype = data.positions.dtype
+    for key, value in data.items():
+        spec = FIELDS.get(key)
+        per_atom = spec is not None and spec.level != "system"
+        if per_atom and value.dtype.is_floating_point and value.dtype != dtype:
+            data[key] = value.to(dtype)
+    return data

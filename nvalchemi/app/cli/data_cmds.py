@@ -140,7 +140,8 @@ Examples:
     type=click.Choice(["float32", "float64"]),
     default="float32",
     show_default=True,
-    help="dtype of positions and labels in the store.",
+    help="dtype of positions, cells and per-atom labels (forces) in the store; energies, "
+    "stresses and virials are always stored in float64.",
 )
 @_label_key_option("Where a label lives in the input, e.g. energy=REF_energy (repeatable).")
 @click.option(
@@ -243,7 +244,7 @@ def check(paths: tuple[str, ...], label_keys: dict[str, str], as_json: bool) -> 
     console = err_console()
     reports, found = [], 0
     for path in paths:
-        reader = open_reader(path, field="PATH", label_keys=label_keys)
+        reader = open_reader(path, field="PATH", label_dtype="float64", label_keys=label_keys)
         try:
             with _progress(f"checking {path}") as update:
                 report = check_data(reader, progress=update)
@@ -308,7 +309,13 @@ def stats(
     from nvalchemi.data.sources import open_reader
 
     readers = [
-        open_reader(p, field="PATH", max_structures=max_structures, label_keys=label_keys)
+        open_reader(
+            p,
+            field="PATH",
+            label_dtype="float64",
+            max_structures=max_structures,
+            label_keys=label_keys,
+        )
         for p in paths
     ]
     try:

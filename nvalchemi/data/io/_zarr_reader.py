@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from nvalchemi.data.io._zarr_common import (
     open_store,
     zarr_module,
 )
+from nvalchemi.data.label_precision import EXTENSIVE_LABELS, rounding_warning, worst_rounding
 
 __all__ = ["AtomicDataZarrReader"]
 
@@ -379,6 +381,12 @@ class AtomicDataZarrReader(Reader):
     Args:
         store: a directory path, a ``dict`` (in-memory store) or any zarr store.
         cache_bytes: budget of decoded chunks of compressed arrays kept for reuse.
+        label_dtype: dtype the floating labels (energy, forces, stress, ...) are returned
+            in: a torch dtype, ``"positions"`` (the stored positions' dtype, so that a
+            sample has one floating dtype: what ``open_reader`` asks for) or ``None`` (as
+            stored; ``data convert`` stores structure-level labels in float64). Rounding a
+            total energy or virial by more than 0.1 meV/atom warns once (see
+            :mod:`nvalchemi.data.label_precision`).
 
     Raises:
         FileNotFoundError: no store at the path.
@@ -396,8 +404,17 @@ class AtomicDataZarrReader(Reader):
         pin_memory: bool = False,
         include_index_in_metadata: bool = True,
         cache_bytes: int = CACHE_BYTES,
+        label_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(pin_memory=pin_memory, include_index_in_metadata=include_index_in_metadata)
+        floating = isinstance(label_dtype, torch.dtype) and label_dtype.is_floating_point
+        if label_dtype not in (None, "positions") and not floating:
+            raise ValueError(
+                f"label_dtype must be a floating torch dtype, 'positions' or None; got "
+                f"{label_dtype!r}."
+            )
+        self.label_dtype = label_dtype
+        self._rounding_warned = False
         self.store = store
         self._root: Any = None
         self._closed = False
@@ -473,6 +490,7 @@ class AtomicDataZarrReader(Reader):
             for key, rows in self._arrays.items()
             if key in FIELDS and FIELDS[key].label and rows.dtype.kind == "f"
         )
+        self._casts = self._label_casts()
         self._widen = frozenset(  # index fields stored narrower (atomic numbers: uint8)
             key
             for key, rows in self._arrays.items()
@@ -485,6 +503,36 @@ class AtomicDataZarrReader(Reader):
             else {}
         )
         self._root = root
+
+    def _label_casts(self) -> dict[str, np.dtype]:
+        """The labels to return in another dtype than stored (see ``label_dtype``)."""
+        if self.label_dtype is None:
+            return {}
+        if self.label_dtype == "positions":
+            rows = self._arrays.get("positions")
+            if rows is None or rows.dtype.kind != "f":
+                return {}
+            target = np.dtype(rows.dtype.name)
+        else:
+            target = np.dtype(str(self.label_dtype).removeprefix("torch."))
+        return {
+            key: target for key in self._labels if np.dtype(self._arrays[key].dtype.name) != target
+        }
+
+    def _cast_label(self, key: str, values: np.ndarray, start: int) -> np.ndarray:
+        """``values`` (rows of samples ``start``...) in the dtype asked for; warn of rounding."""
+        target = self._casts[key]
+        if key in EXTENSIVE_LABELS and not self._rounding_warned and values.size:
+            atoms = np.diff(self._atoms_ptr[start : start + len(values) + 1])
+            worst = worst_rounding(values, atoms, target)
+            if worst is not None:
+                self._rounding_warned = True
+                row, per_atom = worst
+                structure = int(np.searchsorted(self._active, start + row))
+                value = float(np.asarray(values[row]).reshape(-1)[0])
+                where = f"{describe(self.store)}: structure {structure}"
+                warnings.warn(rounding_warning(where, key, per_atom, value, target), stacklevel=2)
+        return values.astype(target)
 
     def _pointers(self, name: str, n: int) -> np.ndarray:
         ptr = self._read(name, 0, n + 1).astype(np.int64, copy=False)
@@ -763,6 +811,8 @@ class AtomicDataZarrReader(Reader):
             except _ChunkProblem as problem:
                 text = self._problem_text(self._array_path(key), levels[key], problem)
                 raise self._damaged(text) from None
+            if key in self._casts:
+                out[key] = self._cast_label(key, out[key], start)
         return out
 
     def _slice(
