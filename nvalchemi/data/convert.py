@@ -62,9 +62,9 @@ def open_inputs(
 ) -> list[Any]:
     """Readers of extxyz / ASE db ``inputs`` (``FieldError`` for stores or bad files).
 
-    Labels are read in float64; :func:`convert_to_zarr` stores per-atom ones in the
-    positions' ``dtype`` and keeps structure-level ones (energy, stress, virial, ...)
-    exact (see :mod:`nvalchemi.data.label_precision`).
+    Labels are read in float64; :func:`convert_to_zarr` keeps total energies and virials
+    exact and stores the others in the positions' ``dtype`` (see
+    :mod:`nvalchemi.data.label_precision`).
     """
     from nvalchemi.data.sources import detect_format, open_reader
 
@@ -355,17 +355,17 @@ def _close_atoms(data: Any, reader: Any, index: int) -> list[str]:
 
 
 def _stored_dtypes(data: Any) -> Any:
-    """Per-atom and per-edge floats in the positions' dtype; structure-level labels as read.
+    """Floats in the positions' dtype, except total energies and virials (kept float64).
 
-    A structure's energy, stress or virial are a few numbers, kept in float64 (exact);
-    forces and the other per-atom arrays, the bulk of a store, follow the positions.
+    An energy or a virial grows with the structure (float32 rounds -4.6e5 eV by up to
+    16 meV); forces, stresses and the rest are fine in float32 (7 significant digits).
     """
     from nvalchemi.data.fields import FIELDS
+    from nvalchemi.data.label_precision import EXTENSIVE_LABELS
 
     dtype = data.positions.dtype
     for key, value in data.items():
-        spec = FIELDS.get(key)
-        per_atom = spec is not None and spec.level != "system"
-        if per_atom and value.dtype.is_floating_point and value.dtype != dtype:
+        known = key in FIELDS and key not in EXTENSIVE_LABELS
+        if known and value.dtype.is_floating_point and value.dtype != dtype:
             data[key] = value.to(dtype)
     return data

@@ -3,8 +3,9 @@
 A total energy of -4.6e5 eV (a few hundred heavy atoms) lies where float32 numbers are
 0.03 eV apart: rounded to float32 it comes back up to 16 meV off, more than a good
 model's error per atom on a small cell. Stores written by ``data convert`` therefore
-keep structure-level labels (energy, stress, virial, dipole, total charge) in float64,
-whatever dtype the positions and per-atom labels get: a few numbers per structure.
+keep total energies and virials (extensive, in eV) in float64, whatever dtype the
+positions and the other labels get: a few numbers per structure. Forces, stresses and
+charges keep 7 significant digits in float32, far below any model's error.
 
 Batches still carry labels in the positions' dtype by default (a float32 model's
 loss compares float32 predictions with them; the built-in losses refuse mixed dtypes

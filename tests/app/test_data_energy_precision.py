@@ -1,7 +1,7 @@
 """Large total energies survive a store exactly; rounding them to float32 for a batch warns.
 
 A total energy of -4.6e5 eV lies where float32 numbers are 0.03 eV apart. Stores written by
-``data convert`` keep structure-level labels in float64; readers hand out labels in the
+``data convert`` keep total energies (and virials) in float64; readers hand out labels in the
 positions' dtype (what a float32 model's loss needs) and warn once when that costs more
 than 0.1 meV/atom.
 """
@@ -41,18 +41,17 @@ def heavy(tmp_path):
     return source, store, exact, np.array([len(a) for a in frames])
 
 
-def test_the_store_keeps_energies_and_stresses_exact(heavy):
+def test_the_store_keeps_total_energies_exact(heavy):
     source, store, exact, atoms = heavy
     reader = AtomicDataZarrReader(str(store))
     samples = [reader.read(i)[0] for i in range(len(reader))]
     assert samples[0]["energy"].dtype == torch.float64
-    assert samples[0]["stress"].dtype == torch.float64
-    assert samples[0]["positions"].dtype == torch.float32  # the bulk stays compact
-    assert samples[0]["forces"].dtype == torch.float32
+    for key in ("positions", "forces", "stress"):  # 7 digits are plenty: the bulk stays small
+        assert samples[0][key].dtype == torch.float32
     energies = np.array([float(s["energy"]) for s in samples])
     assert np.array_equal(energies, exact)
     stress = read(source, index="0").get_stress(voigt=False)
-    assert np.array_equal(samples[0]["stress"].numpy()[0], stress)
+    assert np.allclose(samples[0]["stress"].numpy()[0], stress, rtol=1e-6, atol=0)
     result = invoke("data", "stats", store, "--json")
     assert result.exit_code == 0, result.stderr
     per_atom = json.loads(result.stdout)["energy_per_atom"]

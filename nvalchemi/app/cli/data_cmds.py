@@ -140,8 +140,8 @@ Examples:
     type=click.Choice(["float32", "float64"]),
     default="float32",
     show_default=True,
-    help="dtype of positions, cells and per-atom labels (forces) in the store; energies, "
-    "stresses and virials are always stored in float64.",
+    help="dtype of positions, cells, forces and stresses in the store; total energies and "
+    "virials are always stored in float64.",
 )
 @_label_key_option("Where a label lives in the input, e.g. energy=REF_energy (repeatable).")
 @click.option(
