@@ -51,6 +51,8 @@ ProgressFn = Callable[[int, int], None]
 _PARTIAL = "converting"  # partial stores are .converting-<hex>-<output name>
 _OWNER = ".owner"  # their markers: .converting-<hex>-<output name>.owner
 _MARK = "nvalchemi data convert"
+_WRITE_ATOMS = 1 << 19  # without chunk_size, structures are written this many atoms at a time
+_READ_STEP = 256  # structures read between progress reports (and stop checks)
 
 
 def open_inputs(
@@ -147,7 +149,7 @@ def convert_to_zarr(
     *,
     cutoff: float | None = None,
     half_list: bool = False,
-    chunk_size: int = 256,
+    chunk_size: int | None = None,
     progress: ProgressFn | None = None,
     overwrite: bool = False,
 ) -> dict[str, Any]:
@@ -294,7 +296,7 @@ def _write_store(
     path: Path,
     cutoff: float | None,
     half_list: bool,
-    chunk_size: int,
+    chunk_size: int | None,
     progress: ProgressFn | None,
 ) -> dict[str, Any]:
     from nvalchemi.data.io.zarr import AtomicDataZarrWriter
@@ -303,28 +305,37 @@ def _write_store(
     transform = None if cutoff is None else NeighborListTransform(cutoff, half_list=half_list)
     total = sum(len(r) for r in readers)
     writer = AtomicDataZarrWriter(str(path))
-    done, atoms, edges, first = 0, 0, 0, True
+    done, atoms, edges, written = 0, 0, 0, 0
+    pending: list[Any] = []  # read, not yet written
+    pending_atoms = 0
     warnings: list[str] = []
+
+    def flush() -> None:
+        nonlocal pending, pending_atoms, written
+        (writer.append if written else writer.write)(pending)
+        written += len(pending)
+        pending, pending_atoms = [], 0
+
+    step = chunk_size or _READ_STEP
     for reader in readers:
-        for start in range(0, len(reader), chunk_size):
-            chunk = []
-            for i in range(start, min(start + chunk_size, len(reader))):
+        for start in range(0, len(reader), step):
+            for i in range(start, min(start + step, len(reader))):
                 data = _stored_dtypes(reader.read_data(i))
                 warnings += _close_atoms(data, reader, i)
                 if transform is not None:
-                    data, _ = transform(data, {"index": done + len(chunk)})
+                    data, _ = transform(data, {"index": done})
                     edges += int(data.num_edges)
                 atoms += int(data.num_nodes)
-                chunk.append(data)
-            if first:
-                writer.write(chunk)
-                first = False
-            else:
-                writer.append(chunk)
-            done += len(chunk)
+                pending_atoms += int(data.num_nodes)
+                pending.append(data)
+                done += 1
+            if len(pending) >= chunk_size if chunk_size else pending_atoms >= _WRITE_ATOMS:
+                flush()
             if progress is not None:
                 progress(done, total)
-    if first:
+    if pending:
+        flush()
+    if not written:
         raise FieldError(
             "the inputs hold no structures", field="INPUT", fix="check the input files"
         )

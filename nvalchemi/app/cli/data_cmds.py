@@ -131,9 +131,8 @@ Examples:
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Structures written per append.",
+    help="Structures written per append (default: about half a million atoms at a time; the "
+    "first write sets the store's shard size, so large stores want large writes).",
 )
 @click.option(
     "--dtype",

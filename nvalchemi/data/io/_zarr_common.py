@@ -10,9 +10,13 @@ from typing import Any
 
 FORMAT_FAMILY = "nvalchemi-atomicdata-zarr/"
 """Prefix of the ``format`` attribute of every store this package wrote (any version)."""
-FORMAT = "nvalchemi-atomicdata-zarr/2"
-"""Format of the stores written now: every chunk of every array is written, so a chunk
-file that is absent means damage (an interrupted copy), never "all zeros"."""
+FORMAT = "nvalchemi-atomicdata-zarr/3"
+"""Format of the stores written now: as format 2, and arrays are sharded by default (few
+files, small compressed chunks) and record their field, level and unit."""
+FORMAT_V2 = "nvalchemi-atomicdata-zarr/2"
+"""Every chunk of every array is written, so a chunk file that is absent means damage
+(an interrupted copy), never "all zeros". Stores of format 2 still read as they are."""
+EVERY_CHUNK_WRITTEN = (FORMAT_V2, FORMAT)
 FORMAT_V1 = "nvalchemi-atomicdata-zarr/1"
 """Stores written before: chunks holding only zeros were left out, so an absent chunk
 reads as zeros (as does the reference toolkit's layout, which has no ``format``)."""

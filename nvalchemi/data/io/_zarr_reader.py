@@ -1,7 +1,9 @@
 """Random-access reader of the ``AtomicData`` zarr store (see :mod:`nvalchemi.data.io.zarr`).
 
 Arrays of a local directory store in the zarr v3 format are read from their chunk
-files directly, which avoids zarr's per-call overhead of a few hundred microseconds:
+files, or from their shard files (zarr's ``sharding_indexed`` codec: a shard's index,
+read once and checked against its CRC32C, says where each chunk lies), directly,
+which avoids zarr's per-call overhead of a few hundred microseconds:
 
 * raw chunks (the ``bytes`` codec alone: C-order rows) with ``preadv`` of exactly
   the requested rows;
@@ -11,8 +13,9 @@ files directly, which avoids zarr's per-call overhead of a few hundred microseco
   encoded array of at most 4 MiB (species of a small store, cells, pbc flags) is
   decoded once, at its first read, and kept whole;
 
-every other array (sharded, other codecs, other stores) goes through zarr with the
-same cache. A chunk file that is absent, truncated or undecodable raises
+every other array (other codecs, other stores) goes through zarr with the same cache.
+The reader keeps up to 1,024 chunk and shard files open (a quarter of the process's
+file limit at most), so random reads in a store of a million structures open no file. A chunk file that is absent, truncated or undecodable raises
 :class:`~nvalchemi.data.io.zarr.StoreDamagedError` naming the store, the array and
 the samples affected, for stores of the current format (which writes every chunk);
 older stores (format 1, the reference toolkit's) leave out chunks of zeros, so there
@@ -22,11 +25,13 @@ an absent chunk reads as zeros, as zarr reads it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import resource
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,7 @@ import torch
 from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
-    FORMAT,
+    EVERY_CHUNK_WRITTEN,
     FORMAT_FAMILY,
     META_LEVELS,
     StoreDamagedError,
@@ -52,6 +57,7 @@ __all__ = ["AtomicDataZarrReader"]
 CACHE_BYTES = 32 << 20
 """Default budget of decoded chunks kept by one reader (per process)."""
 _WHOLE_ARRAY_BYTES = 4 << 20  # encoded arrays this small are decoded once and kept whole
+_MAX_OPEN_FILES = 1024  # chunk and shard files one reader keeps open (1/4 of the fd limit at most)
 
 
 class _ChunkProblem(Exception):
@@ -94,37 +100,85 @@ class _DecodedChunks:
         self.bytes = 0
 
 
+class _OpenFiles:
+    """Open chunk and shard files of one reader's arrays, within a descriptor budget.
+
+    Descriptors survive ``fork`` and ``pread`` ignores the shared offset, so loader
+    worker processes keep using them; pickling (``spawn``) starts without any.
+    """
+
+    def __init__(self) -> None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.limit = max(16, min(_MAX_OPEN_FILES, soft // 4 if soft > 0 else _MAX_OPEN_FILES))
+        self.fds: OrderedDict[tuple[int, int], int] = OrderedDict()
+        weakref.finalize(self, _close_fds, self.fds)
+
+    def get(self, key: tuple[int, int], path: Callable[[int], str]) -> int | None:
+        """The descriptor of file ``key`` at ``path(key[1])`` (``None``: it does not exist).
+
+        The oldest opened is closed first (not the least used: a hit costs no
+        bookkeeping, and a reader's files usually all fit).
+        """
+        fd = self.fds.get(key)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.open(path(key[1]), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        self.fds[key] = fd
+        if len(self.fds) > self.limit:
+            os.close(self.fds.popitem(last=False)[1])
+        return fd
+
+    def clear(self) -> None:
+        _close_fds(self.fds)
+
+
+def _close_fds(fds: dict) -> None:
+    while fds:
+        _, fd = fds.popitem()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class _Rows:
-    """Reads row ranges of one array: raw ``preadv``, whole-chunk decoding, or zarr."""
+    """Reads row ranges of one array: raw ``preadv``, chunk decoding, or zarr.
 
-    _MAX_OPEN = 32  # open chunk files kept per array
+    A chunk is found by :meth:`_locate`: its own file (unsharded arrays) or a byte
+    range of its shard file, from the shard's index (read once per shard and checked
+    against its CRC32C); inside it, raw rows are read with ``preadv`` and encoded
+    ones decoded (numcodecs) into the reader's cache.
+    """
 
-    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks) -> None:
+    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks, files: _OpenFiles):
         self.array = array
         self.strict = strict
         self.cache = cache
+        self.files = files
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
         self.trailing = self.shape[1:]
         self.fill = array.fill_value
-        grid = getattr(array, "shards", None) or array.chunks
-        self.chunk_rows = max(1, int(grid[0])) if len(self.shape) else 1
+        self.chunk_rows = max(1, int(array.chunks[0])) if len(self.shape) else 1
         self.row_bytes = self.dtype.itemsize * int(np.prod(self.trailing, dtype=np.int64))
         self.root: str | None = None
         self.decoder: Any = None
+        self.per_shard = 0  # chunks per shard (0: unsharded)
+        self.index_at_end = True
+        self.index_crc = False
         self.mode = self._layout(array)
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._indexes: dict[int, list[list[int]]] = {}
         self._present: set[int] = set()
         self._whole: np.ndarray | None = None
         self._whole_worth = (
             self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
         )
-        weakref.finalize(self, _close_fds, self._fds)
 
     def _layout(self, array: Any) -> str:
-        """``"raw"``, ``"decode"`` (local chunk files read here) or ``"zarr"``."""
+        """``"raw"``, ``"decode"`` (local chunk or shard files read here) or ``"zarr"``."""
         try:
-            from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
+            from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
             from zarr.storage import LocalStore
 
             store = array.store_path.store
@@ -133,12 +187,27 @@ class _Rows:
             if (
                 not isinstance(store, LocalStore)
                 or getattr(meta, "zarr_format", 2) != 3
-                or not codecs
-                or not isinstance(codecs[0], BytesCodec)
+                or len(codecs) == 0
                 or tuple(array.chunks)[1:] != self.trailing
                 or 0 in self.trailing
-                or getattr(array, "shards", None) is not None
             ):
+                return "zarr"
+            if isinstance(codecs[0], ShardingCodec):
+                sharding = codecs[0]
+                index = tuple(sharding.index_codecs)
+                if (
+                    len(codecs) != 1
+                    or tuple(sharding.chunk_shape)[1:] != self.trailing
+                    or not index
+                    or not isinstance(index[0], BytesCodec)
+                    or index[1:] not in ((), (Crc32cCodec(),))
+                ):
+                    return "zarr"
+                self.per_shard = int(array.shards[0]) // self.chunk_rows
+                self.index_at_end = getattr(sharding.index_location, "value", "end") == "end"
+                self.index_crc = len(index) == 2
+                codecs = tuple(sharding.codecs)
+            if not codecs or not isinstance(codecs[0], BytesCodec):
                 return "zarr"
             rest = codecs[1:]
             if rest and (len(rest) > 1 or not isinstance(rest[0], (BloscCodec, ZstdCodec))):
@@ -149,10 +218,15 @@ class _Rows:
             self.root = str(Path(store.root) / array.store_path.path)
             if not rest:
                 return "raw"
-            import numcodecs
+            import numcodecs.blosc
+            import numcodecs.zstd
 
+            # The module functions: numcodecs' codec objects add checks costing as much
+            # as decompressing a chunk.
             self.decoder = (
-                numcodecs.Blosc() if isinstance(rest[0], BloscCodec) else numcodecs.Zstd()
+                numcodecs.blosc.decompress
+                if isinstance(rest[0], BloscCodec)
+                else numcodecs.zstd.decompress
             )
             return "decode"
         except Exception:
@@ -166,38 +240,83 @@ class _Rows:
         start = chunk * self.chunk_rows
         return start, min(start + self.chunk_rows, self.shape[0])
 
-    def chunk_key(self, chunk: int) -> str:
-        """The chunk's key relative to the store root (its file path for a local store)."""
-        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
-        return f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+    def _file_key(self, number: int) -> str:
+        return self.array.metadata.encode_chunk_key((number, *((0,) * len(self.trailing))))
+
+    def chunk_key(self, chunk: int, whole_file: bool = False) -> str:
+        """Where the chunk is, relative to the store root: its file, or its shard file."""
+        number = chunk // self.per_shard if self.per_shard else chunk
+        key = self._file_key(number)
+        key = f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+        if not self.per_shard:
+            return f"chunk file {key}"
+        if whole_file:
+            return f"shard file {key}"
+        return f"chunk {chunk % self.per_shard} of shard file {key}"
 
     def close(self) -> None:
-        _close_fds(self._fds)
+        self._indexes.clear()
 
-    def _fd(self, chunk: int) -> int | None:
-        # Descriptors survive fork and pread ignores the shared offset, so worker
-        # processes may keep using them; pickling (spawn) drops the whole _Rows.
-        fds = self._fds
-        fd = fds.get(chunk)
-        if fd is not None:
-            fds.move_to_end(chunk)
-            return fd
-        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
-        try:
-            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
-        except FileNotFoundError:
+    def _index(self, shard: int, fd: int) -> list[list[int]]:
+        """``[offset, bytes]`` of each chunk of the shard (read once, then cached)."""
+        index = self._indexes.get(shard)
+        if index is not None:
+            return index
+        size = os.fstat(fd).st_size
+        length = 16 * self.per_shard + (4 if self.index_crc else 0)
+        where = f"shard file {self._shard_path(shard)}"
+        span = self.chunk_span(shard * self.per_shard)
+        if size < length:
+            raise _ChunkProblem(
+                shard * self.per_shard, span, f"{where} is truncated ({size:,} bytes)"
+            )
+        raw = os.pread(fd, length, size - length if self.index_at_end else 0)
+        if self.index_crc:
+            import numcodecs
+
+            try:
+                raw = numcodecs.CRC32C().decode(raw)
+            except RuntimeError:
+                raise _ChunkProblem(
+                    shard * self.per_shard,
+                    span,
+                    f"{where} has a damaged index (checksum mismatch; truncated or overwritten)",
+                ) from None
+        index = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.int64).tolist()
+        self._indexes[shard] = index
+        return index
+
+    def _file_path(self, number: int) -> str:
+        return os.path.join(self.root, self._file_key(number))
+
+    def _shard_path(self, shard: int) -> str:
+        key = self._file_key(shard)
+        return f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+
+    def _locate(self, chunk: int) -> tuple[int, int, int] | None:
+        """``(fd, offset, bytes)`` of the chunk's encoded bytes (``None``: absent)."""
+        if not self.per_shard:
+            fd = self.files.get((id(self), chunk), self._file_path)
+            if fd is None:
+                return None
+            size = self.chunk_rows * self.row_bytes if self.mode == "raw" else -1
+            return fd, 0, size
+        shard, slot = divmod(chunk, self.per_shard)
+        fd = self.files.get((id(self), shard), self._file_path)
+        if fd is None:
             return None
-        fds[chunk] = fd
-        if len(fds) > self._MAX_OPEN:
-            os.close(fds.popitem(last=False)[1])
-        return fd
+        index = self._indexes.get(shard) or self._index(shard, fd)
+        offset, nbytes = index[slot]
+        if offset < 0:  # 2**64 - 1: the shard holds no such chunk
+            self._missing(chunk, whole_file=False)
+            return fd, -1, 0
+        return fd, offset, nbytes
 
-    def _missing(self, chunk: int) -> None:
+    def _missing(self, chunk: int, whole_file: bool = True) -> None:
         """Raise for an absent chunk of a store that writes every chunk (else: zeros)."""
         if self.strict:
-            raise _ChunkProblem(
-                chunk, self.chunk_span(chunk), f"chunk file {self.chunk_key(chunk)} is missing"
-            )
+            where = self.chunk_key(chunk, whole_file=whole_file)
+            raise _ChunkProblem(chunk, self.chunk_span(chunk), f"{where} is missing")
 
     def _decoded(self, chunk: int) -> np.ndarray | None:
         """Chunk ``chunk`` decoded to ``[chunk_rows, *trailing]`` (``None``: absent, lenient)."""
@@ -212,26 +331,29 @@ class _Rows:
             start, stop = self.chunk_span(chunk)
             block = np.asarray(self.array[start:stop])
         else:
-            fd = self._fd(chunk)
-            if fd is None:
+            where = self._locate(chunk)
+            if where is None:
                 self._missing(chunk)
                 return None
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            fd, offset, nbytes = where
+            if offset < 0:
+                return None  # absent in a store that leaves out chunks of zeros
+            data = os.pread(fd, os.fstat(fd).st_size if nbytes < 0 else nbytes, offset)
             try:
-                raw = self.decoder.decode(data)
+                raw = self.decoder(data)
             except Exception as exc:
                 raise _ChunkProblem(
                     chunk,
                     self.chunk_span(chunk),
-                    f"chunk file {self.chunk_key(chunk)} cannot be decoded ({exc})",
+                    f"{self.chunk_key(chunk)} cannot be decoded ({exc})",
                 ) from None
             expected = self.chunk_rows * self.row_bytes
             if len(raw) != expected:
                 raise _ChunkProblem(
                     chunk,
                     self.chunk_span(chunk),
-                    f"chunk file {self.chunk_key(chunk)} decodes to {len(raw):,} bytes "
-                    f"instead of {expected:,}",
+                    f"{self.chunk_key(chunk)} decodes to {len(raw):,} bytes instead of "
+                    f"{expected:,}",
                 )
             block = np.frombuffer(raw, dtype=self.dtype).reshape(self.chunk_rows, *self.trailing)
         self.cache.put(key, block)
@@ -243,7 +365,9 @@ class _Rows:
             return True
         from zarr.core.sync import sync
 
-        present = bool(sync(self.array.store_path.store.exists(self.chunk_key(chunk))))
+        key = self._file_key(chunk)
+        key = f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+        present = bool(sync(self.array.store_path.store.exists(key)))
         if present:
             self._present.add(chunk)
         return present
@@ -261,10 +385,7 @@ class _Rows:
         rows = self.chunk_rows
         chunk = start // rows
         if stop <= (chunk + 1) * rows:  # the common case: one chunk
-            fd = self._fds.get(chunk) if self.mode == "raw" else None
-            offset = (start - chunk * rows) * self.row_bytes
-            if fd is None or os.preadv(fd, [out], offset) != out.nbytes:
-                self._read_chunk(chunk, out, start - chunk * rows)  # open, decode, or raise
+            self._read_chunk(chunk, out, start - chunk * rows)
             return out
         if self.mode == "zarr" and not self.strict:
             return np.asarray(self.array[start:stop])  # one call through zarr
@@ -302,21 +423,26 @@ class _Rows:
             else:
                 part[...] = block[offset : offset + part.shape[0]]
             return
-        fd = self._fds.get(chunk)
-        if fd is None:
-            fd = self._fd(chunk)
-            if fd is None:
-                self._missing(chunk)
-                part[...] = self.fill
-                return
-        if os.preadv(fd, [part], offset * self.row_bytes) != part.nbytes:
+        where = self._locate(chunk)
+        if where is None:
+            self._missing(chunk)
+            part[...] = self.fill
+            return
+        fd, base, nbytes = where
+        if base < 0:
+            part[...] = self.fill  # absent in a store that leaves out chunks of zeros
+            return
+        expected = self.chunk_rows * self.row_bytes
+        if (
+            nbytes != expected
+            or os.preadv(fd, [part], base + offset * self.row_bytes) != part.nbytes
+        ):
             size = os.fstat(fd).st_size
             raise _ChunkProblem(
                 chunk,
                 self.chunk_span(chunk),
-                f"chunk file {self.chunk_key(chunk)} is truncated ({size:,} of "
-                f"{self.chunk_rows * self.row_bytes:,} bytes; or being rewritten: call "
-                "refresh() after writes)",
+                f"{self.chunk_key(chunk)} is truncated ({min(size, nbytes):,} of {expected:,} "
+                "bytes; or being rewritten: call refresh() after writes)",
             )
 
     def problems(self) -> list[_ChunkProblem]:
@@ -327,37 +453,39 @@ class _Rows:
         """
         found = []
         strict, self.strict = self.strict, True
+        self._indexes.clear()
         try:
             for chunk in range(self.num_chunks()):
-                start, stop = self.chunk_span(chunk)
                 try:
                     if self.mode == "raw":
-                        fd = self._fd(chunk)
-                        if fd is None:
-                            self._missing(chunk)
-                        size = os.fstat(fd).st_size
-                        if size != self.chunk_rows * self.row_bytes:
-                            raise _ChunkProblem(
-                                chunk,
-                                (start, stop),
-                                f"chunk file {self.chunk_key(chunk)} has {size:,} bytes "
-                                f"instead of {self.chunk_rows * self.row_bytes:,}",
-                            )
+                        self._check_raw(chunk)
                     else:
                         self.cache.discard((id(self), chunk))
                         self._decoded(chunk)
                 except _ChunkProblem as problem:
                     found.append(problem)
+                    if self.per_shard and "index" in problem.reason:
+                        break  # one damaged index: the shard's other chunks say nothing new
         finally:
             self.strict = strict
         return found
 
-
-def _close_fds(fds: dict) -> None:
-    while fds:
-        _, fd = fds.popitem()
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    def _check_raw(self, chunk: int) -> None:
+        where = self._locate(chunk)
+        if where is None:
+            self._missing(chunk)
+        fd, offset, nbytes = where
+        if offset < 0:
+            return
+        expected = self.chunk_rows * self.row_bytes
+        size = os.fstat(fd).st_size
+        if nbytes != expected or size < offset + expected:
+            have = min(nbytes, size - offset)
+            raise _ChunkProblem(
+                chunk,
+                self.chunk_span(chunk),
+                f"{self.chunk_key(chunk)} has {have:,} bytes instead of {expected:,}",
+            )
 
 
 # ------------------------------------------------------------------------ reader
@@ -419,6 +547,7 @@ class AtomicDataZarrReader(Reader):
         self._root: Any = None
         self._closed = False
         self._cache = _DecodedChunks(cache_bytes)
+        self._files = _OpenFiles()
         self._open()
 
     # ------------------------------------------------------------------ state
@@ -445,7 +574,7 @@ class AtomicDataZarrReader(Reader):
                     "written by AtomicDataZarrWriter."
                 )
         attrs = dict(root.attrs)
-        self._strict = attrs.get("format") == FORMAT
+        self._strict = attrs.get("format") in EVERY_CHUNK_WRITTEN
         self._cache.clear()
         n = attrs.get("num_samples", 0)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -459,7 +588,7 @@ class AtomicDataZarrReader(Reader):
                 problems = attribute_problems("meta", name, level, meta[name], ours=self._ours)
                 if problems:
                     raise self._damaged("; ".join(problems))
-                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache)
+                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache, self._files)
                 levels[f"meta/{name}"] = level
         for name, need in (("atoms_ptr", n + 1), ("edges_ptr", n + 1), ("samples_mask", n)):
             if f"meta/{name}" not in arrays:
@@ -484,6 +613,7 @@ class AtomicDataZarrReader(Reader):
         self._check_masks(n)
         mask = self._read("meta/samples_mask", 0, n).astype(bool) if n else np.zeros(0, bool)
         self._active = np.flatnonzero(mask).astype(np.int64)
+        self._num_active = int(self._active.size)
         self._levels, self._arrays = self._data_arrays(root, attrs.get("fields", {}), n)
         self._labels = frozenset(
             key
@@ -582,7 +712,7 @@ class AtomicDataZarrReader(Reader):
                 problems = attribute_problems(group_name, key, level, group[key], ours=self._ours)
                 if problems:
                     raise self._damaged("; ".join(problems))
-                rows = _Rows(group[key], self._strict, self._cache)
+                rows = _Rows(group[key], self._strict, self._cache, self._files)
                 need = totals.get(level, 0)
                 if not rows.shape or rows.shape[0] < need:
                     have = rows.shape[0] if rows.shape else 0
@@ -682,6 +812,7 @@ class AtomicDataZarrReader(Reader):
             *getattr(self, "_meta_arrays", {}).values(),
         ]:
             rows.close()
+        self._files.clear()  # keyed by the arrays' ids, which new arrays may reuse
 
     def close(self) -> None:
         """Drop the store handle and open files; reads afterwards raise ``RuntimeError``."""
@@ -697,10 +828,12 @@ class AtomicDataZarrReader(Reader):
         for key in ("_arrays", "_meta_arrays", "_root"):
             state.pop(key, None)
         state["_cache"] = _DecodedChunks(self._cache.max_bytes)
+        state.pop("_files", None)  # descriptors mean nothing in another process
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._files = _OpenFiles()
         self._arrays = {}
         self._meta_arrays = {}
         self._root = None
@@ -732,16 +865,28 @@ class AtomicDataZarrReader(Reader):
             )
         return self._active[idx % n] if n else idx
 
+    def _physical_one(self, index: int) -> int:
+        """:meth:`_physical` of one index (the common case, without numpy's overhead)."""
+        if self._closed:
+            raise RuntimeError("AtomicDataZarrReader is closed.")
+        n = self._num_active
+        if not -n <= index < n:
+            raise IndexError(
+                f"Index {index} is out of range for zarr store {describe(self.store)} "
+                f"with {n} active samples."
+            )
+        return int(self._active[index])
+
     def get_metadata(self, index: int) -> tuple[int, int]:
         """``(num_atoms, num_edges)`` of sample ``index`` from the cached pointers."""
-        p = int(self._physical([index])[0])
+        p = self._physical_one(int(index))
         return (
             int(self._atoms_ptr[p + 1] - self._atoms_ptr[p]),
             int(self._edges_ptr[p + 1] - self._edges_ptr[p]),
         )
 
     def _get_sample_metadata(self, index: int) -> dict[str, Any]:
-        p = int(self._physical([index])[0])
+        p = self._physical_one(index)
         return {
             "index": index,
             "source_file": describe(self.store),
@@ -751,7 +896,8 @@ class AtomicDataZarrReader(Reader):
 
     # ------------------------------------------------------------------ reads
     def _load_sample(self, index: int) -> dict[str, torch.Tensor]:
-        return self._load_many_samples([index])[0]
+        p = self._physical_one(index)
+        return self._slice(self._read_run(p, p + 1), p, p, copy=False)
 
     def _load_many_samples(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         physical = self._physical(indices)
@@ -822,7 +968,9 @@ class AtomicDataZarrReader(Reader):
         e0 = int(self._edges_ptr[start])
         a, b = int(self._atoms_ptr[p]) - a0, int(self._atoms_ptr[p + 1]) - a0
         c, d = int(self._edges_ptr[p]) - e0, int(self._edges_ptr[p + 1]) - e0
+        s = p - start
         sample: dict[str, torch.Tensor] = {}
+        labels, widen = self._labels, self._widen
         for key, values in block.items():
             level = self._levels[key]
             if level == "atom":
@@ -830,19 +978,19 @@ class AtomicDataZarrReader(Reader):
             elif level == "edge":
                 part = values[c:d]
             else:
-                part = values[p - start : p - start + 1]
-            if key in self._labels and part.size and np.isnan(part).all():
+                part = values[s : s + 1]
+            if key in labels and part.size and math.isnan(part.flat[0]) and np.isnan(part).all():
                 continue  # a label this sample lacks, stored as NaN (as Batch fills it)
             if key == "neighbor_list":
                 part = part - self._atoms_ptr[p]  # store-global -> local (a new array)
-            elif key in self._widen:
+            elif key in widen:
                 part = part.astype(np.int64)  # a new array
             elif copy:  # a duplicate request must not alias the first one's tensors
                 part = part.copy()
             if not part.dtype.isnative:
                 part = part.astype(part.dtype.newbyteorder("="))
             sample[key] = torch.from_numpy(part)
-        pbc = sample.get("pbc")
-        if pbc is not None and not pbc.any() and not sample["cell"].any():
+        pbc = block.get("pbc")
+        if pbc is not None and not pbc[s].any() and not block["cell"][s].any():
             del sample["pbc"], sample["cell"]  # an open-boundary sample of a mixed store
         return sample
