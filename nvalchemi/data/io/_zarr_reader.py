@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import resource
 import warnings
 import weakref
 from collections import OrderedDict
@@ -37,6 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    import resource
+except ImportError:  # not POSIX: assume the common limit of 1,024 descriptors
+    resource = None
 
 from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.fields import FIELDS
@@ -108,7 +112,7 @@ class _OpenFiles:
     """
 
     def __init__(self) -> None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else 1024
         self.limit = max(16, min(_MAX_OPEN_FILES, soft // 4 if soft > 0 else _MAX_OPEN_FILES))
         self.fds: OrderedDict[tuple[int, int], int] = OrderedDict()
         weakref.finalize(self, _close_fds, self.fds)
