@@ -17,10 +17,22 @@ Prints JSON lines:
   also with ``cache_bytes=0`` (no decoded chunk kept: the worst case of random reads
   from a store far larger than the reader's cache).
 
+Scale mode (``--scale 10000 100000 1000000``) writes, for each size, a store of synthetic
+periodic 32-atom structures (energy, forces, stress, float32 positions) with
+``AtomicDataZarrWriter`` in appends of 10,000 (one process, one thread) and prints a
+``store_scale`` line: write time, bytes and files on disk, and, measured in a fresh
+process (so the memory is the reader's alone): the time and resident memory of opening
+it, random single-structure reads per second (``reader.read(i)``, random order), and
+structures per second through a shuffled ``DataLoader`` (batch 8) with 0 and 2 workers
+(``--workers``); on a shared machine, the rates per CPU second of the reading process
+(``*_per_cpu_s``) say more than the wall-clock ones. Stores go to ``--workdir`` (default:
+a temporary folder, removed).
+
 Compare runs of this script on two commits (interleaved, on a quiet machine) for
 before/after numbers; nothing here asserts a speed.
 
-Usage: ``python benchmarks/zarr_store.py [--repeats 5] [--large 20000] [--quick]``
+Usage: ``python benchmarks/zarr_store.py [--repeats 5] [--large 20000] [--quick]``,
+``python benchmarks/zarr_store.py --scale 10000 100000 [--reads 20000] [--workdir DIR]``
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nvalchemi.data import AtomicData
+from nvalchemi.data import AtomicData, Batch
 from nvalchemi.data.bundled import BUNDLED_DIR
 
 BATCH = 16
@@ -136,12 +148,153 @@ def read_cases(path: Path, repeats: int, limit: int | None, cache_bytes: int | N
     return out
 
 
+# ------------------------------------------------------------------------ scale mode
+APPEND = 10_000
+SCALE_ATOMS = 32
+
+
+def _template(count: int) -> Batch:
+    """``count`` periodic 32-atom structures in one ``Batch`` (values refilled per append)."""
+    from nvalchemi.data import Batch
+
+    return Batch.from_data_list(synthetic(count, SCALE_ATOMS, seed=1), device="cpu")
+
+
+def _refill(batch: Batch, generator: torch.Generator) -> Batch:
+    """New random values (noisy floats, like real positions and forces) in ``batch``."""
+    atoms, structures = batch.num_nodes, batch.num_graphs
+    batch["positions"] = 10 * torch.rand(atoms, 3, generator=generator)
+    batch["forces"] = torch.randn(atoms, 3, generator=generator)
+    batch["energy"] = -200 + torch.randn(structures, 1, generator=generator, dtype=torch.float64)
+    batch["stress"] = 0.01 * torch.randn(structures, 3, 3, generator=generator)
+    batch["atomic_numbers"] = torch.randint(1, 90, (atoms,), generator=generator)
+    return batch
+
+
+def write_scale_store(path: Path, structures: int) -> float:
+    """Write the synthetic store; return the seconds spent in the writer."""
+    from nvalchemi.data.io.zarr import AtomicDataZarrWriter
+
+    writer = AtomicDataZarrWriter(str(path))
+    generator = torch.Generator().manual_seed(structures)
+    template = _template(min(APPEND, structures))
+    spent, done = 0.0, 0
+    while done < structures:
+        count = min(APPEND, structures - done)
+        batch = _refill(template if count == template.num_graphs else _template(count), generator)
+        start = time.perf_counter()
+        if done == 0:
+            writer.write(batch)
+        else:
+            writer.append(batch)
+        spent += time.perf_counter() - start
+        done += count
+    return spent
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def probe(path: str, reads: int, workers: list[int]) -> dict:
+    """Open ``path`` in this (fresh) process; time reads; report rates and memory."""
+    from nvalchemi.data.datapipes.dataloader import DataLoader
+    from nvalchemi.data.datapipes.dataset import Dataset
+    from nvalchemi.data.io.zarr import AtomicDataZarrReader
+
+    torch.set_num_threads(1)
+    before = _rss_mb()
+    start = time.perf_counter()
+    reader = AtomicDataZarrReader(path)
+    out = {
+        "open_s": round(time.perf_counter() - start, 3),
+        "open_rss_mb": round(_rss_mb() - before),
+    }
+    order = np.random.default_rng(0).permutation(len(reader))
+    count = min(reads, len(reader))
+    for i in order[-1000:].tolist():  # warm the page cache and open files
+        reader.read(i)
+    start, cpu = time.perf_counter(), time.process_time()
+    for i in order[:count].tolist():
+        reader.read(i)
+    out["random_reads_per_s"] = round(count / (time.perf_counter() - start))
+    out["random_reads_per_cpu_s"] = round(count / (time.process_time() - cpu))
+    out["rss_after_reads_mb"] = round(_rss_mb() - before)
+    dataset = Dataset(reader, skip_validation=True)
+    for num_workers in workers:
+        loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=num_workers)
+        seen, start, cpu = 0, None, 0.0
+        for batch in loader:
+            if start is None:  # after the first batch: workers started
+                start, cpu = time.perf_counter(), time.process_time()
+                continue
+            seen += batch.num_graphs
+            if seen >= count:
+                break
+        out[f"loader_{num_workers}_workers_per_s"] = round(seen / (time.perf_counter() - start))
+        if num_workers == 0:
+            out["loader_0_workers_per_cpu_s"] = round(seen / (time.process_time() - cpu))
+    reader.close()
+    return out
+
+
+def scale(sizes: list[int], reads: int, workers: list[int], workdir: Path | None) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    folder = Path(workdir or tempfile.mkdtemp(prefix="zarr-scale-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        for size in sizes:
+            path = folder / f"scale-{size}.zarr"
+            shutil.rmtree(path, ignore_errors=True)
+            write_s = write_scale_store(path, size)
+            files = [f for f in path.rglob("*") if f.is_file()]
+            command = [sys.executable, __file__, "--probe", str(path), "--reads", str(reads)]
+            command += ["--workers", *map(str, workers)]
+            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            record = {
+                "bench": "store_scale",
+                "structures": size,
+                "atoms_per_structure": SCALE_ATOMS,
+                "write_s": round(write_s, 1),
+                "write_structures_per_s": round(size / write_s),
+                "store_bytes": sum(f.stat().st_size for f in files),
+                "store_files": len(files),
+                **json.loads(result.stdout.strip().splitlines()[-1]),
+                "load_average": [round(x, 2) for x in os.getloadavg()],
+            }
+            print(json.dumps(record), flush=True)
+            if workdir is None:
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if workdir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--large", type=int, default=20000, help="structures of the large store")
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument("--scale", type=int, nargs="+", help="scale mode: store sizes")
+    parser.add_argument("--reads", type=int, default=20000, help="scale mode: reads per case")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--workdir", type=Path, help="scale mode: keep the stores here")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(probe(args.probe, args.reads, args.workers)), flush=True)
+        return
+    if args.scale:
+        torch.set_num_threads(1)
+        scale(args.scale, args.reads, args.workers, args.workdir)
+        return
     if args.quick:
         args.repeats, args.large = 1, 500
     torch.set_num_threads(1)

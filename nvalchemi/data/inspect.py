@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from nvalchemi._errors import FieldError
+from nvalchemi.data.close_pairs import closest_pair, describe_close_pair
 
 __all__ = ["absent_chunk_warning", "check_data", "data_statistics", "label_counts"]
 
@@ -66,9 +67,15 @@ def check_data(
     """Verify one data source end to end; return counts and every problem found.
 
     For a zarr store every chunk of every array is read and decoded
-    (:meth:`~nvalchemi.data.io.zarr.AtomicDataZarrReader.verify`); for any source every
-    structure is read and validated as ``AtomicData`` (shapes, dtypes, finite values,
-    atomic numbers 1..118, neighbour indices), plus finite positions.
+    (:meth:`~nvalchemi.data.io.zarr.AtomicDataZarrReader.verify`; opening the store has
+    already checked that pointers count up, that arrays and masks cover what they count
+    and that each array holds the field, level, shape and unit it is listed as). For any
+    source every structure is read and validated as ``AtomicData`` (shapes, dtypes,
+    finite values, atomic numbers 1..118, neighbour indices), plus finite positions, at
+    least one atom, and no two atoms closer than
+    :data:`~nvalchemi.data.close_pairs.DUPLICATE_DISTANCE` (a problem) or
+    :data:`~nvalchemi.data.close_pairs.IMPLAUSIBLE_DISTANCE` (a warning): positions
+    swapped with another array or in the wrong units fail here.
     """
     import torch
 
@@ -77,11 +84,13 @@ def check_data(
 
     problems: list[str] = []
     warnings: list[str] = []
+    implausible: list[str] = []
     chunks = None
     store = _zarr_store(reader)
     if store is not None:
         report = store.verify()
         chunks = report["chunks"]
+        warnings += report["warnings"]
         if report["absent_may_be_zeros"]:
             warning = absent_chunk_warning(reader)
             warnings += [warning] if warning else []
@@ -101,6 +110,16 @@ def check_data(
         except (ValueError, TypeError) as exc:
             problems.append(f"structure {index}: {' '.join(str(exc).split())}")
             return
+        if data.num_nodes == 0:
+            problems.append(f"structure {index} has no atoms")
+            return
+        pair = closest_pair(data.positions, data.cell, data.pbc)
+        if pair is not None:
+            (problems if pair.duplicate else implausible).append(
+                describe_close_pair(pair, f"structure {index}")
+            )
+            if pair.duplicate:
+                return
         checked += 1
         atoms += data.num_nodes
 
@@ -124,6 +143,9 @@ def check_data(
             validate(index, fields)
         if progress is not None:
             progress(indices[-1] + 1, total)
+    if implausible:
+        more = f" (and {len(implausible) - 1:,} more structures)" if len(implausible) > 1 else ""
+        warnings.append(implausible[0] + more)
     return {
         "structures": total,
         "structures_valid": checked,
@@ -156,21 +178,30 @@ def _reference_energies(counts: np.ndarray, energies: np.ndarray, zs: list[int])
     solution, *_ = np.linalg.lstsq(counts[labelled], energies[labelled], rcond=None)
     residual = energies[labelled] - counts[labelled] @ solution
     atoms = counts[labelled].sum(axis=1)
-    return {
-        "reference_energies": {chemical_symbols[z]: float(e) for z, e in zip(zs, solution)},
-        "residual_energy_per_atom": _describe(residual / atoms),
-    }
+    out = {"reference_energies": {chemical_symbols[z]: float(e) for z, e in zip(zs, solution)}}
+    residual_per_atom = _describe(residual / atoms)
+    if residual_per_atom:
+        out["residual_energy_per_atom"] = residual_per_atom
+    return out
 
 
 def data_statistics(
     readers: Sequence[Any], *, batch_size: int = 256, progress: ProgressFn | None = None
 ) -> dict[str, Any]:
-    """Counts, elements, label statistics and suggested reference energies of ``readers``."""
+    """Counts, elements, label statistics and suggested reference energies of ``readers``.
+
+    ``close_pairs`` lists the structures with two atoms closer than
+    :data:`~nvalchemi.data.close_pairs.IMPLAUSIBLE_DISTANCE` (``source``, ``structure``,
+    ``atoms``, ``distance`` and a sentence, ``text``): duplicate atoms, or positions in
+    the wrong units.
+    """
     from ase.data import chemical_symbols
 
     from nvalchemi.data.sources import ChainedBatches
 
     total = sum(len(r) for r in readers)
+    starts = np.cumsum([0, *(len(r) for r in readers)])
+    close_pairs: list[dict[str, Any]] = []
     loader = ChainedBatches(readers, batch_size=batch_size)
     sizes, energies, periodic, zs_all = [], [], [], []
     composition: list[np.ndarray] = []
@@ -204,6 +235,20 @@ def data_statistics(
             stress_parts.append(s[ok])
         if "pbc" in batch:
             periodic.append(batch.pbc.cpu().numpy().any(axis=1))
+        for g, pair in _close_pairs(batch):
+            k = int(np.searchsorted(starts, done + g, side="right")) - 1
+            where = f"structure {done + g - int(starts[k])}"
+            if len(readers) > 1:
+                where = f"{_source_name(readers[k])}: {where}"
+            close_pairs.append(
+                {
+                    "source": _source_name(readers[k]),
+                    "structure": done + g - int(starts[k]),
+                    "atoms": [pair.first, pair.second],
+                    "distance": pair.distance,
+                    "text": describe_close_pair(pair, where),
+                }
+            )
         done += len(n)
         if progress is not None:
             progress(done, total)
@@ -232,10 +277,14 @@ def data_statistics(
             for i, z in enumerate(present)
         },
         "labels": labels,
+        "close_pairs": close_pairs,
     }
     if labels["energy"]:
-        stats["energy_per_atom"] = _describe(energy / sizes_arr)
-        stats.update(_reference_energies(counts, energy, present))
+        has_atoms = sizes_arr > 0  # a structure without atoms has no energy per atom
+        per_atom = _describe(energy[has_atoms] / sizes_arr[has_atoms])
+        if per_atom:
+            stats["energy_per_atom"] = per_atom
+            stats.update(_reference_energies(counts[has_atoms], energy[has_atoms], present))
     if force_parts:
         forces = np.concatenate(force_parts)
         norms = np.linalg.norm(forces, axis=1)
@@ -246,6 +295,32 @@ def data_statistics(
     if stress_parts:
         stats["stress"] = _describe(np.concatenate(stress_parts).reshape(-1))
     return stats
+
+
+def _close_pairs(batch: Any) -> list[tuple[int, Any]]:
+    """``(structure in batch, ClosePair)`` for the structures with atoms too close."""
+    positions = batch.positions.detach().cpu().double().numpy()
+    ptr = batch.ptr.cpu().numpy()
+    cells = batch.cell.detach().cpu().double().numpy() if "cell" in batch else None
+    pbcs = batch.pbc.cpu().numpy() if "pbc" in batch else None
+    found = []
+    for g in range(len(ptr) - 1):
+        pair = closest_pair(
+            positions[ptr[g] : ptr[g + 1]],
+            None if cells is None else cells[g],
+            None if pbcs is None else pbcs[g],
+        )
+        if pair is not None:
+            found.append((g, pair))
+    return found
+
+
+def _source_name(reader: Any) -> str:
+    inner = getattr(reader, "reader", reader)
+    paths = getattr(inner, "paths", None)
+    if paths:
+        return str(paths[0]) if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1} files)"
+    return str(getattr(inner, "store", type(inner).__name__))
 
 
 def label_counts(readers: Sequence[Any], *, limit: int | None = 500) -> dict[str, int]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from nvalchemi._errors import FieldError
 from nvalchemi.data.datapipes.reader import Reader
+from nvalchemi.data.io._zarr_common import StoreDamagedError
 
 __all__ = [
     "ChainedBatches",
@@ -116,6 +117,7 @@ def open_reader(
     *,
     format: str = "auto",
     dtype: str = "float32",
+    label_dtype: str | None = None,
     label_keys: dict[str, str] | None = None,
     max_structures: int | None = None,
     field: str = "dataset.path",
@@ -123,7 +125,11 @@ def open_reader(
     """A lazy reader of one file or store (:class:`FieldError` naming ``field`` when it fails).
 
     ``max_structures`` keeps the first N structures; ``label_keys`` says where labels
-    live in extxyz / ASE db files (``{"energy": "REF_energy"}``).
+    live in extxyz / ASE db files (``{"energy": "REF_energy"}``). ``dtype`` is the dtype
+    of positions and cells read from extxyz / ASE db files (stores keep theirs);
+    labels come in ``label_dtype``, by default the positions' dtype, so a batch has
+    one floating dtype (stores written by ``data convert`` hold structure-level labels
+    in float64: pass ``"float64"`` to read them exactly).
     """
     import torch
 
@@ -137,7 +143,8 @@ def open_reader(
         if kind == "alchemi-zarr":
             from nvalchemi.data.io.zarr import AtomicDataZarrReader
 
-            reader = AtomicDataZarrReader(str(path))
+            labels = "positions" if label_dtype is None else getattr(torch, label_dtype)
+            reader = AtomicDataZarrReader(str(path), label_dtype=labels)
             if max_structures is not None and max_structures < len(reader):
                 reader = SubsetReader(reader, range(max_structures))
             return reader
@@ -150,12 +157,15 @@ def open_reader(
             index=index,
             format="db" if kind == "ase-db" else "extxyz",
             dtype=getattr(torch, dtype),
+            label_dtype=None if label_dtype is None else getattr(torch, label_dtype),
             **keys,
         )
     except FieldError:
         raise
     except Exception as exc:
         message = " ".join(str(exc).split())
+        if isinstance(exc, StoreDamagedError):  # names the store, the array and the fix
+            raise FieldError(message, field=field) from None
         raise FieldError(
             f"cannot read {path}: {message}", field=field, fix=f"check that it is an {_FORMATS}"
         ) from None

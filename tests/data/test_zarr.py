@@ -461,7 +461,8 @@ def test_compressed_sharded_and_chunked_stores_read_the_same(tmp_path):
     AtomicDataZarrWriter(tmp_path / "raw.zarr", ZarrWriteConfig()).write(data)
     packed = AtomicDataZarrReader(tmp_path / "c.zarr")
     raw = AtomicDataZarrReader(tmp_path / "raw.zarr")
-    assert {rows.mode for rows in packed._arrays.values()} == {"zarr", "decode"}
+    assert {rows.mode for rows in packed._arrays.values()} == {"decode"}  # shards too: direct
+    assert packed._arrays["neighbor_list"].per_shard == 4
     assert {rows.mode for rows in raw._arrays.values()} <= {"raw", "decode"}  # direct reads
     root = zarr.open_group(str(tmp_path / "c.zarr"), mode="r")
     assert root["core/positions"].chunks[0] == 4
@@ -630,14 +631,19 @@ def test_small_stores_are_small_and_chunks_follow_the_content(tmp_path):
     root = zarr.open_group(str(tmp_path / "s.zarr"), mode="r")
     assert root["core/atomic_numbers"].dtype == np.uint8  # read back as int64
     config = ZarrArrayConfig()
-    assert config.chunk_rows((10**6, 3), 4) == (1 << 20) // 12  # the byte target
-    assert config.chunk_rows((100, 3), 4) == (16 << 10) // 12  # floor for small first writes
-    assert config.chunk_rows((3000, 3), 4) == 4096  # the data, rounded up to a power of two
-    assert config.chunk_rows((10**6,), 1, compressed=True) == (64 << 10)
-    noisy = np.random.default_rng(0).normal(size=(10**5, 3)).astype(np.float32)
-    assert config.array_kwargs(noisy)["compressors"] is None  # raw: a sample reads its bytes
-    assert config.array_kwargs(noisy[:10])["compressors"]  # a chunk that is mostly padding
-    assert config.array_kwargs(np.ones(10**5, bool))["compressors"]  # masks, indices
+    assert config.chunk_rows((10**6, 3), 4) == (16 << 10) // 12  # the byte target
+    assert config.chunk_rows((10**6, 3, 3), 4, level="system") == (4 << 10) // 36
+    assert config.chunk_rows((100, 3), 4) == 128  # the data, rounded up to a power of two
+    assert config.chunk_rows((10**6,), 1, compressed=True) == (16 << 10)
+    # shards: what the first write holds (rounded up), at most 64 MiB decoded
+    assert config.shard_rows((100, 3), 4, 128) == 128
+    assert config.shard_rows((10**6, 3), 4, 1365) == 1365 * 769
+    assert config.shard_rows((10**8, 3), 4, 1365) == 1365 * ((64 << 20) // (12 * 1365))
+    assert ZarrArrayConfig(chunk_size=8).shard_rows((10**6, 3), 4, 8) is None  # reference's
+    noise = np.random.default_rng(0).integers(0, 256, size=10**5, dtype=np.uint8)
+    assert config.array_kwargs(noise)["compressors"] is None  # raw: nothing to gain
+    kwargs = config.array_kwargs(np.ones(10**5, bool))  # masks, indices: compressed
+    assert kwargs["compressors"][0].cname.value == "lz4hc" and kwargs["shards"] == (2**17,)
     assert ZarrArrayConfig(compressors=None).array_kwargs(np.ones(9, bool))["compressors"] is None
 
 
@@ -660,6 +666,6 @@ def test_defragment_refuses_a_damaged_store_instead_of_baking_in_zeros(path):
     writer.write(data)
     writer.delete([1])
     (path / "core" / "positions" / "c" / "0" / "0").unlink()
-    with pytest.raises(ValueError, match=r"Cannot defragment .*core/positions/c/0/0 is missing"):
+    with pytest.raises(ValueError, match=r"Cannot defragment .*core/positions/c/0/0 .*is missing"):
         writer.defragment()
     assert (path / "meta" / "samples_mask").is_dir()  # the store was left as it was

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +13,7 @@ import click
 
 from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
-from nvalchemi.app.cli._errors import CLIError, environment_error
+from nvalchemi.app.cli._errors import CLIError
 
 __all__ = ["data"]
 
@@ -35,6 +37,56 @@ def _progress(description: str) -> Iterator[Any]:
             progress.update(task, completed=done, total=total)
 
         yield update
+
+
+class _Stopped(BaseException):
+    """A stop signal during ``data convert`` (a ``BaseException``: no handler eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class _StopSignals:
+    """``SIGINT``, ``SIGTERM`` and ``SIGHUP`` while converting: stop cleanly, soon.
+
+    Before the store is written (:meth:`writing`) a signal raises :class:`_Stopped` at
+    once. While it is written, the first signal is remembered and raised at the next
+    :meth:`check` (after a chunk is written: never in the middle of zarr's writes, which
+    run on zarr's own thread and would go on filling the partial store while it is
+    removed); a second one raises at once.
+    """
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferred = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def writing(self) -> None:
+        self.deferred = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None or not self.deferred:
+            raise _Stopped(signum)
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise _Stopped(self.signum)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}  # a signal during the final swap: the store is whole, kept
 
 
 def _label_keys(ctx: Any, param: Any, pairs: tuple[str, ...]) -> dict[str, str]:
@@ -79,16 +131,16 @@ Examples:
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Structures written per append.",
+    help="Structures written per append (default: about half a million atoms at a time; the "
+    "first write sets the store's shard size, so large stores want large writes).",
 )
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "float64"]),
     default="float32",
     show_default=True,
-    help="dtype of positions and labels in the store.",
+    help="dtype of positions, cells, forces and stresses in the store; total energies and "
+    "virials are always stored in float64.",
 )
 @_label_key_option("Where a label lives in the input, e.g. energy=REF_energy (repeatable).")
 @click.option(
@@ -110,35 +162,60 @@ def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
     if options["half_list"] and options["cutoff"] is None:
         raise CLIError("--half-list needs --cutoff", fix="add --cutoff 5.0 (or drop --half-list)")
     check_output(inputs, output, overwrite=options["overwrite"])
-    readers = open_inputs(
-        inputs,
-        dtype=options["dtype"],
-        label_keys=options["label_keys"],
-        max_structures=options["max_structures"],
-    )
-    try:
-        with _progress(f"writing {output}") as update:
-            summary = convert_to_zarr(
-                readers,
-                output,
-                cutoff=options["cutoff"],
-                half_list=options["half_list"],
-                chunk_size=options["chunk_size"],
-                progress=update,
-                overwrite=options["overwrite"],
-            )
-    except OSError as exc:  # zarr's write errors name no file: name the store being written
-        refused = environment_error(exc, f"writing {output}")
-        if refused is None:
-            raise
-        raise refused from None
     console = err_console()
+    stops = _StopSignals()
+    try:
+        with stops:
+            readers = open_inputs(
+                inputs,
+                dtype=options["dtype"],
+                label_keys=options["label_keys"],
+                max_structures=options["max_structures"],
+            )
+            with _progress(f"writing {output}") as update:
+
+                def progress(done: int, total: int) -> None:
+                    update(done, total)
+                    stops.check()  # between chunks: no write of the store is in flight
+
+                stops.writing()
+                summary = convert_to_zarr(
+                    readers,
+                    output,
+                    cutoff=options["cutoff"],
+                    half_list=options["half_list"],
+                    chunk_size=options["chunk_size"],
+                    progress=progress,
+                    overwrite=options["overwrite"],
+                )
+    except _Stopped as stop:
+        console.print(
+            f"Stopped by {stop.name}: {output} was not written (the partial store was removed; "
+            f"an existing {output} is as it was).",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise SystemExit(128 + stop.signum) from None
+    for leftover in summary["removed_leftovers"]:
+        console.print(
+            f"Removed {leftover}, the partial store of a conversion that was killed.",
+            markup=False,
+            soft_wrap=True,
+        )
+    _print_warnings(console, summary["warnings"])
     text = f"Wrote {summary['structures']:,} structures ({summary['atoms']:,} atoms) to {output}"
     if "edges" in summary:
         text += (
             f" with {summary['edges']:,} neighbour pairs (cutoff {summary['neighbor_cutoff']} Å)"
         )
     console.print(text)
+
+
+def _print_warnings(console: Any, warnings: list[str], shown: int = 10) -> None:
+    for warning in warnings[:shown]:
+        console.print(f"warning: {warning}", markup=False, soft_wrap=True)
+    if len(warnings) > shown:
+        console.print(f"warning: ... and {len(warnings) - shown:,} more", markup=False)
 
 
 @data.command(
@@ -166,7 +243,7 @@ def check(paths: tuple[str, ...], label_keys: dict[str, str], as_json: bool) -> 
     console = err_console()
     reports, found = [], 0
     for path in paths:
-        reader = open_reader(path, field="PATH", label_keys=label_keys)
+        reader = open_reader(path, field="PATH", label_dtype="float64", label_keys=label_keys)
         try:
             with _progress(f"checking {path}") as update:
                 report = check_data(reader, progress=update)
@@ -231,7 +308,13 @@ def stats(
     from nvalchemi.data.sources import open_reader
 
     readers = [
-        open_reader(p, field="PATH", max_structures=max_structures, label_keys=label_keys)
+        open_reader(
+            p,
+            field="PATH",
+            label_dtype="float64",
+            max_structures=max_structures,
+            label_keys=label_keys,
+        )
         for p in paths
     ]
     try:
@@ -251,6 +334,7 @@ def stats(
 
 def _print_stats(result: dict[str, Any]) -> None:
     console = err_console()
+    _print_warnings(console, [pair["text"] for pair in result["close_pairs"]])
     sizes = result["atoms_per_structure"]
     rows = [
         ("structures", result["structures"]),

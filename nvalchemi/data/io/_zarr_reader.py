@@ -1,7 +1,9 @@
 """Random-access reader of the ``AtomicData`` zarr store (see :mod:`nvalchemi.data.io.zarr`).
 
 Arrays of a local directory store in the zarr v3 format are read from their chunk
-files directly, which avoids zarr's per-call overhead of a few hundred microseconds:
+files, or from their shard files (zarr's ``sharding_indexed`` codec: a shard's index,
+read once and checked against its CRC32C, says where each chunk lies), directly,
+which avoids zarr's per-call overhead of a few hundred microseconds:
 
 * raw chunks (the ``bytes`` codec alone: C-order rows) with ``preadv`` of exactly
   the requested rows;
@@ -11,8 +13,9 @@ files directly, which avoids zarr's per-call overhead of a few hundred microseco
   encoded array of at most 4 MiB (species of a small store, cells, pbc flags) is
   decoded once, at its first read, and kept whole;
 
-every other array (sharded, other codecs, other stores) goes through zarr with the
-same cache. A chunk file that is absent, truncated or undecodable raises
+every other array (other codecs, other stores) goes through zarr with the same cache.
+The reader keeps up to 1,024 chunk and shard files open (a quarter of the process's
+file limit at most), so random reads in a store of a million structures open no file. A chunk file that is absent, truncated or undecodable raises
 :class:`~nvalchemi.data.io.zarr.StoreDamagedError` naming the store, the array and
 the samples affected, for stores of the current format (which writes every chunk);
 older stores (format 1, the reference toolkit's) leave out chunks of zeros, so there
@@ -22,31 +25,43 @@ an absent chunk reads as zeros, as zarr reads it.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+try:
+    import resource
+except ImportError:  # not POSIX: assume the common limit of 1,024 descriptors
+    resource = None
+
 from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
-    FORMAT,
+    EVERY_CHUNK_WRITTEN,
+    FORMAT_FAMILY,
+    META_LEVELS,
     StoreDamagedError,
+    attribute_problems,
     describe,
     open_store,
     zarr_module,
 )
+from nvalchemi.data.label_precision import EXTENSIVE_LABELS, rounding_warning, worst_rounding
 
 __all__ = ["AtomicDataZarrReader"]
 
 CACHE_BYTES = 32 << 20
 """Default budget of decoded chunks kept by one reader (per process)."""
 _WHOLE_ARRAY_BYTES = 4 << 20  # encoded arrays this small are decoded once and kept whole
+_MAX_OPEN_FILES = 1024  # chunk and shard files one reader keeps open (1/4 of the fd limit at most)
 
 
 class _ChunkProblem(Exception):
@@ -89,37 +104,85 @@ class _DecodedChunks:
         self.bytes = 0
 
 
+class _OpenFiles:
+    """Open chunk and shard files of one reader's arrays, within a descriptor budget.
+
+    Descriptors survive ``fork`` and ``pread`` ignores the shared offset, so loader
+    worker processes keep using them; pickling (``spawn``) starts without any.
+    """
+
+    def __init__(self) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if resource else 1024
+        self.limit = max(16, min(_MAX_OPEN_FILES, soft // 4 if soft > 0 else _MAX_OPEN_FILES))
+        self.fds: OrderedDict[tuple[int, int], int] = OrderedDict()
+        weakref.finalize(self, _close_fds, self.fds)
+
+    def get(self, key: tuple[int, int], path: Callable[[int], str]) -> int | None:
+        """The descriptor of file ``key`` at ``path(key[1])`` (``None``: it does not exist).
+
+        The oldest opened is closed first (not the least used: a hit costs no
+        bookkeeping, and a reader's files usually all fit).
+        """
+        fd = self.fds.get(key)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.open(path(key[1]), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        self.fds[key] = fd
+        if len(self.fds) > self.limit:
+            os.close(self.fds.popitem(last=False)[1])
+        return fd
+
+    def clear(self) -> None:
+        _close_fds(self.fds)
+
+
+def _close_fds(fds: dict) -> None:
+    while fds:
+        _, fd = fds.popitem()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class _Rows:
-    """Reads row ranges of one array: raw ``preadv``, whole-chunk decoding, or zarr."""
+    """Reads row ranges of one array: raw ``preadv``, chunk decoding, or zarr.
 
-    _MAX_OPEN = 32  # open chunk files kept per array
+    A chunk is found by :meth:`_locate`: its own file (unsharded arrays) or a byte
+    range of its shard file, from the shard's index (read once per shard and checked
+    against its CRC32C); inside it, raw rows are read with ``preadv`` and encoded
+    ones decoded (numcodecs) into the reader's cache.
+    """
 
-    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks) -> None:
+    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks, files: _OpenFiles):
         self.array = array
         self.strict = strict
         self.cache = cache
+        self.files = files
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
         self.trailing = self.shape[1:]
         self.fill = array.fill_value
-        grid = getattr(array, "shards", None) or array.chunks
-        self.chunk_rows = max(1, int(grid[0])) if len(self.shape) else 1
+        self.chunk_rows = max(1, int(array.chunks[0])) if len(self.shape) else 1
         self.row_bytes = self.dtype.itemsize * int(np.prod(self.trailing, dtype=np.int64))
         self.root: str | None = None
         self.decoder: Any = None
+        self.per_shard = 0  # chunks per shard (0: unsharded)
+        self.index_at_end = True
+        self.index_crc = False
         self.mode = self._layout(array)
-        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._indexes: dict[int, list[list[int]]] = {}
         self._present: set[int] = set()
         self._whole: np.ndarray | None = None
         self._whole_worth = (
             self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
         )
-        weakref.finalize(self, _close_fds, self._fds)
 
     def _layout(self, array: Any) -> str:
-        """``"raw"``, ``"decode"`` (local chunk files read here) or ``"zarr"``."""
+        """``"raw"``, ``"decode"`` (local chunk or shard files read here) or ``"zarr"``."""
         try:
-            from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
+            from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
             from zarr.storage import LocalStore
 
             store = array.store_path.store
@@ -128,12 +191,27 @@ class _Rows:
             if (
                 not isinstance(store, LocalStore)
                 or getattr(meta, "zarr_format", 2) != 3
-                or not codecs
-                or not isinstance(codecs[0], BytesCodec)
+                or len(codecs) == 0
                 or tuple(array.chunks)[1:] != self.trailing
                 or 0 in self.trailing
-                or getattr(array, "shards", None) is not None
             ):
+                return "zarr"
+            if isinstance(codecs[0], ShardingCodec):
+                sharding = codecs[0]
+                index = tuple(sharding.index_codecs)
+                if (
+                    len(codecs) != 1
+                    or tuple(sharding.chunk_shape)[1:] != self.trailing
+                    or not index
+                    or not isinstance(index[0], BytesCodec)
+                    or index[1:] not in ((), (Crc32cCodec(),))
+                ):
+                    return "zarr"
+                self.per_shard = int(array.shards[0]) // self.chunk_rows
+                self.index_at_end = getattr(sharding.index_location, "value", "end") == "end"
+                self.index_crc = len(index) == 2
+                codecs = tuple(sharding.codecs)
+            if not codecs or not isinstance(codecs[0], BytesCodec):
                 return "zarr"
             rest = codecs[1:]
             if rest and (len(rest) > 1 or not isinstance(rest[0], (BloscCodec, ZstdCodec))):
@@ -144,10 +222,15 @@ class _Rows:
             self.root = str(Path(store.root) / array.store_path.path)
             if not rest:
                 return "raw"
-            import numcodecs
+            import numcodecs.blosc
+            import numcodecs.zstd
 
+            # The module functions: numcodecs' codec objects add checks costing as much
+            # as decompressing a chunk.
             self.decoder = (
-                numcodecs.Blosc() if isinstance(rest[0], BloscCodec) else numcodecs.Zstd()
+                numcodecs.blosc.decompress
+                if isinstance(rest[0], BloscCodec)
+                else numcodecs.zstd.decompress
             )
             return "decode"
         except Exception:
@@ -161,38 +244,83 @@ class _Rows:
         start = chunk * self.chunk_rows
         return start, min(start + self.chunk_rows, self.shape[0])
 
-    def chunk_key(self, chunk: int) -> str:
-        """The chunk's key relative to the store root (its file path for a local store)."""
-        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
-        return f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+    def _file_key(self, number: int) -> str:
+        return self.array.metadata.encode_chunk_key((number, *((0,) * len(self.trailing))))
+
+    def chunk_key(self, chunk: int, whole_file: bool = False) -> str:
+        """Where the chunk is, relative to the store root: its file, or its shard file."""
+        number = chunk // self.per_shard if self.per_shard else chunk
+        key = self._file_key(number)
+        key = f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+        if not self.per_shard:
+            return f"chunk file {key}"
+        if whole_file:
+            return f"shard file {key}"
+        return f"chunk {chunk % self.per_shard} of shard file {key}"
 
     def close(self) -> None:
-        _close_fds(self._fds)
+        self._indexes.clear()
 
-    def _fd(self, chunk: int) -> int | None:
-        # Descriptors survive fork and pread ignores the shared offset, so worker
-        # processes may keep using them; pickling (spawn) drops the whole _Rows.
-        fds = self._fds
-        fd = fds.get(chunk)
-        if fd is not None:
-            fds.move_to_end(chunk)
-            return fd
-        key = self.array.metadata.encode_chunk_key((chunk, *((0,) * len(self.trailing))))
-        try:
-            fd = os.open(os.path.join(self.root, key), os.O_RDONLY)
-        except FileNotFoundError:
+    def _index(self, shard: int, fd: int) -> list[list[int]]:
+        """``[offset, bytes]`` of each chunk of the shard (read once, then cached)."""
+        index = self._indexes.get(shard)
+        if index is not None:
+            return index
+        size = os.fstat(fd).st_size
+        length = 16 * self.per_shard + (4 if self.index_crc else 0)
+        where = f"shard file {self._shard_path(shard)}"
+        span = self.chunk_span(shard * self.per_shard)
+        if size < length:
+            raise _ChunkProblem(
+                shard * self.per_shard, span, f"{where} is truncated ({size:,} bytes)"
+            )
+        raw = os.pread(fd, length, size - length if self.index_at_end else 0)
+        if self.index_crc:
+            import numcodecs
+
+            try:
+                raw = numcodecs.CRC32C().decode(raw)
+            except RuntimeError:
+                raise _ChunkProblem(
+                    shard * self.per_shard,
+                    span,
+                    f"{where} has a damaged index (checksum mismatch; truncated or overwritten)",
+                ) from None
+        index = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.int64).tolist()
+        self._indexes[shard] = index
+        return index
+
+    def _file_path(self, number: int) -> str:
+        return os.path.join(self.root, self._file_key(number))
+
+    def _shard_path(self, shard: int) -> str:
+        key = self._file_key(shard)
+        return f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+
+    def _locate(self, chunk: int) -> tuple[int, int, int] | None:
+        """``(fd, offset, bytes)`` of the chunk's encoded bytes (``None``: absent)."""
+        if not self.per_shard:
+            fd = self.files.get((id(self), chunk), self._file_path)
+            if fd is None:
+                return None
+            size = self.chunk_rows * self.row_bytes if self.mode == "raw" else -1
+            return fd, 0, size
+        shard, slot = divmod(chunk, self.per_shard)
+        fd = self.files.get((id(self), shard), self._file_path)
+        if fd is None:
             return None
-        fds[chunk] = fd
-        if len(fds) > self._MAX_OPEN:
-            os.close(fds.popitem(last=False)[1])
-        return fd
+        index = self._indexes.get(shard) or self._index(shard, fd)
+        offset, nbytes = index[slot]
+        if offset < 0:  # 2**64 - 1: the shard holds no such chunk
+            self._missing(chunk, whole_file=False)
+            return fd, -1, 0
+        return fd, offset, nbytes
 
-    def _missing(self, chunk: int) -> None:
+    def _missing(self, chunk: int, whole_file: bool = True) -> None:
         """Raise for an absent chunk of a store that writes every chunk (else: zeros)."""
         if self.strict:
-            raise _ChunkProblem(
-                chunk, self.chunk_span(chunk), f"chunk file {self.chunk_key(chunk)} is missing"
-            )
+            where = self.chunk_key(chunk, whole_file=whole_file)
+            raise _ChunkProblem(chunk, self.chunk_span(chunk), f"{where} is missing")
 
     def _decoded(self, chunk: int) -> np.ndarray | None:
         """Chunk ``chunk`` decoded to ``[chunk_rows, *trailing]`` (``None``: absent, lenient)."""
@@ -207,26 +335,29 @@ class _Rows:
             start, stop = self.chunk_span(chunk)
             block = np.asarray(self.array[start:stop])
         else:
-            fd = self._fd(chunk)
-            if fd is None:
+            where = self._locate(chunk)
+            if where is None:
                 self._missing(chunk)
                 return None
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
+            fd, offset, nbytes = where
+            if offset < 0:
+                return None  # absent in a store that leaves out chunks of zeros
+            data = os.pread(fd, os.fstat(fd).st_size if nbytes < 0 else nbytes, offset)
             try:
-                raw = self.decoder.decode(data)
+                raw = self.decoder(data)
             except Exception as exc:
                 raise _ChunkProblem(
                     chunk,
                     self.chunk_span(chunk),
-                    f"chunk file {self.chunk_key(chunk)} cannot be decoded ({exc})",
+                    f"{self.chunk_key(chunk)} cannot be decoded ({exc})",
                 ) from None
             expected = self.chunk_rows * self.row_bytes
             if len(raw) != expected:
                 raise _ChunkProblem(
                     chunk,
                     self.chunk_span(chunk),
-                    f"chunk file {self.chunk_key(chunk)} decodes to {len(raw):,} bytes "
-                    f"instead of {expected:,}",
+                    f"{self.chunk_key(chunk)} decodes to {len(raw):,} bytes instead of "
+                    f"{expected:,}",
                 )
             block = np.frombuffer(raw, dtype=self.dtype).reshape(self.chunk_rows, *self.trailing)
         self.cache.put(key, block)
@@ -238,7 +369,9 @@ class _Rows:
             return True
         from zarr.core.sync import sync
 
-        present = bool(sync(self.array.store_path.store.exists(self.chunk_key(chunk))))
+        key = self._file_key(chunk)
+        key = f"{self.array.store_path.path}/{key}" if self.array.store_path.path else key
+        present = bool(sync(self.array.store_path.store.exists(key)))
         if present:
             self._present.add(chunk)
         return present
@@ -256,10 +389,7 @@ class _Rows:
         rows = self.chunk_rows
         chunk = start // rows
         if stop <= (chunk + 1) * rows:  # the common case: one chunk
-            fd = self._fds.get(chunk) if self.mode == "raw" else None
-            offset = (start - chunk * rows) * self.row_bytes
-            if fd is None or os.preadv(fd, [out], offset) != out.nbytes:
-                self._read_chunk(chunk, out, start - chunk * rows)  # open, decode, or raise
+            self._read_chunk(chunk, out, start - chunk * rows)
             return out
         if self.mode == "zarr" and not self.strict:
             return np.asarray(self.array[start:stop])  # one call through zarr
@@ -297,21 +427,26 @@ class _Rows:
             else:
                 part[...] = block[offset : offset + part.shape[0]]
             return
-        fd = self._fds.get(chunk)
-        if fd is None:
-            fd = self._fd(chunk)
-            if fd is None:
-                self._missing(chunk)
-                part[...] = self.fill
-                return
-        if os.preadv(fd, [part], offset * self.row_bytes) != part.nbytes:
+        where = self._locate(chunk)
+        if where is None:
+            self._missing(chunk)
+            part[...] = self.fill
+            return
+        fd, base, nbytes = where
+        if base < 0:
+            part[...] = self.fill  # absent in a store that leaves out chunks of zeros
+            return
+        expected = self.chunk_rows * self.row_bytes
+        if (
+            nbytes != expected
+            or os.preadv(fd, [part], base + offset * self.row_bytes) != part.nbytes
+        ):
             size = os.fstat(fd).st_size
             raise _ChunkProblem(
                 chunk,
                 self.chunk_span(chunk),
-                f"chunk file {self.chunk_key(chunk)} is truncated ({size:,} of "
-                f"{self.chunk_rows * self.row_bytes:,} bytes; or being rewritten: call "
-                "refresh() after writes)",
+                f"{self.chunk_key(chunk)} is truncated ({min(size, nbytes):,} of {expected:,} "
+                "bytes; or being rewritten: call refresh() after writes)",
             )
 
     def problems(self) -> list[_ChunkProblem]:
@@ -322,37 +457,39 @@ class _Rows:
         """
         found = []
         strict, self.strict = self.strict, True
+        self._indexes.clear()
         try:
             for chunk in range(self.num_chunks()):
-                start, stop = self.chunk_span(chunk)
                 try:
                     if self.mode == "raw":
-                        fd = self._fd(chunk)
-                        if fd is None:
-                            self._missing(chunk)
-                        size = os.fstat(fd).st_size
-                        if size != self.chunk_rows * self.row_bytes:
-                            raise _ChunkProblem(
-                                chunk,
-                                (start, stop),
-                                f"chunk file {self.chunk_key(chunk)} has {size:,} bytes "
-                                f"instead of {self.chunk_rows * self.row_bytes:,}",
-                            )
+                        self._check_raw(chunk)
                     else:
                         self.cache.discard((id(self), chunk))
                         self._decoded(chunk)
                 except _ChunkProblem as problem:
                     found.append(problem)
+                    if self.per_shard and "index" in problem.reason:
+                        break  # one damaged index: the shard's other chunks say nothing new
         finally:
             self.strict = strict
         return found
 
-
-def _close_fds(fds: dict) -> None:
-    while fds:
-        _, fd = fds.popitem()
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    def _check_raw(self, chunk: int) -> None:
+        where = self._locate(chunk)
+        if where is None:
+            self._missing(chunk)
+        fd, offset, nbytes = where
+        if offset < 0:
+            return
+        expected = self.chunk_rows * self.row_bytes
+        size = os.fstat(fd).st_size
+        if nbytes != expected or size < offset + expected:
+            have = min(nbytes, size - offset)
+            raise _ChunkProblem(
+                chunk,
+                self.chunk_span(chunk),
+                f"{self.chunk_key(chunk)} has {have:,} bytes instead of {expected:,}",
+            )
 
 
 # ------------------------------------------------------------------------ reader
@@ -376,6 +513,12 @@ class AtomicDataZarrReader(Reader):
     Args:
         store: a directory path, a ``dict`` (in-memory store) or any zarr store.
         cache_bytes: budget of decoded chunks of compressed arrays kept for reuse.
+        label_dtype: dtype the floating labels (energy, forces, stress, ...) are returned
+            in: a torch dtype, ``"positions"`` (the stored positions' dtype, so that a
+            sample has one floating dtype: what ``open_reader`` asks for) or ``None`` (as
+            stored; ``data convert`` stores structure-level labels in float64). Rounding a
+            total energy or virial by more than 0.1 meV/atom warns once (see
+            :mod:`nvalchemi.data.label_precision`).
 
     Raises:
         FileNotFoundError: no store at the path.
@@ -393,12 +536,22 @@ class AtomicDataZarrReader(Reader):
         pin_memory: bool = False,
         include_index_in_metadata: bool = True,
         cache_bytes: int = CACHE_BYTES,
+        label_dtype: torch.dtype | str | None = None,
     ) -> None:
         super().__init__(pin_memory=pin_memory, include_index_in_metadata=include_index_in_metadata)
+        floating = isinstance(label_dtype, torch.dtype) and label_dtype.is_floating_point
+        if label_dtype not in (None, "positions") and not floating:
+            raise ValueError(
+                f"label_dtype must be a floating torch dtype, 'positions' or None; got "
+                f"{label_dtype!r}."
+            )
+        self.label_dtype = label_dtype
+        self._rounding_warned = False
         self.store = store
         self._root: Any = None
         self._closed = False
         self._cache = _DecodedChunks(cache_bytes)
+        self._files = _OpenFiles()
         self._open()
 
     # ------------------------------------------------------------------ state
@@ -425,23 +578,21 @@ class AtomicDataZarrReader(Reader):
                     "written by AtomicDataZarrWriter."
                 )
         attrs = dict(root.attrs)
-        self._strict = attrs.get("format") == FORMAT
+        self._strict = attrs.get("format") in EVERY_CHUNK_WRITTEN
         self._cache.clear()
         n = attrs.get("num_samples", 0)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise self._damaged(f"its num_samples attribute (zarr.json) is {n!r}, not a count")
+        self._ours = str(attrs.get("format", "")).startswith(FORMAT_FAMILY)
         meta = root["meta"]
         arrays: dict[str, _Rows] = {}
         levels: dict[str, str] = {}
-        for name, level in (
-            ("atoms_ptr", "ptr"),
-            ("edges_ptr", "ptr"),
-            ("samples_mask", "system"),
-            ("atoms_mask", "atom"),
-            ("edges_mask", "edge"),
-        ):
+        for name, level in META_LEVELS.items():
             if name in meta:
-                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache)
+                problems = attribute_problems("meta", name, level, meta[name], ours=self._ours)
+                if problems:
+                    raise self._damaged("; ".join(problems))
+                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache, self._files)
                 levels[f"meta/{name}"] = level
         for name, need in (("atoms_ptr", n + 1), ("edges_ptr", n + 1), ("samples_mask", n)):
             if f"meta/{name}" not in arrays:
@@ -462,14 +613,18 @@ class AtomicDataZarrReader(Reader):
         if n:
             self._atoms_ptr = self._pointers("meta/atoms_ptr", n)
             self._edges_ptr = self._pointers("meta/edges_ptr", n)
+        self._num_samples = n
+        self._check_masks(n)
         mask = self._read("meta/samples_mask", 0, n).astype(bool) if n else np.zeros(0, bool)
         self._active = np.flatnonzero(mask).astype(np.int64)
+        self._num_active = int(self._active.size)
         self._levels, self._arrays = self._data_arrays(root, attrs.get("fields", {}), n)
         self._labels = frozenset(
             key
             for key, rows in self._arrays.items()
             if key in FIELDS and FIELDS[key].label and rows.dtype.kind == "f"
         )
+        self._casts = self._label_casts()
         self._widen = frozenset(  # index fields stored narrower (atomic numbers: uint8)
             key
             for key, rows in self._arrays.items()
@@ -483,6 +638,36 @@ class AtomicDataZarrReader(Reader):
         )
         self._root = root
 
+    def _label_casts(self) -> dict[str, np.dtype]:
+        """The labels to return in another dtype than stored (see ``label_dtype``)."""
+        if self.label_dtype is None:
+            return {}
+        if self.label_dtype == "positions":
+            rows = self._arrays.get("positions")
+            if rows is None or rows.dtype.kind != "f":
+                return {}
+            target = np.dtype(rows.dtype.name)
+        else:
+            target = np.dtype(str(self.label_dtype).removeprefix("torch."))
+        return {
+            key: target for key in self._labels if np.dtype(self._arrays[key].dtype.name) != target
+        }
+
+    def _cast_label(self, key: str, values: np.ndarray, start: int) -> np.ndarray:
+        """``values`` (rows of samples ``start``...) in the dtype asked for; warn of rounding."""
+        target = self._casts[key]
+        if key in EXTENSIVE_LABELS and not self._rounding_warned and values.size:
+            atoms = np.diff(self._atoms_ptr[start : start + len(values) + 1])
+            worst = worst_rounding(values, atoms, target)
+            if worst is not None:
+                self._rounding_warned = True
+                row, per_atom = worst
+                structure = int(np.searchsorted(self._active, start + row))
+                value = float(np.asarray(values[row]).reshape(-1)[0])
+                where = f"{describe(self.store)}: structure {structure}"
+                warnings.warn(rounding_warning(where, key, per_atom, value, target), stacklevel=2)
+        return values.astype(target)
+
     def _pointers(self, name: str, n: int) -> np.ndarray:
         ptr = self._read(name, 0, n + 1).astype(np.int64, copy=False)
         bad = np.flatnonzero(np.diff(ptr) < 0)
@@ -490,6 +675,25 @@ class AtomicDataZarrReader(Reader):
             where = "its first entry" if ptr[0] != 0 else f"entry {int(bad[0]) + 1:,}"
             raise self._damaged(f"{name} does not count up from 0 ({where})")
         return ptr
+
+    def _check_masks(self, n: int) -> None:
+        """Atom and edge masks must cover the atoms and edges the pointers count.
+
+        Appends extend the pointers before the masks, so a mask is never shorter than
+        its pointer's total, also after an interrupted append; a shorter one means
+        pointer arrays swapped or edited.
+        """
+        for mask, ptr, what in (
+            ("atoms_mask", self._atoms_ptr, "atoms"),
+            ("edges_mask", self._edges_ptr, "edges"),
+        ):
+            rows = self._meta_arrays.get(f"meta/{mask}")
+            if rows is not None and n and rows.shape[0] < int(ptr[-1]):
+                name = "atoms_ptr" if what == "atoms" else "edges_ptr"
+                raise self._damaged(
+                    f"meta/{name} counts {int(ptr[-1]):,} {what} in its {n:,} samples but "
+                    f"meta/{mask} has {rows.shape[0]:,} rows (pointer arrays swapped or edited)"
+                )
 
     def _data_arrays(
         self, root: Any, fields: dict[str, Any], n: int
@@ -509,7 +713,10 @@ class AtomicDataZarrReader(Reader):
                 )
             for key in sorted(present):
                 level = declared.get(key, default)
-                rows = _Rows(group[key], self._strict, self._cache)
+                problems = attribute_problems(group_name, key, level, group[key], ours=self._ours)
+                if problems:
+                    raise self._damaged("; ".join(problems))
+                rows = _Rows(group[key], self._strict, self._cache, self._files)
                 need = totals.get(level, 0)
                 if not rows.shape or rows.shape[0] < need:
                     have = rows.shape[0] if rows.shape else 0
@@ -523,7 +730,7 @@ class AtomicDataZarrReader(Reader):
 
     def _samples_of_rows(self, level: str, start: int, stop: int) -> tuple[int, int]:
         """Physical samples ``[a, b)`` that own rows ``[start, stop)`` of a ``level`` array."""
-        if level in ("system", "ptr"):
+        if level in ("system", "pointer"):
             return start, stop
         ptr = self._atoms_ptr if level == "atom" else self._edges_ptr
         first = max(0, int(np.searchsorted(ptr, start, side="right")) - 1)
@@ -561,7 +768,9 @@ class AtomicDataZarrReader(Reader):
     def verify(self) -> dict[str, Any]:
         """Read every chunk of every array; report what is missing, truncated or undecodable.
 
-        Returns ``{"chunks": checked, "problems": [text, ...], "absent_may_be_zeros": bool}``;
+        Returns ``{"chunks": checked, "problems": [text, ...], "warnings": [text, ...],
+        "absent_may_be_zeros": bool}``; warnings name arrays longer than the samples need
+        (rows an interrupted append left, which are never read);
         the last is True for stores of an older format (or the reference toolkit's), which
         leave out chunks of zeros, so an absent chunk there may be zeros rather than damage.
         """
@@ -570,10 +779,29 @@ class AtomicDataZarrReader(Reader):
         problems, chunks = [], 0
         named = [(name, rows, self._meta_levels[name]) for name, rows in self._meta_arrays.items()]
         named += [(self._array_path(k), r, self._levels[k]) for k, r in self._arrays.items()]
+        n = self._num_samples
+        need = {
+            "atom": int(self._atoms_ptr[-1]),
+            "edge": int(self._edges_ptr[-1]),
+            "system": n,
+            "pointer": n + 1,
+        }
+        warnings = []
         for name, rows, level in named:
             chunks += rows.num_chunks()
             problems += [self._problem_text(name, level, p) for p in rows.problems()]
-        return {"chunks": chunks, "problems": problems, "absent_may_be_zeros": not self._strict}
+            extra = (rows.shape[0] if rows.shape else 0) - need[level]
+            if n and extra > 0:
+                warnings.append(
+                    f"array {name} has {extra:,} rows beyond the store's {n:,} samples (left by "
+                    "an interrupted append; never read)"
+                )
+        return {
+            "chunks": chunks,
+            "problems": problems,
+            "warnings": warnings,
+            "absent_may_be_zeros": not self._strict,
+        }
 
     def refresh(self) -> None:
         """Re-read pointers, masks and fields (after external appends or deletes)."""
@@ -588,6 +816,7 @@ class AtomicDataZarrReader(Reader):
             *getattr(self, "_meta_arrays", {}).values(),
         ]:
             rows.close()
+        self._files.clear()  # keyed by the arrays' ids, which new arrays may reuse
 
     def close(self) -> None:
         """Drop the store handle and open files; reads afterwards raise ``RuntimeError``."""
@@ -603,10 +832,12 @@ class AtomicDataZarrReader(Reader):
         for key in ("_arrays", "_meta_arrays", "_root"):
             state.pop(key, None)
         state["_cache"] = _DecodedChunks(self._cache.max_bytes)
+        state.pop("_files", None)  # descriptors mean nothing in another process
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self._files = _OpenFiles()
         self._arrays = {}
         self._meta_arrays = {}
         self._root = None
@@ -638,16 +869,28 @@ class AtomicDataZarrReader(Reader):
             )
         return self._active[idx % n] if n else idx
 
+    def _physical_one(self, index: int) -> int:
+        """:meth:`_physical` of one index (the common case, without numpy's overhead)."""
+        if self._closed:
+            raise RuntimeError("AtomicDataZarrReader is closed.")
+        n = self._num_active
+        if not -n <= index < n:
+            raise IndexError(
+                f"Index {index} is out of range for zarr store {describe(self.store)} "
+                f"with {n} active samples."
+            )
+        return int(self._active[index])
+
     def get_metadata(self, index: int) -> tuple[int, int]:
         """``(num_atoms, num_edges)`` of sample ``index`` from the cached pointers."""
-        p = int(self._physical([index])[0])
+        p = self._physical_one(int(index))
         return (
             int(self._atoms_ptr[p + 1] - self._atoms_ptr[p]),
             int(self._edges_ptr[p + 1] - self._edges_ptr[p]),
         )
 
     def _get_sample_metadata(self, index: int) -> dict[str, Any]:
-        p = int(self._physical([index])[0])
+        p = self._physical_one(index)
         return {
             "index": index,
             "source_file": describe(self.store),
@@ -657,7 +900,8 @@ class AtomicDataZarrReader(Reader):
 
     # ------------------------------------------------------------------ reads
     def _load_sample(self, index: int) -> dict[str, torch.Tensor]:
-        return self._load_many_samples([index])[0]
+        p = self._physical_one(index)
+        return self._slice(self._read_run(p, p + 1), p, p, copy=False)
 
     def _load_many_samples(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
         physical = self._physical(indices)
@@ -717,6 +961,8 @@ class AtomicDataZarrReader(Reader):
             except _ChunkProblem as problem:
                 text = self._problem_text(self._array_path(key), levels[key], problem)
                 raise self._damaged(text) from None
+            if key in self._casts:
+                out[key] = self._cast_label(key, out[key], start)
         return out
 
     def _slice(
@@ -726,7 +972,9 @@ class AtomicDataZarrReader(Reader):
         e0 = int(self._edges_ptr[start])
         a, b = int(self._atoms_ptr[p]) - a0, int(self._atoms_ptr[p + 1]) - a0
         c, d = int(self._edges_ptr[p]) - e0, int(self._edges_ptr[p + 1]) - e0
+        s = p - start
         sample: dict[str, torch.Tensor] = {}
+        labels, widen = self._labels, self._widen
         for key, values in block.items():
             level = self._levels[key]
             if level == "atom":
@@ -734,19 +982,19 @@ class AtomicDataZarrReader(Reader):
             elif level == "edge":
                 part = values[c:d]
             else:
-                part = values[p - start : p - start + 1]
-            if key in self._labels and part.size and np.isnan(part).all():
+                part = values[s : s + 1]
+            if key in labels and part.size and math.isnan(part.flat[0]) and np.isnan(part).all():
                 continue  # a label this sample lacks, stored as NaN (as Batch fills it)
             if key == "neighbor_list":
                 part = part - self._atoms_ptr[p]  # store-global -> local (a new array)
-            elif key in self._widen:
+            elif key in widen:
                 part = part.astype(np.int64)  # a new array
             elif copy:  # a duplicate request must not alias the first one's tensors
                 part = part.copy()
             if not part.dtype.isnative:
                 part = part.astype(part.dtype.newbyteorder("="))
             sample[key] = torch.from_numpy(part)
-        pbc = sample.get("pbc")
-        if pbc is not None and not pbc.any() and not sample["cell"].any():
+        pbc = block.get("pbc")
+        if pbc is not None and not pbc[s].any() and not block["cell"][s].any():
             del sample["pbc"], sample["cell"]  # an open-boundary sample of a mixed store
         return sample

@@ -32,6 +32,7 @@ import logging
 import lzma
 import os
 import shutil
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from nvalchemi._fileio import atomic_path, write_atomic
 from nvalchemi.data._ase_convert import valid_calculator_results
 from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.datapipes.reader import Reader
+from nvalchemi.data.label_precision import EXTENSIVE_LABELS, rounding_warning, worst_rounding
 from nvalchemi.data.neighbors import check_neighbor_explosion
 
 __all__ = ["ASEReader", "default_cache_dir", "write_extxyz"]
@@ -344,7 +346,8 @@ class ASEReader(Reader):
             ``energy_key="REF_energy"``); labels on an attached calculator are used
             when the key is absent.
         dtype: dtype of positions and cell; ``label_dtype`` of labels (default
-            ``dtype``).
+            ``dtype``). Labels below float64 that round a total energy or virial by
+            more than 0.1 meV/atom warn once (see :mod:`nvalchemi.data.label_precision`).
         required_labels: labels every frame must carry, e.g. ``("energy", "forces")``;
             a frame without one raises ``ValueError`` naming file and frame.
         cache_dir: where frame indexes and decompressed copies are kept
@@ -404,6 +407,14 @@ class ASEReader(Reader):
             "dtype": dtype,
             "label_dtype": label_dtype,
         }
+        # Labels narrower than float64 are read in float64 first, to see what rounding costs.
+        self._label_dtype = label_dtype or dtype
+        self._exact_kwargs = (
+            {**self.atoms_kwargs, "label_dtype": torch.float64}
+            if self._label_dtype != torch.float64
+            else self.atoms_kwargs
+        )
+        self._rounding_warned = False
         # A label read from a renamed key (e.g. REF_energy) must not fall back to the
         # calculator's result of the default name, which may be another level of theory.
         self._renamed_results = frozenset(
@@ -468,9 +479,11 @@ class ASEReader(Reader):
         if self._renamed_results:
             _drop_calculator_results(atoms, self._renamed_results)
         try:
-            data = AtomicData.from_atoms(atoms, **self.atoms_kwargs)
+            data = AtomicData.from_atoms(atoms, **self._exact_kwargs)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
+        if self._exact_kwargs is not self.atoms_kwargs:
+            self._narrow_labels(data, where)
         check_neighbor_explosion(data, where=where)  # a cell in the wrong units, named here
         for label in self.required_labels:
             if label not in data:
@@ -483,6 +496,23 @@ class ASEReader(Reader):
         data.info["source_file"] = str(source.path)
         data.info["frame"] = frame
         return data
+
+    def _narrow_labels(self, data: AtomicData, where: str) -> None:
+        """Labels read in float64 to ``label_dtype``, warning once of costly rounding."""
+        for key in (*_LABELS, "charge"):
+            value = getattr(data, key, None)
+            if value is None or value.dtype == self._label_dtype:
+                continue
+            if key in EXTENSIVE_LABELS and not self._rounding_warned:
+                target = torch.empty(0, dtype=self._label_dtype).numpy().dtype
+                worst = worst_rounding(value.numpy(), np.array([data.num_nodes]), target)
+                if worst is not None:
+                    self._rounding_warned = True
+                    warnings.warn(
+                        rounding_warning(where, key, worst[1], float(value.reshape(-1)[0]), target),
+                        stacklevel=3,
+                    )
+            data[key] = value.to(self._label_dtype)
 
     def read(self, index: int) -> tuple[Any, dict[str, Any]]:
         data = self.read_data(index)

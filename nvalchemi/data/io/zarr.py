@@ -3,7 +3,7 @@
 On-disk layout (kept compatible with the reference toolkit)::
 
     <store>/
-      zarr.json      root attributes: "format" ("nvalchemi-atomicdata-zarr/2"),
+      zarr.json      root attributes: "format" ("nvalchemi-atomicdata-zarr/3"),
                      "num_samples" (physical samples),
                      "fields": {"core": {name: level}, "custom": {name: level}},
                      and, when the stored neighbour lists carry one, "neighbor_list":
@@ -16,19 +16,26 @@ On-disk layout (kept compatible with the reference toolkit)::
       core/<field>       atom fields [V, ...], edge fields [E, ...], system fields [N, ...]
       custom/<key>       arrays added with add_custom (leading dimension by level)
 
+Each array's own ``zarr.json`` records the field it holds, its level and its unit
+(``{"field": "positions", "level": "atom", "unit": "Å"}``); the reader refuses an
+array holding another field than its name says (directories swapped on disk).
+
 Dtypes are stored as given, except ``core/atomic_numbers``: uint8 (1..118; read back
 as int64). ``core/neighbor_list`` holds *store-global* atom indices
 (``atoms_ptr[sample]`` added), also for appended samples; the reader returns
 sample-local indices. Storing neighbour lists (e.g. built with
 ``NeighborListTransform`` before writing) means training need not recompute them.
 
-Compact by content (see :class:`ZarrArrayConfig`): chunks of at most ``chunk_bytes``
-(1 MiB; 64 KiB when compressed) but no larger than the first write needs, Blosc
-compression for every array it shrinks by a quarter or more (indices, masks, neighbour
-lists, repeated cells), raw bytes for noisy floats. Every chunk is written, also
-chunks of zeros, so a missing chunk file always means a damaged store (format 2;
-stores of format 1 and the reference's left zero chunks out and still read, with
-absent chunks as zeros).
+Small and fast at any size (see :class:`ZarrArrayConfig`): arrays are sharded (a
+shard file holds many chunks and their index, so a million structures are a few hundred
+files), chunks are small (16 KiB decoded; 4 KiB for system-level arrays) and
+compressed with Blosc LZ4HC (decoded in microseconds) when that saves 3% or more, so a
+random read decodes one small chunk per field whatever the store's size. Every chunk is
+written, also chunks of zeros, so a missing chunk always means a damaged store (formats
+2 and 3; stores of format 1 and the reference's left zero chunks out and still read,
+with absent chunks as zeros). Stores of format 2 (one file per chunk, no per-array
+records) read and take appends as they are; :meth:`AtomicDataZarrWriter.defragment`
+rewrites one in the current layout.
 
 Correctness rules of the writer: a write or append validates the whole incoming
 data before touching the store; an append whose samples lack a stored non-label
@@ -39,8 +46,8 @@ interrupted append leaves the earlier samples readable.
 
 Reading is built for random access: pointer arrays are cached, requested samples
 are merged into contiguous runs (one read per field per run), and arrays in a local
-directory (the default) are read straight from the chunk files: raw chunks with
-``preadv`` of the requested rows, compressed ones decoded whole into a small cache.
+directory (the default) are read straight from the chunk and shard files: raw chunks
+with ``preadv`` of the requested rows, compressed ones decoded whole into a small cache.
 A chunk that is missing, truncated or undecodable raises
 :class:`StoreDamagedError` naming the store, the array and the samples.
 
@@ -74,7 +81,9 @@ from nvalchemi.data.fields import FIELDS
 from nvalchemi.data.io._zarr_common import (
     FORMAT,
     LEVELS,
+    META_LEVELS,
     StoreDamagedError,
+    array_attributes,
     describe,
     open_store,
     store_exists,
@@ -92,57 +101,86 @@ __all__ = [
     "ZarrWriteConfig",
 ]
 
-CHUNK_BYTES = 1 << 20
-"""Default target size of one chunk (decoded bytes)."""
-_MIN_CHUNK_BYTES = 16 << 10  # floor for small first writes that later grow by appends
-_COMPRESSED_CHUNK_DIVISOR = 16  # compressed arrays: chunks of chunk_bytes / 16
-_WORTH_COMPRESSING = 0.75  # "auto": compress an array when that saves at least 25%
+CHUNK_BYTES = 16 << 10
+"""Default size of one chunk (decoded bytes): what a random read decodes."""
+SHARD_BYTES = 64 << 20
+"""Largest shard (decoded bytes): one file holding many chunks and their index."""
+# "auto" compresses per-atom arrays (the bulk of a store) that shrink by 3% or more, and
+# per-structure arrays (a few numbers per structure, read raw in a microsecond) only when
+# they shrink by a quarter (fixed or repeated cells).
+_WORTH_COMPRESSING = {"atom": 0.97, "edge": 0.97, "system": 0.75}
+_SAMPLE_BYTES = 1 << 20  # "auto" judges codecs on the first MiB of the first write
+_CLEVEL = 5  # LZ4HC's level: levels 1-9 decode alike; 5 writes ~50 MB/s per core
+# A random read decodes one chunk per field: a structure's few system-level numbers (cell,
+# energy, stress) come from chunks of 4 KiB, its atoms' rows from chunks of 16 KiB (the
+# last chunk of a raw array is stored whole, padding and all: small chunks waste little).
+_SYSTEM_CHUNK_DIVISOR = 4
 
 
 # ------------------------------------------------------------------------ configs
-def auto_compressor(itemsize: int) -> Any:
-    """The codec ``compressors="auto"`` tries: Blosc (LZ4, byte shuffle), fast to decode."""
-    return zarr_module().codecs.BloscCodec(
-        cname="lz4", clevel=5, shuffle="shuffle", typesize=max(1, int(itemsize))
-    )
+def auto_compressors(data: np.ndarray, rows: int, worth: float = 0.97) -> tuple[Any, ...] | None:
+    """The codec ``compressors="auto"`` picks for an array starting with ``data``.
 
-
-def _compresses_well(data: np.ndarray, rows: int) -> bool:
-    """Whether the ``auto`` codec shrinks the first chunk of ``data`` to 75% or less.
-
-    The chunk is judged as zarr stores it: ``rows`` rows, the rows past the data filled
-    with zeros (which compress away, so a small store's padding costs nothing).
+    Blosc with LZ4HC (decoded at LZ4's speed, a few microseconds per chunk) and the
+    byte or bit shuffle that shrinks the first MiB of ``data`` most, cut in chunks of
+    ``rows`` rows as stored; ``None`` (raw bytes) unless that shrinks it to ``worth``
+    of its size or less.
     """
     import numcodecs
 
-    trailing = data.shape[1:] if data.ndim else ()
-    chunk = np.zeros((rows, *trailing), dtype=data.dtype)
-    head = data[:rows] if data.ndim else data.reshape(1)
-    chunk[: head.shape[0]] = head
-    if chunk.nbytes == 0:
-        return True
-    codec = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
-    return len(codec.encode(chunk)) <= _WORTH_COMPRESSING * chunk.nbytes
+    zarr = zarr_module()
+    itemsize = max(1, int(data.dtype.itemsize))
+    row_bytes = max(1, data[:1].nbytes) if data.ndim else itemsize
+    head = np.ascontiguousarray(
+        data[: max(rows, _SAMPLE_BYTES // row_bytes)] if data.ndim else data
+    )
+    if head.nbytes == 0:
+        return None
+    blocks = (
+        [head[i : i + rows] for i in range(0, max(1, len(head)), rows)] if head.ndim else [head]
+    )
+    shuffles = ("noshuffle",) if itemsize == 1 else ("shuffle", "bitshuffle")
+    modes = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+    best, size = None, worth * head.nbytes
+    for shuffle in shuffles:
+        codec = numcodecs.Blosc(cname="lz4hc", clevel=_CLEVEL, shuffle=modes[shuffle])
+        encoded = sum(len(codec.encode(np.ascontiguousarray(b))) for b in blocks)
+        if encoded < size:
+            best, size = shuffle, encoded
+    if best is None:
+        return None
+    return (zarr.codecs.BloscCodec(cname="lz4hc", clevel=_CLEVEL, shuffle=best, typesize=itemsize),)
+
+
+def _fit(rows: int) -> int:
+    """The next power of two at or above ``rows`` (at least 1)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 class ZarrArrayConfig(BaseModel):
-    """How arrays of one group (or one field) are encoded and chunked.
+    """How arrays of one group (or one field) are encoded, chunked and sharded.
 
-    Chunks are sized by content: about ``chunk_bytes`` (decoded) each, a sixteenth of
-    that for compressed arrays (decoded whole to read one sample), but no larger than
-    the data of the first write (rounded up to a power of two, at least 16 KiB), so a
-    small store is small. ``chunk_size`` (rows) fixes the size instead;
-    ``shard_size`` (rows, a multiple of ``chunk_size``) packs chunks into shard files.
+    By default (no ``chunk_size``) an array is stored in shards: files holding many
+    chunks and an index of where each chunk lies, so that a store of a million
+    structures is a few hundred files and a random read touches one small chunk per
+    field. Chunks hold about ``chunk_bytes`` (16 KiB decoded; a quarter of that for
+    system-level arrays, whose rows are one structure each); a shard
+    holds what the first write holds (rounded up to a power of
+    two), at most 64 MiB (decoded), so a small store stays small and an append
+    rewrites at most about one shard per array. Write large stores in large first
+    writes (``data convert`` writes about a million atoms at a time).
 
-    ``compressors="auto"`` (the default) compresses an array with Blosc (LZ4, byte
-    shuffle) when that saves at least a quarter of its size (indices, masks, cells,
-    species) and stores it raw otherwise (noisy float positions and forces, which
-    compress by a few percent but are then read without decoding: a sample reads only
-    its own bytes). ``None`` stores raw bytes; a tuple of zarr codecs (e.g.
+    ``compressors="auto"`` (the default) compresses an array with Blosc (LZ4HC, byte or
+    bit shuffle, whichever shrinks the first MiB most) when that saves at least 3% (a
+    quarter for system-level arrays, whose raw rows read fastest) and stores it raw
+    otherwise; ``None`` stores raw bytes; a tuple of zarr codecs (e.g.
     ``(zarr.codecs.ZstdCodec(level=3),)``) is used as given.
 
+    ``chunk_size`` (rows) fixes the chunks and turns sharding off unless ``shard_size``
+    (rows, a multiple of ``chunk_size``) is given too: the reference toolkit's meaning.
+
     Every chunk is written, also chunks of zeros (zarr leaves those out by default),
-    so a missing chunk file always means a damaged store.
+    so a missing chunk always means a damaged store.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
@@ -164,45 +202,57 @@ class ZarrArrayConfig(BaseModel):
                 )
         return self
 
-    def chunk_rows(self, shape: tuple[int, ...], itemsize: int, compressed: bool = False) -> int:
+    def chunk_rows(
+        self, shape: tuple[int, ...], itemsize: int, compressed: bool = False, level: str = "atom"
+    ) -> int:
         """Rows per chunk of a new array of ``shape`` (see the class docstring)."""
         if self.chunk_size is not None:
             return self.chunk_size
-        trailing = tuple(max(1, d) for d in shape[1:])
-        row_bytes = max(1, itemsize * int(np.prod(trailing, dtype=np.int64)))
-        # A compressed chunk is decoded whole to read one sample from it: keep it small.
-        target = self.chunk_bytes // _COMPRESSED_CHUNK_DIVISOR if compressed else self.chunk_bytes
+        target = self.chunk_bytes
+        if level == "system":
+            target = max(1, target // _SYSTEM_CHUNK_DIVISOR)
         rows = int(shape[0]) if shape else 1
-        fit = 1 << max(0, rows - 1).bit_length()  # next power of two >= rows
-        floor = max(1, _MIN_CHUNK_BYTES // row_bytes)
-        return max(1, min(target // row_bytes, max(fit, floor)))
+        return max(1, min(target // _row_bytes(shape, itemsize), _fit(rows)))
 
-    def array_kwargs(self, data: np.ndarray) -> dict[str, Any]:
-        """Keyword arguments of ``zarr.Group.create_array`` for a new array holding ``data``."""
+    def shard_rows(self, shape: tuple[int, ...], itemsize: int, chunk: int) -> int | None:
+        """Rows per shard (a multiple of ``chunk``), or ``None``: one file per chunk."""
+        if self.shard_size is not None or self.chunk_size is not None:
+            return self.shard_size
+        rows = int(shape[0]) if shape else 1
+        cap = max(1, SHARD_BYTES // (_row_bytes(shape, itemsize) * chunk))
+        return chunk * min(cap, -(-_fit(rows) // chunk))
+
+    def array_kwargs(self, data: np.ndarray, level: str = "atom") -> dict[str, Any]:
+        """Keyword arguments of ``zarr.Group.create_array`` for a new array holding ``data``
+        (rows of ``level``: ``"system"`` rows get smaller compressed chunks)."""
         shape = tuple(data.shape)
         trailing = tuple(max(1, d) for d in shape[1:])
+        itemsize = data.dtype.itemsize
         compressors = self.compressors
-        rows = self.chunk_rows(shape, data.dtype.itemsize, compressed=bool(compressors))
         if compressors == "auto":
-            compressed_rows = self.chunk_rows(shape, data.dtype.itemsize, compressed=True)
-            if _compresses_well(data, compressed_rows):
-                compressors, rows = (auto_compressor(data.dtype.itemsize),), compressed_rows
-            else:
-                compressors, rows = None, self.chunk_rows(shape, data.dtype.itemsize)
+            rows = self.chunk_rows(shape, itemsize, True, level)
+            compressors = auto_compressors(data, rows, _WORTH_COMPRESSING.get(level, 0.97))
+        rows = self.chunk_rows(shape, itemsize, bool(compressors), level)
         kwargs: dict[str, Any] = {
             "chunks": (rows, *trailing),
             "compressors": compressors,
             "filters": self.filters if self.filters is not None else (),
         }
-        if self.shard_size is not None:
-            shard = self.shard_size
-            if self.chunk_size is None:
-                kwargs["chunks"] = (min(rows, shard), *trailing)
-                shard = max(shard // kwargs["chunks"][0], 1) * kwargs["chunks"][0]
+        shard = self.shard_rows(shape, itemsize, rows)
+        if shard is not None and self.chunk_size is None and self.shard_size is not None:
+            rows = min(rows, shard)  # a shard size alone: chunks that divide it
+            shard = max(shard // rows, 1) * rows
+            kwargs["chunks"] = (rows, *trailing)
+        if shard is not None:
             kwargs["shards"] = (shard, *trailing)
         if self.serializer is not None:
             kwargs["serializer"] = self.serializer
         return kwargs
+
+
+def _row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    trailing = tuple(max(1, d) for d in shape[1:])
+    return max(1, itemsize * int(np.prod(trailing, dtype=np.int64)))
 
 
 class ZarrWriteConfig(BaseModel):
@@ -357,10 +407,13 @@ class AtomicDataZarrWriter:
             )
         return zarr.open_group(self._zstore, mode=mode)
 
-    def _create(self, group: Any, name: str, data: np.ndarray, group_name: str) -> Any:
+    def _create(self, group: Any, name: str, data: np.ndarray, group_name: str, level: str) -> Any:
         config = self.config.for_array(group_name, name)
-        kwargs = config.array_kwargs(data)
-        array = group.create_array(name, shape=data.shape, dtype=data.dtype, **kwargs)
+        kwargs = config.array_kwargs(data, level)
+        attributes = array_attributes(group_name, name, level)
+        array = group.create_array(
+            name, shape=data.shape, dtype=data.dtype, attributes=attributes, **kwargs
+        )
         if data.size:
             array[...] = data
         return array
@@ -370,14 +423,17 @@ class AtomicDataZarrWriter:
         core = root.require_group("core")
         root.require_group("custom")
         for key, array in payload.arrays.items():
-            self._create(core, key, array, "core")
+            self._create(core, key, array, "core", payload.levels[key])
         atoms_ptr = np.concatenate([[0], np.cumsum(payload.atom_counts)]).astype(np.int64)
         edges_ptr = np.concatenate([[0], np.cumsum(payload.edge_counts)]).astype(np.int64)
-        self._create(meta, "atoms_ptr", atoms_ptr, "meta")
-        self._create(meta, "edges_ptr", edges_ptr, "meta")
-        self._create(meta, "samples_mask", np.ones(payload.num_samples, bool), "meta")
-        self._create(meta, "atoms_mask", np.ones(payload.atom_rows(), bool), "meta")
-        self._create(meta, "edges_mask", np.ones(payload.edge_rows(), bool), "meta")
+        for name, values in (
+            ("atoms_ptr", atoms_ptr),
+            ("edges_ptr", edges_ptr),
+            ("samples_mask", np.ones(payload.num_samples, bool)),
+            ("atoms_mask", np.ones(payload.atom_rows(), bool)),
+            ("edges_mask", np.ones(payload.edge_rows(), bool)),
+        ):
+            self._create(meta, name, values, "meta", META_LEVELS[name])
         attrs = {
             "format": FORMAT,
             "fields": {"core": dict(payload.levels), "custom": {}},
@@ -567,7 +623,7 @@ class AtomicDataZarrWriter:
                     f"add_custom({key!r}): the store already has it; pass overwrite=True."
                 )
             del group[key]
-        self._create(group, key, array, "custom")
+        self._create(group, key, array, "custom", level)
         custom_levels[key] = level
         fields["custom"] = custom_levels
         root.attrs["fields"] = fields
@@ -681,7 +737,7 @@ class AtomicDataZarrWriter:
                 for group_name in ("core", "custom"):
                     target = group.require_group(group_name)
                     for key, values in arrays[group_name].items():
-                        self._create(target, key, values, group_name)
+                        self._create(target, key, values, group_name, fields[group_name][key])
                 for name, values in (
                     ("atoms_ptr", np.concatenate([[0], np.cumsum(atom_counts)]).astype(np.int64)),
                     ("edges_ptr", np.concatenate([[0], np.cumsum(edge_counts)]).astype(np.int64)),
@@ -689,7 +745,7 @@ class AtomicDataZarrWriter:
                     ("atoms_mask", np.ones(int(atom_counts.sum()), bool)),
                     ("edges_mask", np.ones(int(edge_counts.sum()), bool)),
                 ):
-                    self._create(meta_g, name, values, "meta")
+                    self._create(meta_g, name, values, "meta", META_LEVELS[name])
             else:
                 for name in ("meta", "core", "custom"):
                     group.require_group(name)
