@@ -282,30 +282,6 @@ def test_an_unwritable_run_dir_or_checkpoint_root_is_named_before_anything_runs(
     assert "Traceback" not in result.stderr and "may be a bug" not in result.stderr
 
 
-def test_a_full_disk_in_data_convert_names_the_output_and_the_cause(tmp_path):
-    import resource
-    import signal
-    import subprocess
-    import sys
-
-    def small_files():  # as a full disk would: writes past 20 kB fail
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
-
-    out = tmp_path / "out.zarr"
-    result = subprocess.run(
-        [sys.executable, "-m", "nvalchemi.training.cli", "data", "convert", TRAIN, out],
-        preexec_fn=small_files,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert_user_error(result, str(out), "File too large", fix="free space")
-    assert "may be a bug" not in result.stderr
-    assert not out.exists()
-
-
 @pytest.mark.parametrize("value", ["inf", "nan"])
 def test_minutes_must_be_finite(tmp_path, value):
     job = tiny_job(tmp_path, num_steps=1)
