@@ -65,6 +65,8 @@ class RunOptions:
     threads: int | None = None
     """Neighbour-list builder threads (the caller sets torch's own)."""
     group_by: str | None = None
+    loggers: tuple[str, ...] = ()
+    """Experiment trackers (``--logger``); empty: the job's ``output.loggers``."""
     lr: float | None = None  # resume only: new learning rate of every optimizer
     trust: bool = False
     allow_imports: tuple[str, ...] = ()
@@ -94,6 +96,8 @@ class RunResult:
     """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
     md_check: Any = None
     """The final model's :class:`~nvalchemi.app.md_check.MDCheckResult` (``evaluation.md``)."""
+    trackers: list[Any] = field(default_factory=list)
+    """The experiment-tracker reporters (``output.loggers``); their ``run_id`` names the run."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -485,6 +489,13 @@ def _run(
 ) -> RunResult:
     from nvalchemi.app.jobs.build import build_strategy
     from nvalchemi.app.jobs.finetune import forgetting_hook, prepare_finetune_run
+    from nvalchemi.app.jobs.trackers import (
+        chosen_loggers,
+        log_final_evaluation,
+        open_trackers,
+        tensorboard_switch,
+        tracker_reporters,
+    )
     from nvalchemi.data.sources import make_dataset, neighbor_config_of
     from nvalchemi.distributed.runtime import get_rank, get_world_size
     from nvalchemi.hooks.reporting.presets import run_reporting
@@ -523,13 +534,16 @@ def _run(
     budget = _budget_hook(job, options)
     if budget is not None:
         hooks.append(budget)
+    loggers = chosen_loggers(job, options.loggers)
+    trackers = tracker_reporters(job, loggers, run_dir)
     reporting = run_reporting(
         run_dir,
         log_every=job.output.log_every_n_steps,
-        tensorboard=job.output.tensorboard,
+        tensorboard=tensorboard_switch(job, loggers),
         title=title,
         console=console,
         budget=budget,
+        trackers=trackers,
     )
     hooks.append(reporting)
     if checkpoint_dir is not None:
@@ -599,15 +613,19 @@ def _run(
         if console is not None and budget is not None:
             console.print(_budget_line(budget))
         signals.training_started()
-        strategy.run(loader)
-        result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
-        result.forgetting = None if forgetting is None else forgetting.result
-        result.budget = None if budget is None else budget.plan
-        result.batch_budget = probed
-        if is_main and sources.validation:
-            _final_evaluation(result, job, sources.validation, val_loader, options)
-        if is_main and job.evaluation is not None and job.evaluation.md is not None:
-            _final_md_check(result, job, sources.validation or sources.train, options, console)
+        with open_trackers(trackers):  # one tracked run for training and the final evaluation
+            strategy.run(loader)
+            result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
+            result.forgetting = None if forgetting is None else forgetting.result
+            result.budget = None if budget is None else budget.plan
+            result.batch_budget = probed
+            result.trackers = trackers
+            if is_main and sources.validation:
+                _final_evaluation(result, job, sources.validation, val_loader, options)
+            if is_main and job.evaluation is not None and job.evaluation.md is not None:
+                _final_md_check(result, job, sources.validation or sources.train, options, console)
+            if is_main:
+                log_final_evaluation(trackers, result)
     finally:
         sources.close()
     return result

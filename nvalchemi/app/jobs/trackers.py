@@ -1,0 +1,135 @@
+"""The experiment trackers of a job: ``output.loggers`` / ``--logger``, and what reaches them.
+
+``loggers`` names the trackers (``tensorboard``, ``wandb``, ``mlflow``); ``--logger``
+replaces the job's list; without either a run writes TensorBoard events when TensorBoard
+is installed (``output.tensorboard``). :func:`tracker_reporters` builds the W&B and MLflow
+reporters (TensorBoard is :func:`~nvalchemi.hooks.reporting.run_reporting`'s), which get
+the job as their configuration; :func:`open_trackers` keeps their tracked runs open from
+training to the end of the final evaluation, and :func:`log_final_evaluation` sends the
+final model's errors (summary numbers with units in their names, the tables of
+``final_evaluation.json``) and the run's plots.
+
+Settings come from the trackers' own environment: W&B's ``WANDB_PROJECT`` (default
+``nvalchemi``), ``WANDB_ENTITY``, ``WANDB_MODE``, ``WANDB_DIR`` (default: the run
+directory); MLflow's ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME`` (default
+``nvalchemi``). The tracked run is named after the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from nvalchemi._errors import FieldError
+from nvalchemi._optional import OptionalDependencyError
+from nvalchemi.hooks.reporting.units import metric_key
+
+__all__ = [
+    "DEFAULT_PROJECT",
+    "chosen_loggers",
+    "log_final_evaluation",
+    "open_trackers",
+    "tensorboard_switch",
+    "tracker_reporters",
+]
+
+DEFAULT_PROJECT = "nvalchemi"
+"""W&B project and MLflow experiment of a job's runs when the environment names none."""
+
+_FIELD = "output.loggers (--logger)"
+_TABLES = ("by_group", "by_source", "per_element")
+
+
+def chosen_loggers(job: Any, cli: Sequence[str] = ()) -> list[str] | None:
+    """The trackers of a run: ``--logger`` values, else ``output.loggers`` (``None``: unset)."""
+    names = list(cli) if cli else job.output.loggers
+    return None if names is None else list(dict.fromkeys(names))
+
+
+def tensorboard_switch(job: Any, loggers: list[str] | None) -> bool | None:
+    """``run_reporting``'s ``tensorboard``: from ``loggers`` when set, else ``output.tensorboard``."""
+    return job.output.tensorboard if loggers is None else "tensorboard" in loggers
+
+
+def tracker_reporters(job: Any, loggers: list[str] | None, run_dir: Path) -> list[Any]:
+    """A ``WandbReporter`` and/or ``MLflowReporter`` for ``loggers``, the job as their config."""
+    names = [name for name in loggers or () if name in ("wandb", "mlflow")]
+    if not names:
+        return []
+    from nvalchemi.hooks.reporting.mlflow import MLflowReporter
+    from nvalchemi.hooks.reporting.wandb import WandbReporter
+
+    config = {"job": job.model_dump(mode="json", exclude_none=True)}
+    reporters = []
+    try:
+        for name in names:
+            if name == "wandb":
+                reporters.append(
+                    WandbReporter(
+                        os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
+                        name=job.name,
+                        dir=None if os.environ.get("WANDB_DIR") else run_dir,
+                        config=config,
+                    )
+                )
+            else:
+                experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
+                reporters.append(MLflowReporter(experiment, name=job.name, config=config))
+    except OptionalDependencyError as exc:
+        raise FieldError(
+            f"{name} is not installed",
+            field=_FIELD,
+            fix="pip install 'nvalchemi-training[trackers]', or leave the tracker out",
+        ) from exc
+    return reporters
+
+
+@contextlib.contextmanager
+def open_trackers(trackers: Sequence[Any]) -> Iterator[None]:
+    """Keep the trackers' runs open inside (training, then the final evaluation).
+
+    The runs end when the block does: finished, failed (an error) or killed (a signal).
+    """
+    with contextlib.ExitStack() as stack:
+        for tracker in trackers:
+            stack.enter_context(tracker)
+        yield
+
+
+def log_final_evaluation(trackers: Sequence[Any], result: Any) -> None:
+    """The final model's errors, its per-group/source/element tables and the run's plots.
+
+    Summary numbers are ``final/<quantity>_<mae|rmse>_<unit>`` (``final/forces_mae_eV_per_A``)
+    and, after an MD check, ``final/md/<number>``; tables are ``final/<breakdown>`` with
+    one row per group (columns named with units as well).
+    """
+    if not trackers:
+        return
+    summary: dict[str, float] = {}
+    tables: dict[str, list[dict[str, Any]]] = {}
+    if result.evaluation is not None:
+        report = result.evaluation.report()
+        summary.update({f"final/{metric_key(k)}": v for k, v in report["metrics"].items()})
+        for name in _TABLES:
+            label = "element" if name == "per_element" else name.removeprefix("by_")
+            tables[f"final/{name}"] = [
+                {label: key, **{metric_key(k): v for k, v in row.items()}}
+                for key, row in report[name].items()
+            ]
+        tables["final/force_bins"] = [
+            {f"{k}_eV_per_A" if k in ("low", "high") else metric_key(k): v for k, v in row.items()}
+            for row in report["force_bins"]
+        ]
+    if result.md_check is not None:
+        summary.update({f"final/md/{k}": v for k, v in result.md_check.scalars().items()})
+    for tracker in trackers:
+        if summary:
+            tracker.log_summary(summary)
+        for name, rows in tables.items():
+            if rows:
+                tracker.log_table(name, rows)
+        for plot in result.plots:
+            tracker.log_image(plot)
