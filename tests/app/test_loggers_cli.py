@@ -64,6 +64,20 @@ def test_a_missing_tracker_package_is_a_user_error(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "checkpoints").exists()  # refused before training
 
 
+@requires_trackers
+def test_a_tracker_that_cannot_start_stops_the_job_before_training(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow 3 refuses file:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    path = write_job(tmp_path / "job.json", tiny_job(tmp_path))
+    result = invoke("spec", "run", path, "--no-report", "--logger", "mlflow")
+    assert_user_error(
+        result,
+        "output.loggers (--logger): MLflow could not start its run",
+        fix="MLFLOW_TRACKING_URI",
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def _run_ids(stderr: str) -> tuple[str, str]:
     wandb_id = re.search(r"W&B run:\s+(\S+)", stderr)
     mlflow_id = re.search(r"MLflow run:\s+(\S+)", stderr)

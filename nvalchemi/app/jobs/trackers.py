@@ -41,6 +41,10 @@ DEFAULT_PROJECT = "nvalchemi"
 
 _FIELD = "output.loggers (--logger)"
 _TABLES = ("by_group", "by_source", "per_element")
+_SETTINGS = {
+    "W&B": "log in (wandb login, or WANDB_API_KEY), or set WANDB_MODE=offline",
+    "MLflow": "point MLFLOW_TRACKING_URI at a reachable server or database",
+}
 
 
 def chosen_loggers(job: Any, cli: Sequence[str] = ()) -> list[str] | None:
@@ -91,11 +95,20 @@ def tracker_reporters(job: Any, loggers: list[str] | None, run_dir: Path) -> lis
 def open_trackers(trackers: Sequence[Any]) -> Iterator[None]:
     """Keep the trackers' runs open inside (training, then the final evaluation).
 
-    The runs end when the block does: finished, failed (an error) or killed (a signal).
+    The runs end when the block does: finished, failed (an error) or killed (a signal). A
+    tracker that cannot start its run (no login, an unreachable store) stops the job here,
+    before training, with its settings named.
     """
     with contextlib.ExitStack() as stack:
         for tracker in trackers:
-            stack.enter_context(tracker)
+            try:
+                stack.enter_context(tracker)
+            except Exception as exc:
+                raise FieldError(
+                    f"{tracker.tracker} could not start its run: {type(exc).__name__}: {exc}",
+                    field=_FIELD,
+                    fix=_SETTINGS[tracker.tracker],
+                ) from exc
         yield
 
 
