@@ -8,6 +8,8 @@ through ``MlflowClient``). W&B runs are few: each costs about a second to start.
 from __future__ import annotations
 
 import base64
+import doctest
+import importlib
 import json
 import subprocess
 import sys
@@ -338,3 +340,9 @@ def test_two_gloo_ranks_write_one_tracked_run(tmp_path, offline_trackers):
     assert mlflow_run_ids(f"file:{tmp_path / 'mlruns'}") == [mlflow_id]
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
     assert [row["_step"] for row in wandb_run(tmp_path, wandb_id)["history"]] == [1, 2, 3]
+
+
+def test_the_modules_examples_run():
+    for name in ("tracker", "wandb", "mlflow"):
+        module = importlib.import_module(f"nvalchemi.hooks.reporting.{name}")
+        assert doctest.testmod(module).failed == 0, name
