@@ -164,6 +164,8 @@ def test_the_run_id_is_the_state_and_a_late_load_is_refused():
             tracker.load_state_dict({"run_id": "other"})
     with pytest.raises(ValueError, match="run_id"):
         Recording(run_id="")
+    with pytest.raises(TypeError, match="mapping"):
+        Recording().load_state_dict("abc")
 
 
 def test_the_orchestrator_checkpoints_its_stateful_reporters_under_their_names():

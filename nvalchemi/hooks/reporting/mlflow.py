@@ -151,7 +151,7 @@ class MLflowReporter(TrackerReporter):
         ]
         for chunk in _chunks(params, _PARAMS_PER_BATCH):
             self._client.log_batch(self.run_id, params=chunk)
-        self._config.update(config)
+        self._config.update(json.loads(json.dumps(dict(config), default=str)))  # JSON-ready
         self._client.log_dict(self.run_id, self._config, "config.json")
 
     def _log_metrics(self, values: dict[str, float], step: int) -> None:

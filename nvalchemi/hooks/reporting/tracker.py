@@ -252,7 +252,12 @@ class TrackerReporter(ScalarReporterBase):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the tracked run of a checkpoint (load it before the run starts)."""
-        run_id = state.get("run_id") if isinstance(state, Mapping) else None
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"{type(self).__name__} state must be a mapping with 'run_id'; got "
+                f"{type(state).__name__}."
+            )
+        run_id = state.get("run_id")
         if run_id is not None and not isinstance(run_id, str):
             raise ValueError(
                 f"{type(self).__name__} state has run_id {run_id!r}; expected a string or None."
