@@ -25,7 +25,9 @@ from typing import Any
 
 from nvalchemi._errors import FieldError
 from nvalchemi._optional import OptionalDependencyError
+from nvalchemi.hooks.reporting.mlflow import MLflowReporter
 from nvalchemi.hooks.reporting.units import metric_key
+from nvalchemi.hooks.reporting.wandb import WandbReporter
 
 __all__ = [
     "DEFAULT_PROJECT",
@@ -63,9 +65,6 @@ def tracker_reporters(job: Any, loggers: list[str] | None, run_dir: Path) -> lis
     names = [name for name in loggers or () if name in ("wandb", "mlflow")]
     if not names:
         return []
-    from nvalchemi.hooks.reporting.mlflow import MLflowReporter
-    from nvalchemi.hooks.reporting.wandb import WandbReporter
-
     config = {"job": job.model_dump(mode="json", exclude_none=True)}
     reporters = []
     try:
