@@ -491,7 +491,7 @@ def _run(
     from nvalchemi.app.jobs.finetune import forgetting_hook, prepare_finetune_run
     from nvalchemi.app.jobs.trackers import (
         chosen_loggers,
-        log_final_evaluation,
+        log_evaluation,
         open_trackers,
         tensorboard_switch,
         tracker_reporters,
@@ -535,7 +535,8 @@ def _run(
     if budget is not None:
         hooks.append(budget)
     loggers = chosen_loggers(job, options.loggers)
-    trackers = tracker_reporters(job, loggers, run_dir)
+    config = {"job": job.model_dump(mode="json", exclude_none=True)}
+    trackers = tracker_reporters(loggers, run_dir, name=job.name, config=config)
     reporting = run_reporting(
         run_dir,
         log_every=job.output.log_every_n_steps,
@@ -625,7 +626,9 @@ def _run(
             if is_main and job.evaluation is not None and job.evaluation.md is not None:
                 _final_md_check(result, job, sources.validation or sources.train, options, console)
             if is_main:
-                log_final_evaluation(trackers, result)
+                log_evaluation(
+                    trackers, result.evaluation, plots=result.plots, md_check=result.md_check
+                )
     finally:
         sources.close()
     return result

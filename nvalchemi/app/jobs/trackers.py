@@ -5,21 +5,21 @@ replaces the job's list; without either a run writes TensorBoard events when Ten
 is installed (``output.tensorboard``). :func:`tracker_reporters` builds the W&B and MLflow
 reporters (TensorBoard is :func:`~nvalchemi.hooks.reporting.run_reporting`'s), which get
 the job as their configuration; :func:`open_trackers` keeps their tracked runs open from
-training to the end of the final evaluation, and :func:`log_final_evaluation` sends the
+training to the end of the final evaluation, and :func:`log_evaluation` sends the
 final model's errors (summary numbers with units in their names, the tables of
 ``final_evaluation.json``) and the run's plots.
 
 Settings come from the trackers' own environment: W&B's ``WANDB_PROJECT`` (default
 ``nvalchemi``), ``WANDB_ENTITY``, ``WANDB_MODE``, ``WANDB_DIR`` (default: the run
 directory); MLflow's ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME`` (default
-``nvalchemi``). The tracked run is named after the job.
+``nvalchemi``). The tracked run is named after the job (``quickstart`` for the quickstart).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from nvalchemi.hooks.reporting.wandb import WandbReporter
 __all__ = [
     "DEFAULT_PROJECT",
     "chosen_loggers",
-    "log_final_evaluation",
+    "log_evaluation",
     "open_trackers",
     "tensorboard_switch",
     "tracker_reporters",
@@ -60,30 +60,29 @@ def tensorboard_switch(job: Any, loggers: list[str] | None) -> bool | None:
     return job.output.tensorboard if loggers is None else "tensorboard" in loggers
 
 
-def tracker_reporters(job: Any, loggers: list[str] | None, run_dir: Path) -> list[Any]:
-    """A ``WandbReporter`` and/or ``MLflowReporter`` for ``loggers``, the job as their config."""
-    names = [name for name in loggers or () if name in ("wandb", "mlflow")]
-    if not names:
-        return []
-    config = {"job": job.model_dump(mode="json", exclude_none=True)}
+def tracker_reporters(
+    loggers: Sequence[str] | None, run_dir: Path, *, name: str, config: Mapping[str, Any]
+) -> list[Any]:
+    """A ``WandbReporter`` and/or ``MLflowReporter`` for ``loggers``: the run named ``name``,
+    ``config`` (the job) as its configuration."""
     reporters = []
     try:
-        for name in names:
-            if name == "wandb":
+        for tracker in [t for t in loggers or () if t in ("wandb", "mlflow")]:
+            if tracker == "wandb":
                 reporters.append(
                     WandbReporter(
                         os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-                        name=job.name,
+                        name=name,
                         dir=None if os.environ.get("WANDB_DIR") else run_dir,
                         config=config,
                     )
                 )
             else:
                 experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
-                reporters.append(MLflowReporter(experiment, name=job.name, config=config))
+                reporters.append(MLflowReporter(experiment, name=name, config=config))
     except OptionalDependencyError as exc:
         raise FieldError(
-            f"{name} is not installed",
+            f"{tracker} is not installed",
             field=_FIELD,
             fix="pip install 'nvalchemi-training[trackers]', or leave the tracker out",
         ) from exc
@@ -111,37 +110,43 @@ def open_trackers(trackers: Sequence[Any]) -> Iterator[None]:
         yield
 
 
-def log_final_evaluation(trackers: Sequence[Any], result: Any) -> None:
-    """The final model's errors, its per-group/source/element tables and the run's plots.
+def log_evaluation(
+    trackers: Sequence[Any],
+    evaluation: Any,
+    *,
+    prefix: str = "final",
+    plots: Sequence[Path] = (),
+    md_check: Any = None,
+) -> None:
+    """An :class:`~nvalchemi.app.evaluation.Evaluation` (its errors and tables), an MD check
+    and plots, sent to every tracker.
 
-    Summary numbers are ``final/<quantity>_<mae|rmse>_<unit>`` (``final/forces_mae_eV_per_A``)
-    and, after an MD check, ``final/md/<number>``; tables are ``final/<breakdown>`` with
-    one row per group (columns named with units as well).
+    Summary numbers are ``<prefix>/<quantity>_<mae|rmse>_<unit>`` (``final/forces_mae_eV_per_A``)
+    and ``<prefix>/md/<number>``; tables are ``<prefix>/by_group``, ``by_source``,
+    ``per_element`` and ``force_bins``, one row per group (columns named with units too).
     """
-    if not trackers:
-        return
     summary: dict[str, float] = {}
     tables: dict[str, list[dict[str, Any]]] = {}
-    if result.evaluation is not None:
-        report = result.evaluation.report()
-        summary.update({f"final/{metric_key(k)}": v for k, v in report["metrics"].items()})
+    if evaluation is not None:
+        report = evaluation.report()
+        summary.update({f"{prefix}/{metric_key(k)}": v for k, v in report["metrics"].items()})
         for name in _TABLES:
             label = "element" if name == "per_element" else name.removeprefix("by_")
-            tables[f"final/{name}"] = [
+            tables[f"{prefix}/{name}"] = [
                 {label: key, **{metric_key(k): v for k, v in row.items()}}
                 for key, row in report[name].items()
             ]
-        tables["final/force_bins"] = [
+        tables[f"{prefix}/force_bins"] = [
             {f"{k}_eV_per_A" if k in ("low", "high") else metric_key(k): v for k, v in row.items()}
             for row in report["force_bins"]
         ]
-    if result.md_check is not None:
-        summary.update({f"final/md/{k}": v for k, v in result.md_check.scalars().items()})
+    if md_check is not None:
+        summary.update({f"{prefix}/md/{k}": v for k, v in md_check.scalars().items()})
     for tracker in trackers:
         if summary:
             tracker.log_summary(summary)
         for name, rows in tables.items():
             if rows:
                 tracker.log_table(name, rows)
-        for plot in result.plots:
+        for plot in plots:
             tracker.log_image(plot)
