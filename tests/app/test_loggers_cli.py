@@ -135,3 +135,24 @@ def test_a_job_logs_to_both_trackers_and_its_resume_continues_the_same_runs(tmp_
     assert [v for _, v in resumed[4:]] == pytest.approx([v for _, v in trained[2:]])
     wb = wandb_run(run_dir, wandb_id)
     assert len(wb["sessions"]) == 2 and wb["exit_codes"] == [0, 0]
+
+
+@requires_trackers
+def test_the_quickstart_logs_training_and_the_test_split_to_mlflow(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    for key, value in TRACKER_ENV.items():
+        monkeypatch.setenv(key, value)
+    uri = f"file:{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    run = tmp_path / "qs"
+    result = invoke("quickstart", "--quick", "--run-dir", run, "--logger", "mlflow")
+    assert result.exit_code == 0, result.output
+    (run_id,) = mlflow_run_ids(uri)
+    assert f"MLflow run:       {run_id}" in result.stderr
+    ml = mlflow_run(uri, run_id)
+    assert ml["name"] == "quickstart" and ml["status"] == "FINISHED"
+    steps = [step for step, _ in ml["history"]["loss/total"]]
+    assert steps == sorted(steps) and steps[-1] == 12  # the quick run's 12 steps
+    assert "test/forces_mae_eV_per_A" in ml["history"] and "test/by_group.json" in ml["artifacts"]
+    assert "plots/parity_forces.png" in ml["artifacts"]
+    assert not (run / "tensorboard").exists()  # --logger names the trackers
