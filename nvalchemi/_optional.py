@@ -20,6 +20,8 @@ class OptionalDependency(Enum):
     VESIN = ("vesin", "vesin")
     MACE = ("mace", "mace")
     TENSORBOARD = ("tensorboard", "tensorboard")
+    WANDB = ("wandb", "trackers")
+    MLFLOW = ("mlflow", "trackers")
     MATPLOTLIB = ("matplotlib", "plots")
     YAML = ("yaml", "pyyaml")
     TORCH_SIM = ("torch_sim", "md")

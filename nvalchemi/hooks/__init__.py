@@ -24,6 +24,8 @@ _EXPORTS = {
     "TensorBoardReporter": _REPORTING,
     "TensorBoardWriter": _REPORTING,
     "JSONLinesReporter": _REPORTING,
+    "WandbReporter": _REPORTING,
+    "MLflowReporter": _REPORTING,
     "ScalarSnapshot": _REPORTING,
     "ScalarCallback": _REPORTING,
     "collect_scalars": _REPORTING,

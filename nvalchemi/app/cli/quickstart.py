@@ -102,6 +102,13 @@ Examples:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--quick", is_flag=True, help="A tiny run (seconds), e.g. to check an install.")
 @click.option(
+    "--logger",
+    "loggers",
+    multiple=True,
+    type=click.Choice(["tensorboard", "wandb", "mlflow"]),
+    help="Log to this experiment tracker (repeatable; default: TensorBoard when installed).",
+)
+@click.option(
     "--threads",
     type=click.IntRange(min=1),
     callback=threads_value,
@@ -116,6 +123,7 @@ def quickstart(threads: int, **options: Any) -> None:
     import torch
 
     from nvalchemi.app.jobs import quickstart as qs
+    from nvalchemi.app.jobs.trackers import open_trackers
 
     started = time.perf_counter()
     console = err_console()
@@ -154,19 +162,21 @@ def quickstart(threads: int, **options: Any) -> None:
             f"{length} on {plan.device}"
         )
         strategy = qs.build_strategy(plan, model, train, val)
-    strategy.run(train)
-    reason = strategy.stop_reason or ""
-    if reason and not reason.startswith("end of the run fitted"):
-        console.print(f"stopped early: {reason} (continue with --resume)")
-    elif reason:
-        console.print(f"{reason}: {strategy.step_count:,} steps, {strategy.epoch_count} epochs")
-    _finish(console, plan, test, started)
+    with open_trackers(plan.trackers):  # one tracked run for training and the test split
+        strategy.run(train)
+        reason = strategy.stop_reason or ""
+        if reason and not reason.startswith("end of the run fitted"):
+            console.print(f"stopped early: {reason} (continue with --resume)")
+        elif reason:
+            console.print(f"{reason}: {strategy.step_count:,} steps, {strategy.epoch_count} epochs")
+        _finish(console, plan, test, started)
 
 
 def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     from nvalchemi.app.cli.evaluate_cmd import print_evaluation
     from nvalchemi.app.evaluation import predict, structure_groups
     from nvalchemi.app.jobs import quickstart as qs
+    from nvalchemi.app.jobs.trackers import log_evaluation
     from nvalchemi.data.bundled import bundled_split_path
     from nvalchemi.data.sources import open_reader
     from nvalchemi.hooks.reporting.presets import PLOTS_HINT, learning_curves, plots_available
@@ -183,12 +193,17 @@ def _finish(console: Any, plan: Any, test: Any, started: float) -> None:
     console.rule("Test split (EMA weights of the final checkpoint)")
     result = print_evaluation(console, evaluation, "Test metrics", grouping)
     (plan.run_dir / "test_metrics.json").write_text(json.dumps(result, indent=2) + "\n")
+    plots = []
     if plots_available():
-        for plot in [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]:
-            if plot is not None:
-                console.print(f"plot:             {plot}")
+        plots = [learning_curves(plan.run_dir), *evaluation.parity_plots(plan.run_dir)]
+        plots = [plot for plot in plots if plot is not None]
+        for plot in plots:
+            console.print(f"plot:             {plot}")
     else:
         console.print(PLOTS_HINT)
+    log_evaluation(plan.trackers, evaluation, prefix="test", plots=plots)
+    for tracker in plan.trackers:
+        console.print(f"{tracker.tracker + ' run:':<18}{tracker.run_id}")
     console.print(f"metrics:          {plan.run_dir / 'metrics.jsonl'}")
     console.print(
         f"checkpoint root:  {plan.checkpoint_dir} (manifest.json; load it with 'latest' or 'best')"

@@ -112,6 +112,15 @@ _run_options = option_group(
         help="info key the final evaluation groups structures by (default: "
         "output.group_by, else config_type, else atom count).",
     ),
+    click.option(
+        "--logger",
+        "loggers",
+        multiple=True,
+        type=click.Choice(["tensorboard", "wandb", "mlflow"]),
+        help="Log to this experiment tracker (repeatable; replaces the job's output.loggers). "
+        "wandb and mlflow need the trackers extra and read their usual environment "
+        "(WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).",
+    ),
     click.option("--trust", is_flag=True, help=_TRUST_HELP),
     allow_import_option,
     debug_option,
@@ -182,6 +191,8 @@ def _summary(result: Any, console: Any) -> None:
         )
     for plot in result.plots:
         console.print(f"plot:          {plot}")
+    for tracker in result.trackers:
+        console.print(f"{tracker.tracker + ' run:':<15}{tracker.run_id}")
 
 
 @spec.command(

@@ -13,12 +13,14 @@ import json
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nvalchemi._errors import FieldError
 from nvalchemi.app.jobs.recipe import QUICK, QUICKSTART, PaiNNRecipe
+from nvalchemi.app.jobs.trackers import tracker_reporters
 
 __all__ = ["QuickstartPlan", "Splits", "build_strategy", "load_splits", "prepare_run"]
 
@@ -48,6 +50,10 @@ class QuickstartPlan:
     device: str
     created: list[str] = field(default_factory=list)
     """What of :data:`_OWNED` this run creates (recorded, so ``--overwrite`` deletes only that)."""
+    trackers: list[Any] = field(default_factory=list)
+    """``WandbReporter``/``MLflowReporter`` of ``--logger`` (the run's id is checkpointed)."""
+    tensorboard: bool | None = None
+    """``--logger`` given: whether it names TensorBoard (``None``: when installed)."""
 
     @property
     def fitted(self) -> bool:
@@ -147,13 +153,32 @@ def prepare_run(
     epochs: int | None,
     minutes: float | None,
     device: str,
+    loggers: Sequence[str] = (),
 ) -> QuickstartPlan:
-    """Check the run directory against the flags and settle the recipe.
+    """Check the run directory against the flags and settle the recipe; ``loggers``: the
+    experiment trackers (``--logger``; none: TensorBoard when installed).
 
     ``--overwrite`` deletes only what an earlier quickstart run recorded as created in
     ``quickstart.json``; a folder holding anything else quickstart would write (another
     run's checkpoints, ...) is refused with what was found, and nothing is deleted.
     """
+    plan = _plan(run_dir, resume, overwrite, quick, epochs, minutes, device)
+    if loggers:
+        config = {"quickstart": plan.recipe.to_dict(), "device": device}
+        plan.trackers = tracker_reporters(loggers, plan.run_dir, name="quickstart", config=config)
+        plan.tensorboard = "tensorboard" in loggers
+    return plan
+
+
+def _plan(
+    run_dir: str | Path,
+    resume: bool,
+    overwrite: bool,
+    quick: bool,
+    epochs: int | None,
+    minutes: float | None,
+    device: str,
+) -> QuickstartPlan:
     from nvalchemi.app.devices import check_device
 
     check_device(device, field="--device", fix="use --device cpu (or cuda where a GPU is present)")
@@ -277,9 +302,11 @@ def _hooks(plan: QuickstartPlan, console: Any) -> list[Any]:
         run_reporting(
             plan.run_dir,
             log_every=recipe.log_every_n_steps,
+            tensorboard=plan.tensorboard,
             title="nvalchemi quickstart: PaiNN on bundled EMT",
             console=console,
             budget=budget,
+            trackers=plan.trackers,
         ),
         # Ctrl-C: finish the step, checkpoint, evaluate (a second Ctrl-C is ignored).
         PreemptionHandler(signals=(signal.SIGINT,), exit=False),

@@ -67,6 +67,8 @@ class RunOptions:
     threads: int | None = None
     """Neighbour-list builder threads (the caller sets torch's own)."""
     group_by: str | None = None
+    loggers: tuple[str, ...] = ()
+    """Experiment trackers (``--logger``); empty: the job's ``output.loggers``."""
     lr: float | None = None  # resume only: new learning rate of every optimizer
     trust: bool = False
     allow_imports: tuple[str, ...] = ()
@@ -96,6 +98,8 @@ class RunResult:
     """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
     md_check: Any = None
     """The final model's :class:`~nvalchemi.app.md_check.MDCheckResult` (``evaluation.md``)."""
+    trackers: list[Any] = field(default_factory=list)
+    """The experiment-tracker reporters (``output.loggers``); their ``run_id`` names the run."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -512,6 +516,13 @@ def _run(
 ) -> RunResult:
     from nvalchemi.app.jobs.build import build_strategy
     from nvalchemi.app.jobs.finetune import forgetting_hook, prepare_finetune_run
+    from nvalchemi.app.jobs.trackers import (
+        chosen_loggers,
+        log_evaluation,
+        open_trackers,
+        tensorboard_switch,
+        tracker_reporters,
+    )
     from nvalchemi.data.sources import make_dataset, neighbor_config_of
     from nvalchemi.distributed.runtime import get_rank, get_world_size
     from nvalchemi.hooks.reporting.presets import run_reporting
@@ -553,13 +564,17 @@ def _run(
     budget = _budget_hook(job, options)
     if budget is not None:
         hooks.append(budget)
+    loggers = chosen_loggers(job, options.loggers)
+    config = {"job": job.model_dump(mode="json", exclude_none=True)}
+    trackers = tracker_reporters(loggers, run_dir, name=job.name, config=config)
     reporting = run_reporting(
         run_dir,
         log_every=job.output.log_every_n_steps,
-        tensorboard=job.output.tensorboard,
+        tensorboard=tensorboard_switch(job, loggers),
         title=title,
         console=console,
         budget=budget,
+        trackers=trackers,
     )
     hooks.append(reporting)
     if checkpoint_dir is not None:
@@ -628,20 +643,26 @@ def _run(
             console.print(_budget_line(budget))
         signals.training_started()
         first_step = strategy.step_count
-        try:
-            strategy.run(loader)
-        except BaseException:
-            if restore_job_copy is not None and strategy.step_count == first_step:
-                restore_job_copy()  # refused before its first step: the earlier copy stands
-            raise
-        result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
-        result.forgetting = None if forgetting is None else forgetting.result
-        result.budget = None if budget is None else budget.plan
-        result.batch_budget = probed
-        if is_main and sources.validation:
-            _final_evaluation(result, job, sources.validation, val_loader, options)
-        if is_main and job.evaluation is not None and job.evaluation.md is not None:
-            _final_md_check(result, job, sources.validation or sources.train, options, console)
+        with open_trackers(trackers):  # one tracked run for training and the final evaluation
+            try:
+                strategy.run(loader)
+            except BaseException:
+                if restore_job_copy is not None and strategy.step_count == first_step:
+                    restore_job_copy()  # refused before its first step: the earlier copy stands
+                raise
+            result = RunResult(strategy, run_dir, checkpoint_dir, is_main=is_main, **counts)
+            result.forgetting = None if forgetting is None else forgetting.result
+            result.budget = None if budget is None else budget.plan
+            result.batch_budget = probed
+            result.trackers = trackers
+            if is_main and sources.validation:
+                _final_evaluation(result, job, sources.validation, val_loader, options)
+            if is_main and job.evaluation is not None and job.evaluation.md is not None:
+                _final_md_check(result, job, sources.validation or sources.train, options, console)
+            if is_main:
+                log_evaluation(
+                    trackers, result.evaluation, plots=result.plots, md_check=result.md_check
+                )
     finally:
         sources.close()
     return result

@@ -54,6 +54,8 @@ __all__ = [
 ]
 
 ModelSource = Literal["native-checkpoint", "mace", "custom"]
+Logger = Literal["tensorboard", "wandb", "mlflow"]
+"""An experiment tracker a run can log to (``output.loggers``, ``--logger``)."""
 DataFormat = Literal["auto", "extxyz", "ase-db", "alchemi-zarr", "alchemi-zarr-multidataset"]
 
 
@@ -302,6 +304,11 @@ class OutputSpec(_Block):
     tensorboard: bool | None = Field(
         default=None, description="write TensorBoard events (default: when installed)"
     )
+    loggers: list[Logger] | None = Field(
+        default=None,
+        description="experiment trackers the run logs to: tensorboard, wandb, mlflow "
+        "(default: tensorboard when installed; [] for none; --logger replaces the list)",
+    )
     group_by: str | None = Field(
         default=None,
         description="info key of the structures (extxyz/db) that the final evaluation breaks "
@@ -312,6 +319,17 @@ class OutputSpec(_Block):
         description="write learning curves and, with validation data, parity plots of the "
         "final model (PNGs in run_dir) at the end",
     )
+
+    @model_validator(mode="after")
+    def _tensorboard_agrees(self) -> OutputSpec:
+        if self.loggers is not None:
+            self.loggers = list(dict.fromkeys(self.loggers))
+            if self.tensorboard is not None and self.tensorboard != ("tensorboard" in self.loggers):
+                raise ValueError(
+                    f"tensorboard: {str(self.tensorboard).lower()} disagrees with loggers: "
+                    f"{self.loggers}; list the trackers in loggers only"
+                )
+        return self
 
     @property
     def checkpoint_root(self) -> str:

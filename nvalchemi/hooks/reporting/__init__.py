@@ -2,8 +2,9 @@
 
 One hook, :class:`ReportingOrchestrator`, sends selected engine events to
 reporters: :class:`RichReporter` (terminal dashboard or plain log lines),
-:class:`TensorBoardReporter` (extra ``tensorboard``) and
-:class:`JSONLinesReporter` (``metrics.jsonl``). :mod:`.plots` turns the
+:class:`TensorBoardReporter` (extra ``tensorboard``), :class:`JSONLinesReporter`
+(``metrics.jsonl``) and the experiment trackers :class:`WandbReporter` and
+:class:`MLflowReporter` (extra ``trackers``). :mod:`.plots` turns the
 metrics file and predictions into PNG plots (extra ``plots``).
 
 Example:
@@ -31,6 +32,9 @@ _EXPORTS = {
     "DynamicsRichLayout": ".rich_layouts",
     "TensorBoardReporter": ".tensorboard",
     "TensorBoardWriter": ".tensorboard",
+    "TrackerReporter": ".tracker",
+    "WandbReporter": ".wandb",
+    "MLflowReporter": ".mlflow",
     "JSONLinesReporter": ".jsonl",
     "read_metrics": ".jsonl",
     "metric_units": ".jsonl",

@@ -4,18 +4,20 @@ Reporters are plain objects with ``report(ctx, stage, state)``. The
 orchestrator decides *when* they run (stages matched by name, the engine's
 ``frequency`` gate, rank gating), handles their failures per
 :class:`ReportingErrorPolicy`, and owns their lifecycle (enter once, close in
-reverse order exactly once).
+reverse order exactly once). Reporters with ``state_dict``/``load_state_dict`` (an
+experiment tracker's run id) are checkpointed through it.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 from nvalchemi.distributed.runtime import get_rank
+from nvalchemi.hooks.protocol import is_checkpointable
 from nvalchemi.hooks.reporting._events import stage_name
 from nvalchemi.hooks.reporting.state import ReportingState
 
@@ -270,6 +272,29 @@ class ReportingOrchestrator:
         self._entered = []
         if first_error is not None:
             raise first_error
+
+    # ----------------------------------------------------------------- checkpoints
+    def checkpointable_children(self) -> list[tuple[str, Any]]:
+        """``[(class name, reporter)]`` of the reporters with ``state_dict`` (``#1``... for
+        repeats), e.g. a tracker's run id: saved in checkpoints, so a resumed run continues."""
+        counts: dict[str, int] = {}
+        children = []
+        for reporter in self.reporters:
+            if is_checkpointable(reporter):
+                name = type(reporter).__name__
+                n = counts[name] = counts.get(name, -1) + 1
+                children.append((name if n == 0 else f"{name}#{n}", reporter))
+        return children
+
+    def state_dict(self) -> dict[str, Any]:
+        """The states of the checkpointable reporters, by their keys."""
+        return {key: reporter.state_dict() for key, reporter in self.checkpointable_children()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the reporters that :meth:`state_dict` saved (others keep theirs)."""
+        for key, reporter in self.checkpointable_children():
+            if key in state:
+                reporter.load_state_dict(state[key])
 
     # ----------------------------------------------------------------- errors
     @staticmethod

@@ -1,9 +1,10 @@
-"""The reporting of a training run in one call: progress, ``metrics.jsonl``, TensorBoard, plots.
+"""The reporting of a training run in one call: progress, ``metrics.jsonl``, trackers, plots.
 
 :func:`run_reporting` returns one ``ReportingOrchestrator`` with a ``RichReporter``
 (live dashboard in a terminal, plain lines elsewhere), a ``JSONLinesReporter`` writing
 ``<run_dir>/metrics.jsonl`` and, when TensorBoard is installed (or asked for), a
-``TensorBoardReporter`` writing ``<run_dir>/tensorboard``. With a time budget (any
+``TensorBoardReporter`` writing ``<run_dir>/tensorboard``, then the experiment trackers
+given (``WandbReporter``, ``MLflowReporter``). With a time budget (any
 object with ``progress() -> {"remaining_s", "planned_steps"}``, such as a
 ``TimeBudgetHook``) progress shows the time left and the planned end. :func:`learning_curves`
 draws ``learning_curves.png`` from the metrics file at the end.
@@ -14,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +47,12 @@ def run_reporting(
     title: str = "nvalchemi training",
     console: Any = None,
     budget: Any = None,
+    trackers: Sequence[Any] = (),
 ) -> Any:
     """A ``ReportingOrchestrator`` for ``run_dir`` (rank 0 reports).
+
+    ``trackers`` (``WandbReporter``, ``MLflowReporter``, ...) are added after the built-in
+    reporters; they see the same scalars, the budget's included.
 
     ``budget`` (a ``TimeBudgetHook``) adds ``budget/remaining_s``, ``budget/seconds`` and
     ``budget/planned_steps`` to every report, which progress lines and the dashboard
@@ -69,6 +75,10 @@ def run_reporting(
         tensorboard = OptionalDependency.TENSORBOARD.is_available()
     if tensorboard:
         reporters.append(TensorBoardReporter(run_dir / "tensorboard", custom_scalars=custom))
+    for tracker in trackers:
+        if custom is not None:
+            tracker.custom_scalars = {**custom, **tracker.custom_scalars}
+        reporters.append(tracker)
     return ReportingOrchestrator(
         reporters, stages=REPORT_STAGES, frequency=int(log_every), rank_zero_only=True
     )
