@@ -571,13 +571,17 @@ class PaiNN(nn.Module, BaseModelMixin):
         heads = self._atom_heads(data, head, batch_idx)
 
         per_atom_energies: list[torch.Tensor] = []
+        # kept only when asked for: a tensor leaked out of torch.func.grad (the compiled
+        # step's derivatives) cannot be read outside it
+        keep_atomic = "atomic_energies" in active
 
         def energy_fn(positions: torch.Tensor, cell: torch.Tensor | None) -> torch.Tensor:
             s = self.node_features(
                 species, positions, x["neighbor_list"], x["shifts"], cell, batch_idx
             )
             per_atom = self.atomic_energy(species, s, heads)
-            per_atom_energies.append(per_atom)
+            if keep_atomic:
+                per_atom_energies.append(per_atom)
             return per_atom.new_zeros(num_graphs).index_add_(0, batch_idx, per_atom)
 
         result = energy_and_derivatives(
@@ -590,7 +594,7 @@ class PaiNN(nn.Module, BaseModelMixin):
             compute_stress="stress" in active,
             training=self.training,
         )
-        if "atomic_energies" in active:
+        if keep_atomic:
             per_atom = per_atom_energies[-1]
             result["atomic_energies"] = per_atom if torch.is_grad_enabled() else per_atom.detach()
         return self.adapt_output(result, data)

@@ -22,10 +22,6 @@ _FIELDS = {"path": "OUT", "format": "--format", "dtype": "--dtype", "model": "CH
 Examples:
   nvalchemi-training export runs/my/checkpoints runs/my/potential.pt
   nvalchemi-training export runs/my/checkpoints cu.pt --dtype float32 --check held_out.extxyz
-\b
-Use the file (torch only):
-  m = torch.jit.load("potential.pt"); out = m(inputs)   # see docs/deploy.md
-  atoms.calc = NvalchemiCalculator.from_export("potential.pt")
 """,
 )
 @click.argument("checkpoint", type=click.Path(file_okay=False))
@@ -87,6 +83,11 @@ def export(
     The export checks itself against the model on a few structures (nothing is written
     if they disagree) and carries a metadata JSON: the model spec, units, dtype, training
     step, data files and their hashes, the run's final errors and the check's numbers.
+
+    \b
+    Use the file (torch only; docs/deploy.md):
+      m = torch.jit.load("potential.pt"); out = m(inputs)
+      atoms.calc = NvalchemiCalculator.from_export("potential.pt")
     """
     from nvalchemi.app.export import export_checkpoint
     from nvalchemi.app.jobs.resolve import allow_user_code
