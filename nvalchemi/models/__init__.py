@@ -12,6 +12,8 @@ _EXPORTS = {
     "PaiNN": ".painn",
     "MACEWrapper": ".mace",
     "NvalchemiCalculator": ".calculator",
+    "Committee": ".committee",
+    "CommitteeCalculator": ".committee_calculator",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
