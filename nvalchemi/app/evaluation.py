@@ -100,6 +100,13 @@ class Evaluation:
     """Structure type of each structure (see :func:`structure_groups`)."""
     sources: np.ndarray | None = None
     """Input file of each structure."""
+    energy_std: np.ndarray | None = None
+    """A committee's spreads (see :mod:`nvalchemi.app.uncertainty`): energy std ``(S,)``
+    (eV, per structure), ``forces_std`` ``(N, 3)``, ``stress_std`` ``(S, 9)``."""
+    forces_std: np.ndarray | None = None
+    stress_std: np.ndarray | None = None
+    uncertainty_scale: dict[str, float] | None = None
+    """The calibration factors the spreads were evaluated with."""
 
     @property
     def num_structures(self) -> int:
@@ -210,7 +217,12 @@ class Evaluation:
         return rows
 
     def report(self) -> dict[str, Any]:
-        """Every breakdown as one JSON-ready dict (units under ``"units"``)."""
+        """Every breakdown as one JSON-ready dict (units under ``"units"``); with a
+        committee's spreads also ``"uncertainty"`` (:func:`~nvalchemi.app.uncertainty.
+        uncertainty_report`)."""
+        from nvalchemi.app.uncertainty import has_spreads, uncertainty_report
+
+        extra = {"uncertainty": uncertainty_report(self)} if has_spreads(self) else {}
         return {
             "units": dict(UNITS),
             "metrics": self.metrics(),
@@ -221,6 +233,7 @@ class Evaluation:
                 {**row, "high": None if math.isinf(row["high"]) else row["high"]}
                 for row in self.force_bins()
             ],
+            **extra,
         }
 
     def parity_plots(self, out_dir: str | Path) -> list[Path]:
@@ -274,13 +287,14 @@ def predict(
 
     device = torch.device(device)
     config = getattr(model, "model_config", None)
+    spreads = set() if config is None else set(config.outputs)
     wanted = None
     if config is not None:
         wanted = {"energy", "forces"} & set(config.outputs)
         if stress and "stress" in config.outputs:
             wanted.add("stress")
     parts: dict[str, list[np.ndarray]] = {
-        k: [] for k in ("ep", "er", "n", "fp", "fr", "sp", "sr", "z")
+        k: [] for k in ("ep", "er", "n", "fp", "fr", "sp", "sr", "z", "es", "fs", "ss")
     }
     with evaluating(model, wanted):
         for batch in loader:
@@ -300,15 +314,31 @@ def predict(
             parts["fr"].append(_rows(_label(batch, "forces"), atoms, 3))
             parts["sp"].append(_rows(out.get("stress"), graphs, 9))
             parts["sr"].append(_rows(_label(batch, "stress"), graphs, 9))
+            for key, name, rows, width in (
+                ("es", "energy_std", graphs, 1),
+                ("fs", "forces_std", atoms, 3),
+                ("ss", "stress_std", graphs, 9),
+            ):
+                if name in spreads:  # a committee's (NaN rows where a batch has none)
+                    parts[key].append(_rows(out.get(name), rows, width))
 
     def cat(key: str) -> np.ndarray | None:
         if not parts[key]:
             return None
         values = np.concatenate(parts[key])
-        return None if key[0] in "fs" and np.isnan(values).all() else values
+        optional = key not in ("ep", "er", "n", "z")  # forces, stress, spreads
+        return None if optional and np.isnan(values).all() else values
 
     sizes = cat("n")
+    scale = getattr(model, "uncertainty_scale", None)
+    energy_std = cat("es")
     return Evaluation(
+        energy_std=None if energy_std is None else energy_std.reshape(-1),
+        forces_std=cat("fs"),
+        stress_std=cat("ss"),
+        uncertainty_scale=None
+        if scale is None
+        else dict(zip(("energy", "forces", "stress"), scale.detach().cpu().tolist())),
         energy_per_atom_pred=cat("ep") if parts["ep"] else np.zeros(0),
         energy_per_atom_ref=cat("er") if parts["er"] else np.zeros(0),
         forces_pred=cat("fp"),

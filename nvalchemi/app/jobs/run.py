@@ -90,6 +90,9 @@ class RunResult:
     """The :class:`~nvalchemi.training.memory_probe.BatchBudget` of ``batch_size: auto``."""
     forgetting: dict[str, dict[str, float]] | None = None
     """Held-out replay errors before/after a fine-tune with replay (``ForgettingHook.result``)."""
+    calibration: dict[str, float] | None = None
+    """A committee's calibration factors fitted on the validation data (stored in a last
+    checkpoint by single-process runs; see :mod:`nvalchemi.app.uncertainty`)."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -598,6 +601,16 @@ def _run(
         result.batch_budget = probed
         if is_main and sources.validation:
             _final_evaluation(result, job, sources.validation, val_loader, options)
+        if result.calibration and checkpoint_dir is not None:
+            if world_size == 1:
+                from nvalchemi.app.uncertainty import store_calibration
+
+                store_calibration(strategy, result.calibration, checkpoint_dir)
+            elif console is not None:
+                console.print(
+                    "the calibration factors of the committee's spreads are in "
+                    "final_evaluation.json; multi-rank runs do not store them in the checkpoint"
+                )
     finally:
         sources.close()
     return result
@@ -640,9 +653,16 @@ def _final_evaluation(
     )
     if evaluation is None:
         return
+    from nvalchemi.app.uncertainty import apply_calibration, calibration_plot, fit_calibration
+
+    # A committee's spreads: calibrated on this validation data (stored by the caller).
+    result.calibration = fit_calibration(evaluation)
+    apply_calibration(evaluation, result.calibration)
     result.evaluation, result.final_weights, result.grouping = evaluation, weights, grouping
     result.final_metrics = evaluation.metrics()
     report = {"weights": weights, "grouping": grouping, **evaluation.report()}
     (result.run_dir / FINAL_EVALUATION).write_text(json.dumps(report, indent=2) + "\n")
     if job.output.plots and plots_available():
         result.plots += evaluation.parity_plots(result.run_dir)
+        if result.calibration:
+            result.plots.append(calibration_plot(evaluation, result.run_dir))
