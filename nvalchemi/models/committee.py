@@ -179,6 +179,15 @@ class Committee(nn.Module, BaseModelMixin):
                 shapes[name] = (width + shape[0], *shape[1:])
         return shapes
 
+    def set_config(self, key: str, value: Any) -> None:
+        """Set a field of ``model_config``; ``active_outputs`` also sets the members' (what
+        their specs, and so checkpoints, record), e.g. ``{"energy", "forces", "stress"}``."""
+        super().set_config(key, value)
+        if key == "active_outputs":
+            wanted = {_SPREAD_OF.get(k, k) for k in self.model_config.active_outputs}
+            for member in self.members:
+                member.set_config(key, wanted & set(QUANTITIES) & set(member.model_config.outputs))
+
     def set_uncertainty_scale(self, **factors: float) -> None:
         """Set calibration factors, e.g. ``set_uncertainty_scale(forces=1.8, energy=2.5)``."""
         unknown = sorted(set(factors) - set(QUANTITIES))
@@ -198,11 +207,15 @@ class Committee(nn.Module, BaseModelMixin):
         """
         active = self.output_data()
         wanted = {_SPREAD_OF.get(key, key) for key in active} & set(QUANTITIES)
+        outputs = []
         for member in self.members:
+            # For this call only: the members' own setting is what their specs record.
             config = member.model_config
-            if config.active_outputs != wanted:
-                config.active_outputs = set(wanted)
-        outputs = [member(data, **kwargs) for member in self.members]
+            previous, config.active_outputs = config.active_outputs, set(wanted)
+            try:
+                outputs.append(member(data, **kwargs))
+            finally:
+                config.active_outputs = previous
         weights = None
         if self.bootstrap and self.training and torch.is_grad_enabled():
             weights = bootstrap_counts(data, self.size, self.seed)

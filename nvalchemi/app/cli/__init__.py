@@ -1,7 +1,8 @@
 """The ``nvalchemi-training`` command line (``nvalchemi-training --help`` lists the commands).
 
 ``quickstart``; ``train init`` / ``finetune init``, ``finetune check``; ``spec report|run|
-resume``; ``schema dump|template``; ``data convert|check|stats``; ``evaluate``; ``bench``.
+resume``; ``schema dump|template``; ``data convert|check|stats``; ``evaluate``; ``bench``;
+``learn``.
 Also runnable as ``python -m nvalchemi.training.cli``. Importing it loads click and
 pydantic only. What a command computes is a library function
 (:mod:`nvalchemi.app.jobs`, :mod:`nvalchemi.app.evaluation`,
@@ -13,6 +14,7 @@ from nvalchemi.app.cli import (  # noqa: F401  (registers the commands)
     data_cmds,
     evaluate_cmd,
     init_cmds,
+    learn_cmd,
     quickstart,
     spec_cmds,
 )
