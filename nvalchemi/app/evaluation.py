@@ -45,11 +45,13 @@ __all__ = [
     "QUANTITIES",
     "UNITS",
     "Evaluation",
+    "calibrate",
     "error_rows",
     "evaluate_final_model",
     "evaluate_readers",
     "final_model",
     "predict",
+    "store_calibration",
     "structure_groups",
 ]
 
@@ -484,3 +486,44 @@ def evaluate_final_model(
         n_threads=n_threads,
     )
     return evaluation, weights, grouping
+
+
+# ---------------------------------------------------------------------- calibration
+def calibrate(
+    model: Any,
+    readers: Sequence[Any],
+    *,
+    batch_size: int = 16,
+    device: Any = "cpu",
+    group_by: str | None = None,
+) -> tuple[dict[str, float], Evaluation]:
+    """Fit a committee's calibration factors on ``readers`` (validation data) and set them.
+
+    Returns ``(factors, evaluation)``; the evaluation's spreads are rescaled to the new
+    factors (see :mod:`nvalchemi.app.uncertainty`). Example::
+
+        factors, _ = calibrate(committee, [open_reader("valid.extxyz")])
+    """
+    from nvalchemi.app.uncertainty import apply_calibration, fit_calibration, set_calibration
+
+    evaluation, _ = evaluate_readers(
+        model, readers, batch_size=batch_size, device=device, group_by=group_by
+    )
+    factors = fit_calibration(evaluation)
+    set_calibration(model, factors)
+    apply_calibration(evaluation, factors)
+    return factors, evaluation
+
+
+def store_calibration(
+    strategy: Any, factors: dict[str, float] | None, checkpoint_dir: str | Path
+) -> int | None:
+    """Give the strategy's main model (live and EMA weights) ``factors`` and save a
+    checkpoint into ``checkpoint_dir`` (collective: call it on every rank with rank 0's
+    factors). Returns the checkpoint index, or ``None`` when there was nothing to store."""
+    from nvalchemi.app.uncertainty import set_calibration
+
+    models = [final_model(strategy, use_ema)[0] for use_ema in ("never", "always")]
+    if not factors or not any([set_calibration(m, factors) for m in models if m is not None]):
+        return None
+    return strategy.save_checkpoint(checkpoint_dir)

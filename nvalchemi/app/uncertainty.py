@@ -16,7 +16,8 @@ The spreads are calibrated by one factor per quantity (energy, forces, stress) t
 errors: ``s^2 = mean((error / sigma_raw)^2)``); the model stores them
 (``Committee.uncertainty_scale``), so the calculator, the export and ``evaluate`` apply
 them. ``spec run`` fits them on its validation data and stores them in a last checkpoint
-(:func:`store_calibration`); :func:`calibrate` does it for a model in Python.
+(:func:`nvalchemi.app.evaluation.store_calibration`);
+:func:`nvalchemi.app.evaluation.calibrate` does it for a model in Python.
 
 Example:
     >>> import numpy as np
@@ -33,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,10 @@ __all__ = [
     "SIGMAS",
     "SPREAD_QUANTITIES",
     "apply_calibration",
-    "calibrate",
     "calibration_plot",
     "fit_calibration",
-    "store_calibration",
+    "has_spreads",
+    "set_calibration",
     "uncertainty_metrics",
     "uncertainty_report",
 ]
@@ -221,52 +222,13 @@ def apply_calibration(evaluation: Any, factors: Mapping[str, float]) -> None:
     evaluation.uncertainty_scale = scales
 
 
-def _set_factors(model: Any, factors: Mapping[str, float]) -> bool:
+def set_calibration(model: Any, factors: Mapping[str, float]) -> bool:
+    """Give ``model`` (a committee) the calibration ``factors``; ``False`` if it takes none."""
     setter = getattr(model, "set_uncertainty_scale", None)
     if not callable(setter) or not factors:
         return False
     setter(**dict(factors))
     return True
-
-
-def calibrate(
-    model: Any,
-    readers: Sequence[Any],
-    *,
-    batch_size: int = 16,
-    device: Any = "cpu",
-    group_by: str | None = None,
-) -> tuple[dict[str, float], Any]:
-    """Fit ``model``'s calibration factors on ``readers`` (validation data) and set them.
-
-    Returns ``(factors, evaluation)``; the evaluation's spreads are rescaled to the new
-    factors. Example::
-
-        factors, _ = calibrate(committee, [open_reader("valid.extxyz")])
-    """
-    from nvalchemi.app.evaluation import evaluate_readers
-
-    evaluation, _ = evaluate_readers(
-        model, readers, batch_size=batch_size, device=device, group_by=group_by
-    )
-    factors = fit_calibration(evaluation)
-    _set_factors(model, factors)
-    apply_calibration(evaluation, factors)
-    return factors, evaluation
-
-
-def store_calibration(
-    strategy: Any, factors: Mapping[str, float] | None, checkpoint_dir: str | Path
-) -> int | None:
-    """Give the strategy's main model (live and EMA weights) ``factors`` and save a
-    checkpoint into ``checkpoint_dir`` (collective: call it on every rank with rank 0's
-    factors). Returns the checkpoint index, or ``None`` when there was nothing to store."""
-    from nvalchemi.app.evaluation import final_model
-
-    models = [final_model(strategy, use_ema)[0] for use_ema in ("never", "always")]
-    if not factors or not any([_set_factors(m, factors) for m in models if m is not None]):
-        return None
-    return strategy.save_checkpoint(checkpoint_dir)
 
 
 # --------------------------------------------------------------------------------- plot

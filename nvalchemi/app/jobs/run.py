@@ -603,7 +603,7 @@ def _run(
             _final_evaluation(result, job, sources.validation, val_loader, options)
         if result.calibration and checkpoint_dir is not None:
             if world_size == 1:
-                from nvalchemi.app.uncertainty import store_calibration
+                from nvalchemi.app.evaluation import store_calibration
 
                 store_calibration(strategy, result.calibration, checkpoint_dir)
             elif console is not None:

@@ -8,7 +8,7 @@ mix the new labels with earlier ones (:func:`~nvalchemi.training.replay.mix_repl
 ``train.checkpoint_every`` steps; a killed run resumes from the last one exactly (the
 engine's resume: weights, optimizer, loader position, RNG). At the end the spread is
 calibrated on the validation data and stored with the model
-(:func:`~nvalchemi.app.uncertainty.store_calibration`).
+(:func:`~nvalchemi.app.evaluation.store_calibration`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def finetune_committee(
     """
     import torch
 
+    from nvalchemi.app.evaluation import calibrate, final_model, store_calibration
     from nvalchemi.app.jobs.run import seed_everything
-    from nvalchemi.app.uncertainty import calibrate, store_calibration
     from nvalchemi.data.sources import neighbor_config_of
     from nvalchemi.training.finetune import FineTuningStrategy
     from nvalchemi.training.hooks import CheckpointHook
@@ -112,8 +112,6 @@ def finetune_committee(
         strategy.save_checkpoint(root)
     if not validation:
         return {}
-    from nvalchemi.app.evaluation import final_model
-
     model, _ = final_model(strategy, "auto")
     factors, _ = calibrate(model, list(validation), device=device)
     store_calibration(strategy, factors, root)
