@@ -310,3 +310,26 @@ def test_sigkill_in_every_phase_then_resume_loses_and_repeats_no_label(trained, 
     assert killed["reports"] == reference["reports"]
     torch.testing.assert_close(killed["state"], reference["state"], rtol=0, atol=0, equal_nan=True)
     assert np.isfinite(reference["reports"][-1]["test"]["forces_mae"])
+
+
+def test_the_example_learn_job_and_its_start_job_are_valid():
+    from nvalchemi.app.jobs import load_job
+    from nvalchemi.app.learn import read_learn_job
+
+    job = read_learn_job(Path(__file__).parents[2] / "examples" / "learn" / "learn.yaml")
+    assert Path(job.start.job).is_file() and all(Path(p).is_file() for p in job.start.test)
+    assert job.imports == ["ase.calculators.emt"] and job.label.workers == 2
+    start, _ = load_job(job.start.job)
+    assert start.strategy.model_specs["main"]["size"] == 4
+    check_labeller(job.label.calculator, job.imports)
+
+
+def test_a_bad_learn_job_names_its_fields(tmp_path):
+    from nvalchemi.app.learn import read_learn_job
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"work_dir": "w", "start": {}, "explore": {}, "select": {}}))
+    with pytest.raises(FieldError) as found:
+        read_learn_job(path)
+    for field in ("start", "explore.structures", "select.trust_lo", "label"):
+        assert field in str(found.value)

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,7 +203,7 @@ class LearnJob(_Block):
 
         def fix(path: str) -> str:
             expanded = Path(path).expanduser()
-            return str(expanded if expanded.is_absolute() else Path(base) / expanded)
+            return os.path.normpath(expanded if expanded.is_absolute() else Path(base) / expanded)
 
         data = self.model_dump()
         data["work_dir"] = fix(data["work_dir"])
