@@ -365,3 +365,17 @@ def test_calculator_reports_the_spread_and_uses_the_calibration(helpers, tmp_pat
     with pytest.raises(TypeError, match="outputs no spread"):
         CommitteeCalculator(PaiNN(**TINY, elements=ELEMENTS))
     assert "forces_std" not in NvalchemiCalculator(committee).implemented_properties
+
+
+def test_set_config_active_outputs_reaches_the_members_and_their_specs(helpers):
+    from nvalchemi.training.model_spec import model_spec_for
+
+    committee = Committee([_member_spec()], size=2)
+    committee.set_config("active_outputs", {"energy", "forces", "stress"})
+    assert all(m.active_outputs == ("energy", "forces", "stress") for m in committee.members)
+    rebuilt = model_spec_for(committee, strict=True).build()
+    assert set(rebuilt.model_config.active_outputs) == {"energy", "forces", "stress"}
+    # a temporary choice (as evaluation makes) leaves the members' own setting alone
+    committee.model_config.active_outputs = {"energy"}
+    committee.eval()(_batch(helpers, _cells(helpers, 1)))
+    assert all(m.active_outputs == ("energy", "forces", "stress") for m in committee.members)
