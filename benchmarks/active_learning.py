@@ -21,7 +21,13 @@ selection's final force error, and both methods' slab error at the final budget.
 ``curves.png`` in ``--out``.
 
 Usage: ``python benchmarks/active_learning.py [--out runs/bench_al] [--iterations 5]``
-(about 15 minutes on 2 CPU cores with the defaults; ``--quick`` for a smoke run).
+(about 20 minutes on 2 busy CPU cores with the defaults; ``--quick`` for a smoke run).
+
+Measured (seed 0, the defaults; 2 CPU cores shared with other work, 19 minutes): force
+MAE on the test set from 79.7 meV/Å (100 bulk labels) to 47.1 (loop) and 52.3 (random)
+meV/Å at 200 labels; the loop reached random selection's final error with 68 of its 100
+added labels (aim: 50); on the slabs, absent from the start data, 53.6 against 61.3
+meV/Å. See docs/active-learning.md.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def slab(rng: np.random.Generator, rattle: float = 0.05) -> Any:
     scale = _lattice(list(atoms.get_chemical_symbols())) / 3.6
     atoms.set_cell(atoms.cell[:] * scale, scale_atoms=True)
     atoms.rattle(rattle, seed=int(rng.integers(1 << 30)))
-    atoms.info["config_type"] = "slab"
+    atoms.info = {"config_type": "slab"}  # fcc111's adsorbate sites do not fit extxyz
     return atoms
 
 
