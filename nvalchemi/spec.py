@@ -132,6 +132,16 @@ class BaseSpec(BaseModel):
         params = _parameters(self.target())
         return name in params or _accepts_var_kwargs(params)
 
+    def built_kwargs(self, target: Any = None) -> dict[str, Any]:
+        """The stored kwargs with nested specs built, as :meth:`build` passes them to
+        ``target`` (default: this spec's target; e.g. its ``from_data`` classmethod): a
+        parameter that ``target`` annotates as a spec keeps its spec."""
+        params = _parameters(self.target() if target is None else target)
+        return {
+            k: _build_value(v, params[k].annotation if k in params else _EMPTY)
+            for k, v in self.kwargs.items()
+        }
+
     def build(self, *args: Any, strict: bool = False, **extra_kwargs: Any) -> Any:
         """Call the target with ``*args`` and the stored kwargs (``extra_kwargs`` win).
 

@@ -45,11 +45,13 @@ __all__ = [
     "QUANTITIES",
     "UNITS",
     "Evaluation",
+    "calibrate",
     "error_rows",
     "evaluate_final_model",
     "evaluate_readers",
     "final_model",
     "predict",
+    "store_calibration",
     "structure_groups",
 ]
 
@@ -100,6 +102,13 @@ class Evaluation:
     """Structure type of each structure (see :func:`structure_groups`)."""
     sources: np.ndarray | None = None
     """Input file of each structure."""
+    energy_std: np.ndarray | None = None
+    """A committee's spreads (see :mod:`nvalchemi.app.uncertainty`): energy std ``(S,)``
+    (eV, per structure), ``forces_std`` ``(N, 3)``, ``stress_std`` ``(S, 9)``."""
+    forces_std: np.ndarray | None = None
+    stress_std: np.ndarray | None = None
+    uncertainty_scale: dict[str, float] | None = None
+    """The calibration factors the spreads were evaluated with."""
 
     @property
     def num_structures(self) -> int:
@@ -210,7 +219,12 @@ class Evaluation:
         return rows
 
     def report(self) -> dict[str, Any]:
-        """Every breakdown as one JSON-ready dict (units under ``"units"``)."""
+        """Every breakdown as one JSON-ready dict (units under ``"units"``); with a
+        committee's spreads also ``"uncertainty"`` (:func:`~nvalchemi.app.uncertainty.
+        uncertainty_report`)."""
+        from nvalchemi.app.uncertainty import has_spreads, uncertainty_report
+
+        extra = {"uncertainty": uncertainty_report(self)} if has_spreads(self) else {}
         return {
             "units": dict(UNITS),
             "metrics": self.metrics(),
@@ -221,6 +235,7 @@ class Evaluation:
                 {**row, "high": None if math.isinf(row["high"]) else row["high"]}
                 for row in self.force_bins()
             ],
+            **extra,
         }
 
     def parity_plots(self, out_dir: str | Path) -> list[Path]:
@@ -274,13 +289,14 @@ def predict(
 
     device = torch.device(device)
     config = getattr(model, "model_config", None)
+    spreads = set() if config is None else set(config.outputs)
     wanted = None
     if config is not None:
         wanted = {"energy", "forces"} & set(config.outputs)
         if stress and "stress" in config.outputs:
             wanted.add("stress")
     parts: dict[str, list[np.ndarray]] = {
-        k: [] for k in ("ep", "er", "n", "fp", "fr", "sp", "sr", "z")
+        k: [] for k in ("ep", "er", "n", "fp", "fr", "sp", "sr", "z", "es", "fs", "ss")
     }
     with evaluating(model, wanted):
         for batch in loader:
@@ -300,15 +316,31 @@ def predict(
             parts["fr"].append(_rows(_label(batch, "forces"), atoms, 3))
             parts["sp"].append(_rows(out.get("stress"), graphs, 9))
             parts["sr"].append(_rows(_label(batch, "stress"), graphs, 9))
+            for key, name, rows, width in (
+                ("es", "energy_std", graphs, 1),
+                ("fs", "forces_std", atoms, 3),
+                ("ss", "stress_std", graphs, 9),
+            ):
+                if name in spreads:  # a committee's (NaN rows where a batch has none)
+                    parts[key].append(_rows(out.get(name), rows, width))
 
     def cat(key: str) -> np.ndarray | None:
         if not parts[key]:
             return None
         values = np.concatenate(parts[key])
-        return None if key[0] in "fs" and np.isnan(values).all() else values
+        optional = key not in ("ep", "er", "n", "z")  # forces, stress, spreads
+        return None if optional and np.isnan(values).all() else values
 
     sizes = cat("n")
+    scale = getattr(model, "uncertainty_scale", None)
+    energy_std = cat("es")
     return Evaluation(
+        energy_std=None if energy_std is None else energy_std.reshape(-1),
+        forces_std=cat("fs"),
+        stress_std=cat("ss"),
+        uncertainty_scale=None
+        if scale is None
+        else dict(zip(("energy", "forces", "stress"), scale.detach().cpu().tolist())),
         energy_per_atom_pred=cat("ep") if parts["ep"] else np.zeros(0),
         energy_per_atom_ref=cat("er") if parts["er"] else np.zeros(0),
         forces_pred=cat("fp"),
@@ -454,3 +486,44 @@ def evaluate_final_model(
         n_threads=n_threads,
     )
     return evaluation, weights, grouping
+
+
+# ---------------------------------------------------------------------- calibration
+def calibrate(
+    model: Any,
+    readers: Sequence[Any],
+    *,
+    batch_size: int = 16,
+    device: Any = "cpu",
+    group_by: str | None = None,
+) -> tuple[dict[str, float], Evaluation]:
+    """Fit a committee's calibration factors on ``readers`` (validation data) and set them.
+
+    Returns ``(factors, evaluation)``; the evaluation's spreads are rescaled to the new
+    factors (see :mod:`nvalchemi.app.uncertainty`). Example::
+
+        factors, _ = calibrate(committee, [open_reader("valid.extxyz")])
+    """
+    from nvalchemi.app.uncertainty import apply_calibration, fit_calibration, set_calibration
+
+    evaluation, _ = evaluate_readers(
+        model, readers, batch_size=batch_size, device=device, group_by=group_by
+    )
+    factors = fit_calibration(evaluation)
+    set_calibration(model, factors)
+    apply_calibration(evaluation, factors)
+    return factors, evaluation
+
+
+def store_calibration(
+    strategy: Any, factors: dict[str, float] | None, checkpoint_dir: str | Path
+) -> int | None:
+    """Give the strategy's main model (live and EMA weights) ``factors`` and save a
+    checkpoint into ``checkpoint_dir`` (collective: call it on every rank with rank 0's
+    factors). Returns the checkpoint index, or ``None`` when there was nothing to store."""
+    from nvalchemi.app.uncertainty import set_calibration
+
+    models = [final_model(strategy, use_ema)[0] for use_ema in ("never", "always")]
+    if not factors or not any([set_calibration(m, factors) for m in models if m is not None]):
+        return None
+    return strategy.save_checkpoint(checkpoint_dir)

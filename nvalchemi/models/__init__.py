@@ -16,6 +16,8 @@ _EXPORTS = {
     "TorchSimModel": ".torchsim",
     "LammpsPotential": ".lammps",
     "run_lammps": ".lammps",
+    "Committee": ".committee",
+    "CommitteeCalculator": ".committee_calculator",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,7 +2,7 @@
 
 ``quickstart``; ``train init`` / ``finetune init``, ``finetune check``; ``spec report|run|
 resume``; ``schema dump|template``; ``data convert|check|stats``; ``evaluate``; ``export``;
-``bench``.
+``learn``; ``bench``.
 Also runnable as ``python -m nvalchemi.training.cli``. Importing it loads click and
 pydantic only. What a command computes is a library function
 (:mod:`nvalchemi.app.jobs`, :mod:`nvalchemi.app.evaluation`,
@@ -15,6 +15,7 @@ from nvalchemi.app.cli import (  # noqa: F401  (registers the commands)
     evaluate_cmd,
     export_cmd,
     init_cmds,
+    learn_cmd,
     quickstart,
     spec_cmds,
 )

@@ -99,6 +99,8 @@ def print_evaluation(console: Any, evaluation: Any, title: str, grouping: str = 
     _breakdown(console, "Errors per input file", "file", report["by_source"])
     _force_bins(console, evaluation.force_bins())
     console.print(UNITS_NOTE)
+    if "uncertainty" in report:
+        _uncertainty(console, report["uncertainty"], by)
     return {"grouping": grouping, **report}
 
 
@@ -182,6 +184,45 @@ def md_settings_from_options(
         raise FieldError(
             error["msg"], field=f"--md-{field.replace('_', '-')}", fix="see --help"
         ) from None
+
+
+def _uncertainty_rows(block: dict[str, Any], first: str) -> tuple[str, ...]:
+    def fraction(key: str) -> str:
+        return f"{block[key]:.2f}" if key in block else "-"
+
+    spearman = block.get("spearman", math.nan)
+    return (
+        first,
+        f"{block['count']:,}",
+        "-" if math.isnan(spearman) else f"{spearman:.2f}",
+        *(fraction(f"within_{k}_sigma") for k in (1, 2, 3)),
+        *(fraction(f"uncalibrated_within_{k}_sigma") for k in (1, 2, 3)),
+    )
+
+
+def _uncertainty(console: Any, report: dict[str, Any], by: str) -> None:
+    """The committee's spread against its errors: rank correlation and sigma coverage."""
+    columns = ["count", "Spearman", "≤1 sd", "≤2 sd", "≤3 sd", "raw ≤1", "raw ≤2", "raw ≤3"]
+    factors = report["calibration_factors"]
+    rows = [
+        _uncertainty_rows(block, f"{quantity} (x{factors[quantity]:.2f})")
+        for quantity, block in report["overall"].items()
+    ]
+    print_table(console, "Uncertainty (committee spread vs error)", ["quantity", *columns], rows)
+    rows = [
+        _uncertainty_rows(blocks["forces"], name)
+        for name, blocks in report["by_group"].items()
+        if "forces" in blocks
+    ]
+    if len(rows) > 1:
+        print_table(
+            console, f"Force uncertainty per {by or 'group'}", [by or "group", *columns], rows
+        )
+    console.print(
+        "Spearman: rank correlation of uncertainty and error (forces per atom, energy and "
+        "stress per structure); ≤k sd: fraction of errors within k calibrated sigmas (Gaussian: "
+        "0.68, 0.95, 1.00); raw: before the calibration factors (x...)"
+    )
 
 
 @main.command(
@@ -365,6 +406,10 @@ def evaluate(
         result["plots"] = [str(p) for p in evaluation.parity_plots(target)]
         if md_result is not None:
             result["plots"].append(str(md_result.plot(target / "md_check.png")))
+        if "uncertainty" in result:
+            from nvalchemi.app.uncertainty import calibration_plot
+
+            result["plots"].append(str(calibration_plot(evaluation, target)))
         for path in result["plots"]:
             console.print(f"plot: {path}")
     if as_json:

@@ -181,12 +181,18 @@ def _describe(job: TrainingJobSpec) -> str:
     """``"trains PaiNN (built-in, nvalchemi.models.painn) on ..."`` for the init messages."""
     spec = job.strategy.model_specs.get("main") or {}
     path = spec.get("cls_path")
+    members = spec.get("members") or []
+    if members and isinstance(members[0], dict):  # a committee: describe its members
+        committee = f"a committee of {spec.get('size') or len(members)} "
+        spec, path = members[0], members[0].get("cls_path")
+    else:
+        committee = ""
     if job.workflow == "finetune":
         what = f"fine-tunes a {job.source.model} model ({job.source.checkpoint_path or job.source.model_id})"
     elif path:
         module, name = str(path).rsplit(".", 1)
         where = "built-in, " if module.startswith("nvalchemi.") else ""
-        what = f"trains {name} ({where}{module}) from scratch"
+        what = f"trains {committee}{name} ({where}{module}) from scratch"
     else:
         what = "trains your model (fill strategy.model_specs.main)"
     length = (
@@ -258,10 +264,39 @@ Examples:
     f"{QUICKSTART.stress_weight:g}) and the model's stress output. Default: "
     "when the training data has stress labels.",
 )
-def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **options: Any) -> None:
+@click.option(
+    "--committee",
+    type=click.IntRange(min=2),
+    help="Train a committee of N models (differing by seed) in one run: the prediction "
+    "is their mean, their spread the uncertainty (energy_std, forces_std, "
+    "max_force_deviation, stress_std).",
+)
+@click.option(
+    "--bootstrap/--no-bootstrap",
+    default=False,
+    show_default=True,
+    help="With --committee: each member also weights the training structures by its own "
+    "bootstrap (Poisson) counts.",
+)
+def train_init(
+    model_kind: str,
+    cutoff: float | None,
+    stress: bool | None,
+    committee: int | None,
+    bootstrap: bool,
+    **options: Any,
+) -> None:
     """Scaffold a job that trains a model from scratch: the quickstart recipe on your data."""
     if model_kind == "custom" and cutoff is not None:
         raise CLIError("--cutoff applies to --model painn only", fix="drop --cutoff")
+    if model_kind == "custom" and committee:
+        raise CLIError(
+            "--committee builds a committee of the built-in PaiNN",
+            fix="use --model painn, or put nvalchemi.app.committee.committee_model_spec(<your "
+            "model spec>, N) under strategy.model_specs.main and committee_loss(...) as the loss",
+        )
+    if bootstrap and not committee:
+        raise CLIError("--bootstrap needs --committee N", fix="add --committee 4")
     counts = _data_labels(options["datasets"])
     if stress is None:
         stress = bool(counts and counts["stress"])
@@ -276,7 +311,13 @@ def train_init(model_kind: str, cutoff: float | None, stress: bool | None, **opt
     if model_kind == "painn":
         from nvalchemi.app.jobs.scaffold import painn_model_spec
 
-        extra["model_specs"] = {"main": painn_model_spec(cutoff, stress=stress)}
+        member = painn_model_spec(cutoff, stress=stress)
+        if committee:
+            from nvalchemi.app.committee import committee_model_spec
+
+            member = committee_model_spec(member, committee, bootstrap=bootstrap)
+            extra["committee"] = committee
+        extra["model_specs"] = {"main": member}
         extra["source"] = {"fit_to_data": True}
         if not any(options[k] for k in ("minutes", "num_steps", "num_epochs")):
             options["minutes"] = DEFAULT_MINUTES

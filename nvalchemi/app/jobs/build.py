@@ -47,7 +47,6 @@ def build_models(
     structures with an element the training split lacks still run.
     """
     from nvalchemi.models.statistics import data_elements
-    from nvalchemi.training.spec import BaseSpec
 
     models = {}
     for key, data in model_specs.items():
@@ -56,9 +55,7 @@ def build_models(
         target = spec.target()
         try:
             if fit_readers is not None and callable(getattr(target, "from_data", None)):
-                kwargs = {
-                    k: v.build() if isinstance(v, BaseSpec) else v for k, v in spec.kwargs.items()
-                }
+                kwargs = spec.built_kwargs(target.from_data)
                 if kwargs.get("elements") is None and element_readers:
                     zs = set(data_elements(_fit_data(fit_readers)))
                     zs |= set(data_elements(_fit_data(element_readers)))

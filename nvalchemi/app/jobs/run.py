@@ -100,6 +100,9 @@ class RunResult:
     """The final model's :class:`~nvalchemi.app.md_check.MDCheckResult` (``evaluation.md``)."""
     trackers: list[Any] = field(default_factory=list)
     """The experiment-tracker reporters (``output.loggers``); their ``run_id`` names the run."""
+    calibration: dict[str, float] | None = None
+    """A committee's calibration factors fitted on the validation data (stored in a last
+    checkpoint by single-process runs; see :mod:`nvalchemi.app.uncertainty`)."""
 
 
 def launch_env(environ: Any = None) -> Any:
@@ -657,6 +660,16 @@ def _run(
             result.trackers = trackers
             if is_main and sources.validation:
                 _final_evaluation(result, job, sources.validation, val_loader, options)
+            if result.calibration and checkpoint_dir is not None:
+                if world_size == 1:
+                    from nvalchemi.app.evaluation import store_calibration
+
+                    store_calibration(strategy, result.calibration, checkpoint_dir)
+                elif console is not None:
+                    console.print(
+                        "the calibration factors of the committee's spreads are in "
+                        "final_evaluation.json; multi-rank runs do not store them in the checkpoint"
+                    )
             if is_main and job.evaluation is not None and job.evaluation.md is not None:
                 _final_md_check(result, job, sources.validation or sources.train, options, console)
             if is_main:
@@ -770,12 +783,19 @@ def _final_evaluation(
     )
     if evaluation is None:
         return
+    from nvalchemi.app.uncertainty import apply_calibration, calibration_plot, fit_calibration
+
+    # A committee's spreads: calibrated on this validation data (stored by the caller).
+    result.calibration = fit_calibration(evaluation)
+    apply_calibration(evaluation, result.calibration)
     result.evaluation, result.final_weights, result.grouping = evaluation, weights, grouping
     result.final_metrics = evaluation.metrics()
     report = {"weights": weights, "grouping": grouping, **evaluation.report()}
     (result.run_dir / FINAL_EVALUATION).write_text(json.dumps(report, indent=2) + "\n")
     if job.output.plots and plots_available():
         result.plots += evaluation.parity_plots(result.run_dir)
+        if result.calibration:
+            result.plots.append(calibration_plot(evaluation, result.run_dir))
 
 
 def _md_check_hook(job: TrainingJobSpec, sources: Any) -> Any:

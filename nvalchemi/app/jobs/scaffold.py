@@ -97,6 +97,7 @@ def scaffold_payload(
     weight_decay: float | None = None,
     trunk_lr: tuple[float, str | None] | None = None,
     head_pattern: str | None = None,
+    committee: int | None = None,
 ) -> dict[str, Any]:
     """A complete ``strategy`` payload (AdamW, per-atom energy + force (+ stress) MSE).
 
@@ -104,6 +105,7 @@ def scaffold_payload(
     ``schedule_steps``; fine-tunes cosine decay over ``num_steps`` (or ``ReduceLROnPlateau``
     with validation data). ``trunk_lr=(scale, head)``: the trained head (parameters
     ``head_pattern``, default PaiNN's) learns at ``lr``, the rest at ``scale * lr``.
+    ``committee=N``: the loss of an N-member committee (each member's loss, averaged).
     """
     import torch
 
@@ -135,6 +137,10 @@ def scaffold_payload(
             **_fine_tune_scheduler(base_lr, num_steps, has_validation),
         )
     loss = QUICKSTART.loss_fn(dtype_policy=dtype_policy, stress=stress)
+    if committee:
+        from nvalchemi.app.committee import committee_loss
+
+        loss = committee_loss(loss, committee)
     return {
         "optimizer_configs": {"main": [config.to_spec().model_dump()]},
         "num_epochs": num_epochs,
@@ -204,12 +210,14 @@ def scaffold_job(
     notes: str | None = None,
     finetune: dict[str, Any] | None = None,
     trunk_lr: tuple[float, str | None] | None = None,
+    committee: int | None = None,
 ) -> dict[str, Any]:
     """A complete job as a dict.
 
     ``minutes`` (a time budget) or ``num_steps`` / ``num_epochs`` set the length;
     ``structures`` (the training set's size) gives a ``num_epochs`` job its schedule's exact
     length; ``in_memory=None`` loads files under :data:`IN_MEMORY_BYTES` into memory.
+    ``committee=N``: ``model_specs`` holds an N-member committee (the loss is its loss).
     """
     has_validation = bool(validation_datasets) or val_fraction is not None
     checkpoint_dir = str(Path(output_dir) / "checkpoints")
@@ -270,6 +278,7 @@ def scaffold_job(
             schedule_steps=schedule_steps,
             stress=stress,
             trunk_lr=trunk_lr,
+            committee=committee,
             # mace-torch heads share the readout layers: "the head" is every readout
             head_pattern="model.readouts.*" if model == "mace" else None,
         ),
