@@ -44,8 +44,8 @@ from nvalchemi.training.hooks.finetune import (
     TrainableParameterHook,
 )
 from nvalchemi.training.optimizers import OptimizerConfig
-from nvalchemi.training.spec import BaseSpec, create_model_spec_from_json
 from nvalchemi.training.strategy import TrainingStrategy
+from nvalchemi.training.strategy_payload import build_loss, build_optimizer_configs, parse_spec
 
 __all__ = ["FineTuningStrategy"]
 
@@ -134,61 +134,6 @@ class FineTuningStrategy(TrainingStrategy):
     @classmethod
     def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
-
-    def to_spec_dict(self) -> dict[str, Any]:
-        """The base spec plus ``module_patches`` (spec dumps), the patterns and ``freeze_mode``.
-
-        Raises:
-            TypeError: a module patch is an ``nn.Module`` instance (pass a BaseSpec).
-        """
-        spec, patches = super().to_spec_dict(), {}
-        for target, patch in self.module_patches.items():
-            if not isinstance(patch, BaseSpec):
-                raise TypeError(
-                    f"module_patches[{target!r}] is a {type(patch).__name__} instance, which "
-                    "cannot be serialized; pass a BaseSpec (create_model_spec(cls, **kwargs)) "
-                    "to make the strategy restartable."
-                )
-            patches[target] = patch.model_dump()
-        return {
-            **spec,
-            "new_heads": dict(self.new_heads),
-            "module_patches": patches,
-            "freeze_patterns": list(self.freeze_patterns),
-            "trainable_patterns": list(self.trainable_patterns),
-            "freeze_mode": self.freeze_mode,
-        }
-
-    @classmethod
-    def from_spec_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> FineTuningStrategy:
-        """Rebuild from :meth:`to_spec_dict` (fine-tuning keys default when absent).
-
-        ``models``/``hooks``/``training_fn`` and ``overrides`` win over the spec.
-        """
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"from_spec_dict: spec must be a mapping; got {type(spec).__name__}.")
-        extra: dict[str, Any] = {
-            "new_heads": dict(spec.get("new_heads") or {}),
-            "module_patches": load_patches(spec.get("module_patches"), trust),
-            "freeze_patterns": pattern_tuple(spec.get("freeze_patterns"), "freeze_patterns"),
-            "trainable_patterns": pattern_tuple(
-                spec.get("trainable_patterns"), "trainable_patterns"
-            ),
-            "freeze_mode": spec.get("freeze_mode", "requires_grad"),
-        }
-        extra.update(overrides)
-        return super().from_spec_dict(
-            spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **extra
-        )
 
     @classmethod
     def load_checkpoint(
@@ -439,15 +384,12 @@ def load_patches(value: Any, trust: bool) -> dict[str, Any]:
         raise ValueError(
             f"'module_patches' must map targets to module specs; got {type(value).__name__}."
         )
-    out: dict[str, Any] = {}
-    for target, patch in value.items():
-        if isinstance(patch, Mapping):
-            try:
-                patch = create_model_spec_from_json(patch, trust=trust)
-            except Exception as exc:
-                raise ValueError(f"module_patches[{target!r}] is not a valid spec: {exc}") from exc
-        out[target] = patch
-    return out
+    return {
+        target: parse_spec(patch, f"module_patches.{target}", trust)
+        if isinstance(patch, Mapping)
+        else patch
+        for target, patch in value.items()
+    }
 
 
 def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str, models_error: str) -> None:
@@ -476,8 +418,6 @@ def apply_reuse(
     trust: bool,
 ) -> None:
     """Fill ``loss_fn``/``optimizer_configs`` from the checkpoint's recipe (flags win)."""
-    from nvalchemi.training._strategy_spec import _optimizer_configs
-
     wanted = [
         name for name, flag in (("loss_fn", use_loss), ("optimizer_configs", use_opt)) if flag
     ]
@@ -495,10 +435,12 @@ def apply_reuse(
                 "Cannot reuse original loss_fn: the checkpoint's strategy metadata has no "
                 "loss_fn_spec. Pass loss_fn=... instead."
             )
-        kwargs["loss_fn"] = _build_loss(meta["loss_fn_spec"], trust, "checkpoint loss_fn_spec")
+        kwargs["loss_fn"] = build_loss(meta["loss_fn_spec"], "checkpoint loss_fn_spec", trust)
     if use_opt:
         _drop_overridden(kwargs, ("optimizer_configs",), "use_original_opt_class")
-        configs = _optimizer_configs(meta.get("optimizer_configs") or {}, trust)
+        configs = build_optimizer_configs(
+            meta.get("optimizer_configs") or {}, trust, "checkpoint optimizer_configs"
+        )
         if not configs:
             raise ValueError(
                 "Cannot reuse original optimizer_configs: the checkpoint's strategy metadata "
@@ -533,19 +475,8 @@ def _with_lr(config: OptimizerConfig, lr: float) -> OptimizerConfig:
     return OptimizerConfig(**fields)
 
 
-def _build_loss(spec: Any, trust: bool, where: str) -> Any:
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"{where} must be a loss spec mapping; got {type(spec).__name__}.")
-    try:
-        return create_model_spec_from_json(spec, trust=trust).build()
-    except Exception as exc:
-        raise ValueError(f"{where} does not build a loss function: {exc}") from exc
-
-
 def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[str, Any]:
     """Turn job-payload keys (spec dumps) into constructor arguments."""
-    from nvalchemi.training._strategy_spec import _optimizer_configs
-
     out = dict(kwargs)
     out.pop("model_specs", None)
     out.pop("single_model_input", None)  # the call mode follows the models supplied
@@ -553,12 +484,12 @@ def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[
         spec = out.pop("loss_fn_spec")
         if out.get("loss_fn") is not None:
             raise ValueError(f"{who}: pass loss_fn or loss_fn_spec, not both.")
-        out["loss_fn"] = _build_loss(spec, trust, "loss_fn_spec")
+        out["loss_fn"] = build_loss(spec, "loss_fn_spec", trust)
     configs = out.get("optimizer_configs")
     if isinstance(configs, Mapping) and any(
         isinstance(v, list) and any(isinstance(c, Mapping) for c in v) for v in configs.values()
     ):
-        out["optimizer_configs"] = _optimizer_configs(configs, trust)
+        out["optimizer_configs"] = build_optimizer_configs(configs, trust)
     if "module_patches" in out:
         out["module_patches"] = load_patches(out["module_patches"], trust)
     missing = [k for k in ("loss_fn", "optimizer_configs") if out.get(k) is None]

@@ -45,6 +45,7 @@ from torch import nn
 from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
+from nvalchemi.training import strategy_payload
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch
 from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, default_training_fn, detached
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
@@ -960,53 +961,12 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         return contextlib.nullcontext, "float32"
 
     # ------------------------------------------------------------------ specs
-    def to_spec_dict(self) -> dict[str, Any]:
-        """JSON-ready spec (optimizers, duration, devices, loss, model specs, training_fn)."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.to_spec_dict(self)
-
-    def to_checkpoint_dict(self) -> dict[str, Any]:
-        """:meth:`to_spec_dict` + ``strategy_cls`` + ``runtime_state`` (no file I/O)."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.to_checkpoint_dict(self)
-
-    @classmethod
-    def from_spec_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> TrainingStrategy:
-        """Rebuild a strategy from :meth:`to_spec_dict`; ``models``/``hooks``/``training_fn`` override."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.from_spec_dict(
-            cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
-        )
-
-    @classmethod
-    def from_checkpoint_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> TrainingStrategy:
-        """Rebuild the saved strategy class from :meth:`to_checkpoint_dict` and its counters."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.from_checkpoint_dict(
-            cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
-        )
+    # The JSON form of a strategy has one home (nvalchemi.training.strategy_payload); these
+    # are its functions, bound as methods.
+    to_spec_dict = strategy_payload.to_spec_dict
+    to_checkpoint_dict = strategy_payload.to_checkpoint_dict
+    from_spec_dict = classmethod(strategy_payload.from_spec_dict)
+    from_checkpoint_dict = classmethod(strategy_payload.from_checkpoint_dict)
 
     # ------------------------------------------------------------------ checkpoint files
     def save_checkpoint(

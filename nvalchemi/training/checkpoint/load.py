@@ -18,6 +18,7 @@ from torch import nn
 
 from nvalchemi._serialization import encode_value, import_path
 from nvalchemi.training.checkpoint.parts import (
+    RUN_RECORD,
     checkpoint_record,
     history_event,
     hook_types,
@@ -243,8 +244,9 @@ def _rebuild(
         for name in files.entry.models
     }
     single = bool(meta.get("single_model_input")) and set(models) == {"main"}
+    recipe = {k: v for k, v in meta.items() if k not in RUN_RECORD}
     strategy = cls.from_checkpoint_dict(
-        {**meta, "model_specs": {}},
+        {**recipe, "model_specs": {}},
         models=models["main"] if single else models,
         hooks=hooks,
         training_fn=training_fn,

@@ -50,6 +50,7 @@ from nvalchemi.training.spec import BaseSpec, create_model_spec
 
 __all__ = [
     "PARTS",
+    "RUN_RECORD",
     "Snapshot",
     "SnapshotBuffers",
     "capture_components",
@@ -62,6 +63,8 @@ __all__ = [
 ]
 
 _COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
+RUN_RECORD = ("world_size", "hook_types", "validation_configured", "dataloader_state")
+"""What ``strategy.json`` holds besides ``to_checkpoint_dict()``: a record of the run."""
 
 
 @dataclass
