@@ -36,6 +36,7 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from nvalchemi._serialization import requires_trust
+from nvalchemi.checkpoint_files import open_entry, read_models, safe_torch_load
 from nvalchemi.training.checkpoint.load import run_validators
 from nvalchemi.training.hooks.finetune import (
     AddHeadHook,
@@ -136,31 +137,6 @@ class FineTuningStrategy(TrainingStrategy):
         return {} if value is None else value
 
     @classmethod
-    def load_checkpoint(
-        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> FineTuningStrategy:
-        """Resume a fine-tuning run (``TypeError`` for a checkpoint of another strategy class).
-
-        To start fine-tuning from a plain training checkpoint use
-        :meth:`from_pretrained_checkpoint`.
-        """
-        from nvalchemi._serialization import import_path
-        from nvalchemi.training.checkpoint.load import read_strategy_metadata
-
-        meta = read_strategy_metadata(root_folder, checkpoint_index)
-        path = (meta or {}).get("strategy_cls")
-        if isinstance(path, str):
-            saved = import_path(path, trust=kwargs.get("trust", False))
-            if not (isinstance(saved, type) and issubclass(saved, cls)):
-                raise TypeError(
-                    f"{cls.__name__}.load_checkpoint: checkpoint in {root_folder} was saved by "
-                    f"{path}, not a {cls.__name__}. Resume it with that class, or start a new "
-                    f"fine-tuning run from its weights with {cls.__name__}."
-                    "from_pretrained_checkpoint(...)."
-                )
-        return super().load_checkpoint(root_folder, checkpoint_index, map_location, **kwargs)
-
-    @classmethod
     def from_pretrained_checkpoint(
         cls,
         checkpoint_dir: str | Path,
@@ -203,8 +179,6 @@ class FineTuningStrategy(TrainingStrategy):
                 passed; the checkpoint has no models; a reuse flag without strategy
                 metadata; no loss or optimizer configs.
         """
-        from nvalchemi.training.checkpoint.store import CheckpointStore, read_json, read_models
-
         kwargs = dict(strategy_kwargs)
         reject_new_run_conflicts(
             kwargs,
@@ -212,15 +186,14 @@ class FineTuningStrategy(TrainingStrategy):
             "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
             "models=... (use from_pretrained_weights(model, weights) for your own model).",
         )
-        files = CheckpointStore(checkpoint_dir).open(checkpoint_index)
+        files = open_entry(checkpoint_dir, checkpoint_index)
         root, entry = files.root, files.entry
         names = list(entry.models)
         if not names:
             raise ValueError(
                 f"Checkpoint {entry.index} in {root} holds no models to fine-tune from."
             )
-        meta_path = files.strategy()
-        meta = read_json(meta_path, "strategy metadata") if meta_path is not None else None
+        meta = files.strategy_data()
         apply_reuse(kwargs, meta, use_original_loss, use_original_opt_class, optimizer_lr, trust)
         kwargs = rehydrate_payload(kwargs, trust, "from_pretrained_checkpoint")
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
@@ -515,8 +488,6 @@ def load_plain_weights(
     """Load a ``state_dict`` file (``weights_only``) or mapping into ``model`` (see the caller)."""
     target = _weights_target(model, model_key)
     if isinstance(weights, (str, os.PathLike)):
-        from nvalchemi.training.checkpoint.store import safe_torch_load
-
         where = str(weights)
         raw = safe_torch_load(Path(weights), "cpu")
     elif isinstance(weights, Mapping):

@@ -48,6 +48,8 @@ from nvalchemi.hooks.registry import HookRegistryMixin
 from nvalchemi.training import strategy_payload
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch
 from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, default_training_fn, detached
+from nvalchemi.training.checkpoint import load as checkpoint_load
+from nvalchemi.training.checkpoint import save as checkpoint_save
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.hooks.update import (
     _MULTIPLE_ORCHESTRATOR_MSG,
@@ -969,34 +971,9 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     from_checkpoint_dict = classmethod(strategy_payload.from_checkpoint_dict)
 
     # ------------------------------------------------------------------ checkpoint files
-    def save_checkpoint(
-        self, root_folder: Any, *, checkpoint_index: int = -1, **kwargs: Any
-    ) -> int:
-        """Write a restartable checkpoint (see :mod:`nvalchemi.training.checkpoint`)."""
-        from nvalchemi.training.checkpoint.save import save_checkpoint
-
-        return save_checkpoint(
-            root_folder, strategy=self, checkpoint_index=checkpoint_index, **kwargs
-        )
-
-    def restore_checkpoint(
-        self, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> Mapping[str, Any]:
-        """Load a checkpoint into this strategy in place."""
-        from nvalchemi.training.checkpoint.load import strategy_restore_checkpoint
-
-        return strategy_restore_checkpoint(
-            self, root_folder, checkpoint_index, map_location, **kwargs
-        )
-
-    @classmethod
-    def load_checkpoint(
-        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> TrainingStrategy:
-        """Rebuild a strategy from a checkpoint and restore its state (resume)."""
-        from nvalchemi.training.checkpoint.load import strategy_load_checkpoint
-
-        return strategy_load_checkpoint(cls, root_folder, checkpoint_index, map_location, **kwargs)
+    save_checkpoint = checkpoint_save.strategy_save_checkpoint
+    restore_checkpoint = checkpoint_load.strategy_restore_checkpoint
+    load_checkpoint = classmethod(checkpoint_load.strategy_load_checkpoint)
 
     def __repr_args__(self) -> Any:
         for name in ("num_epochs", "num_steps", "step_count", "epoch_count", "nonfinite_loss"):

@@ -38,7 +38,6 @@ from nvalchemi.training.checkpoint.rng import capture_rng, preserved_rng, restor
 from nvalchemi.training.checkpoint.store import (
     EntryFiles,
     format_differences,
-    read_json,
     safe_component_name,
     safe_torch_load,
     spec_differences,
@@ -220,7 +219,7 @@ class _Restore:
     rank: int
     saved_specs: dict[str, dict[str, Any]]
     live_specs: dict[str, dict[str, Any]]
-    meta: dict[str, Any] | None = None
+    meta: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -523,7 +522,7 @@ def restore_strategy(
     """
     entry = files.entry
     saved = {
-        f"{kind}/{name}": read_json(files.spec(kind, name), "spec file")
+        f"{kind}/{name}": dict(files.spec_data(kind, name))
         for kind in ("models", "optimizers", "schedulers")
         for name in getattr(entry, kind)
     }
@@ -542,8 +541,7 @@ def restore_strategy(
             "TrainingStrategy.load_checkpoint, or allow_spec_changes=True (recorded in the "
             "manifest history)."
         )
-    meta_path = files.strategy()
-    meta = read_json(meta_path, "strategy metadata") if meta_path is not None else None
+    meta = files.strategy_data()
     restore = _Restore(strategy, files, map_location, rank, saved, live, meta)
     for part in PARTS:
         part.restore(restore)

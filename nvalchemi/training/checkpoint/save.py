@@ -39,7 +39,7 @@ from nvalchemi.training.checkpoint.store import (
     unapproved,
 )
 
-__all__ = ["BackgroundWriter", "save_checkpoint", "save_strategy"]
+__all__ = ["BackgroundWriter", "save_checkpoint", "save_strategy", "strategy_save_checkpoint"]
 
 
 def save_strategy(
@@ -256,6 +256,19 @@ def save_checkpoint(
     store = CheckpointStore(root_folder)
     check_spec_changes(store, snapshot)
     return _write(store, snapshot, retention, index)
+
+
+def strategy_save_checkpoint(
+    strategy: Any, root_folder: str | Path, *, checkpoint_index: int = -1, **kwargs: Any
+) -> int:
+    """``TrainingStrategy.save_checkpoint``: a restartable checkpoint of ``strategy``.
+
+    Collective under ``torch.distributed``; the keyword arguments are those of
+    :func:`save_checkpoint` (``keep_last``, ``metric``, ``allow_spec_changes``, ...).
+    """
+    return save_checkpoint(
+        root_folder, strategy=strategy, checkpoint_index=checkpoint_index, **kwargs
+    )
 
 
 def _is_strategy(value: Any) -> bool:
