@@ -44,6 +44,7 @@ from nvalchemi.distributed.runtime import (
     is_distributed_initialized,
 )
 from nvalchemi.hooks import protocol
+from nvalchemi.training import _memory_split as split
 from nvalchemi.training import loader_position
 from nvalchemi.training._compiled import CompiledModels, compiled_graph_count
 from nvalchemi.training._first_batch import check_first_batch, loader_error
@@ -164,6 +165,8 @@ class _Run:
         self.oom_reported = False
         self._piece_gate = 0
         self.vote: DistributedVote | None = None
+        self.stage: Any = None  # where the current step is (for errors, out-of-memory retries)
+        self.voted = False  # whether the current step took part in the out-of-memory vote
 
     # ------------------------------------------------------------------ setup
     def begin(self, loader: Any) -> None:
@@ -425,67 +428,83 @@ class _Run:
         gate = d["step_count"] + 1
         if self.budget is not None and not self.budget.fits(batch):
             return self.split_step(batch, gate, begun=False)
-        stage: Any = _BEFORE_BATCH
-        voted = False
+        self.stage, self.voted = _BEFORE_BATCH, False
         try:
             if ctx is not None:
                 ctx.clear_step_outputs()
                 ctx.batch = batch
                 self._sync(ctx)
             if self.before_batch:
-                _fire(stage, self.before_batch, ctx, gate)
+                _fire(_BEFORE_BATCH, self.before_batch, ctx, gate)
             if self.orchestrator is None:
-                stage = "zeroing gradients"
+                self.stage = "zeroing gradients"
                 zero_gradients(self.optimizers)
                 if self.clear_unowned is not None:
                     self.clear_unowned()
             if self.before_forward:
-                stage = S.BEFORE_FORWARD
-                _fire(stage, self.before_forward, ctx, gate)
-            stage = "the forward pass (training_fn)"
+                self.stage = S.BEFORE_FORWARD
+                _fire(S.BEFORE_FORWARD, self.before_forward, ctx, gate)
+            self.stage = "the forward pass (training_fn)"
             predictions = self.fn(self.model_arg, batch)
             if ctx is not None:
                 ctx.predictions = predictions
             if self.after_forward:
-                stage = S.AFTER_FORWARD
-                _fire(stage, self.after_forward, ctx, gate)
+                self.stage = S.AFTER_FORWARD
+                _fire(S.AFTER_FORWARD, self.after_forward, ctx, gate)
             if self.before_loss:
-                stage = S.BEFORE_LOSS
-                _fire(stage, self.before_loss, ctx, gate)
-            stage = "the loss computation"
+                self.stage = S.BEFORE_LOSS
+                _fire(S.BEFORE_LOSS, self.before_loss, ctx, gate)
+            self.stage = "the loss computation"
             out = self.compute_loss(predictions, batch)
-            loss = out["total_loss"]
-            if ctx is not None:
-                ctx.loss, ctx.losses = loss, out
-                if self.after_loss:
-                    stage = S.AFTER_LOSS
-                    _fire(stage, self.after_loss, ctx, gate)
-                    if ctx.loss is not None:
-                        loss = ctx.loss
-            if self.vote is not None:  # DDP: did a rank run out in its forward? (one all-reduce)
-                stage, voted = "the out-of-memory vote", True
-                if self.vote(False):
-                    raise _PiecesAgreed
-            mode = self.record_loss(loss, out)
-            if mode == _SKIP and self._skip_nonfinite(loss):
-                return self._skip_batch(out)
-            if self.before_backward:
-                stage = S.BEFORE_BACKWARD
-                _fire(stage, self.before_backward, ctx, gate)
-            stage = _DO_BACKWARD
-            self.backward(loss)
+            backpropagated = self.through_backward(out, gate, vote=self.vote is not None)
         except torch.OutOfMemoryError as exc:
-            ran_out_at = self._splittable(exc, stage, batch, voted)
+            ran_out_at = self._splittable(exc, self.stage, batch, self.voted)
         except _PiecesAgreed:
             ran_out_at = None
         except Exception as exc:
-            self.annotate(exc, stage)
+            self.annotate(exc, self.stage)
             self._explain_compile(exc)
             raise
         else:
-            return self.finish(out, loss, gate, mode)
-        predictions = out = loss = None  # free this attempt's graph first
-        return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=voted)
+            if backpropagated is None:  # a skipped non-finite batch
+                return False
+            return self.finish(out, *backpropagated, gate)
+        predictions = out = backpropagated = None  # free this attempt's graph first
+        return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=self.voted)
+
+    def through_backward(
+        self, out: Mapping[str, Any], gate: int, *, vote: bool
+    ) -> tuple[torch.Tensor, int] | None:
+        """From a step's loss output to its gradients; ``(loss, mode)``, or ``None`` if skipped.
+
+        ``AFTER_LOSS`` (its hooks may replace ``ctx.loss``), the out-of-memory vote of a
+        distributed step (``vote``), the non-finite record (``nonfinite_loss="skip"`` may
+        skip the batch here), ``BEFORE_BACKWARD`` and ``DO_BACKWARD``; ``self.stage`` says
+        where it is.
+        """
+        ctx = self.ctx
+        loss = out["total_loss"]
+        if ctx is not None:
+            ctx.loss, ctx.losses = loss, out
+            if self.after_loss:
+                self.stage = S.AFTER_LOSS
+                _fire(S.AFTER_LOSS, self.after_loss, ctx, gate)
+                if ctx.loss is not None:
+                    loss = ctx.loss
+        if vote:  # DDP: did a rank run out in its forward? (one all-reduce)
+            self.stage, self.voted = "the out-of-memory vote", True
+            if self.vote(False):
+                raise _PiecesAgreed
+        mode = self.record_loss(loss, out)
+        if mode == _SKIP and self._skip_nonfinite(loss):
+            self._skip_batch(out)
+            return None
+        if self.before_backward:
+            self.stage = S.BEFORE_BACKWARD
+            _fire(S.BEFORE_BACKWARD, self.before_backward, ctx, gate)
+        self.stage = _DO_BACKWARD
+        self.backward(loss)
+        return loss, mode
 
     def compute_loss(self, predictions: Any, batch: Any) -> Any:
         """The loss output of ``predictions`` against ``batch`` at the current counters."""
@@ -534,7 +553,7 @@ class _Run:
         else:
             loss.backward()
 
-    def finish(self, out: Mapping[str, Any], loss: torch.Tensor, gate: int, mode: int) -> bool:
+    def finish(self, out: Mapping[str, Any], loss: torch.Tensor, mode: int, gate: int) -> bool:
         """From ``AFTER_BACKWARD`` to ``AFTER_BATCH``: the optimizer step and the counters."""
         d, ctx = self.d, self.ctx
         stage: Any = _AFTER_BACKWARD
@@ -641,10 +660,8 @@ class _Run:
         (the pieces' gradients are added scaled by its gradient, so hooks that scale or
         extend the loss act as in one step), ``ctx.losses`` the whole batch's parts.
         """
-        from nvalchemi.training import _memory_split as split
-
         ctx = self.ctx
-        stage: Any = "training the batch in pieces"
+        self.stage = "training the batch in pieces"
         try:
             if not begun:
                 if ctx is not None:
@@ -652,12 +669,12 @@ class _Run:
                     ctx.batch = batch
                     self._sync(ctx)
                 if self.before_batch:
-                    stage = S.BEFORE_BATCH
-                    _fire(stage, self.before_batch, ctx, gate)
+                    self.stage = S.BEFORE_BATCH
+                    _fire(S.BEFORE_BATCH, self.before_batch, ctx, gate)
             if self.vote is not None and not voted:
-                stage = "the out-of-memory vote"
+                self.stage = "the out-of-memory vote"
                 self.vote(True)
-            stage = "training the batch in pieces"
+            self.stage = "training the batch in pieces"
             if ctx is not None:
                 ctx.clear_step_outputs()  # the failed attempt's graph
             if ran_out_at is not None:
@@ -685,30 +702,19 @@ class _Run:
             self._report_split(batch, ran_out_at, pieces)
             proxy = pieces.total.detach().clone().requires_grad_(True)
             out = pieces.out
-            out["total_loss"] = loss = proxy
+            out["total_loss"] = proxy
             if ctx is not None:
                 ctx.batch, ctx.predictions = batch, pieces.predictions
-                ctx.loss, ctx.losses = proxy, out
-                if self.after_loss:
-                    stage = S.AFTER_LOSS
-                    _fire(stage, self.after_loss, ctx, gate)
-                    if ctx.loss is not None:
-                        loss = ctx.loss
-            mode = self.record_loss(loss, out)
-            if mode == _SKIP and self._skip_nonfinite(loss):
-                return self._skip_batch(out)
-            if self.before_backward:
-                stage = S.BEFORE_BACKWARD
-                _fire(stage, self.before_backward, ctx, gate)
-            stage = _DO_BACKWARD
-            self.backward(loss)
+            backpropagated = self.through_backward(out, gate, vote=False)
+            if backpropagated is None:  # a skipped non-finite batch
+                return False
             if proxy.grad is not None:  # d(what was backpropagated) / d(loss)
                 split.add_gradients(params, pieces.grads, proxy.grad / scale)
         except Exception as exc:
-            self.annotate(exc, stage)
+            self.annotate(exc, self.stage)
             self._explain_compile(exc)
             raise
-        return self.finish(out, loss, gate, mode)
+        return self.finish(out, *backpropagated, gate)
 
     def _run_piece(self, piece: Any) -> tuple[Any, Any]:
         """Forward and loss of one piece, with its per-forward stages."""

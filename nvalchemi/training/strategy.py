@@ -540,16 +540,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     def __enter__(self) -> TrainingStrategy:
         d = self.__dict__
         if d["_context_depth"] == 0:
-            entered: list[Any] = []
-            try:
-                for hook in self.hooks:
-                    enter = protocol.member(hook, "__enter__")
-                    if enter is not None:
-                        enter()
-                        entered.append(hook)
-            except BaseException as exc:
-                _exit_hooks(entered, type(exc), exc, exc.__traceback__)
-                raise
+            protocol.enter_hooks(self.hooks)
         d["_context_depth"] += 1
         return self
 
@@ -568,9 +559,9 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                     try:
                         run.check_nonfinite()
                     except NonFiniteLossError as error:
-                        _exit_hooks(list(self.hooks), type(error), error, error.__traceback__)
+                        protocol.exit_hooks(self.hooks, type(error), error, error.__traceback__)
                         raise
-            _exit_hooks(list(self.hooks), exc_type, exc, tb)
+            protocol.exit_hooks(self.hooks, exc_type, exc, tb)
 
     def close(self) -> None:
         """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts).
@@ -982,23 +973,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _exit_hooks(hooks: list[Any], exc_type: Any, exc: Any, tb: Any) -> None:
-    first_error: BaseException | None = None
-    for hook in reversed(hooks):
-        try:
-            exit_ = protocol.member(hook, "__exit__")
-            if exit_ is not None:
-                exit_(exc_type, exc, tb)
-            else:
-                close = protocol.member(hook, "close")
-                if close is not None:
-                    close()
-        except Exception as error:  # exit every hook; report the first failure
-            first_error = first_error or error
-    if first_error is not None and exc is None:
-        raise first_error
-
-
 def _check_metric_schedulers(self: Any) -> None:
     """A metric-driven scheduler needs validation summaries, or it would never step."""
     if self.validation_config is not None:
