@@ -49,7 +49,13 @@ from nvalchemi.training.losses.composition import (
 from nvalchemi.training.runtime import unwrap_model
 from nvalchemi.training.stages import TrainingStage
 
-__all__ = ["BatchValidationCallback", "ValidationConfig", "ValidationLoop", "error_sums", "mae_rmse"]
+__all__ = [
+    "BatchValidationCallback",
+    "ValidationConfig",
+    "ValidationLoop",
+    "error_sums",
+    "mae_rmse",
+]
 
 _BEFORE_FORWARD = TrainingStage.BEFORE_FORWARD
 _AFTER_FORWARD = TrainingStage.AFTER_FORWARD
