@@ -617,7 +617,7 @@ class _Run:
     def _splittable(self, exc: torch.OutOfMemoryError, stage: Any, batch: Any, voted: bool) -> Any:
         """The stage a step ran out of memory at, if the batch can be trained in pieces;
         else annotate and re-raise ``exc`` (see :mod:`nvalchemi.training._memory_split`)."""
-        from nvalchemi.data import Batch
+        from nvalchemi.data import Batch  # light
 
         reason = None
         if not isinstance(batch, Batch):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import importlib.util
 import inspect
 import sys
 import typing
@@ -42,11 +43,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi._serialization import UnsafeImportError, import_path
+from nvalchemi.distributed.runtime import get_rank, get_world_size
 from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
-from nvalchemi.training import strategy_payload
+from nvalchemi.models.base import BaseModelMixin
+from nvalchemi.training import loader_position, strategy_payload
+from nvalchemi.training._compiled import check_compile_kwargs
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch
+from nvalchemi.training._neighbor_lists import builders_for
 from nvalchemi.training._run import (
     NONFINITE_MODES,
     Progress,
@@ -77,10 +83,10 @@ from nvalchemi.training.optimizers import (
     iter_qualified_named_parameters,
     setup_optimizers,
 )
-from nvalchemi.training.runtime import unwrap_model
+from nvalchemi.training.runtime import training_world_size, unwrap_model
 from nvalchemi.training.spec import BaseSpec
 from nvalchemi.training.stages import TrainingStage
-from nvalchemi.training.validation import ValidationConfig
+from nvalchemi.training.validation import ValidationConfig, ValidationLoop
 
 __all__ = ["NonFiniteLossError", "TrainingStalledError", "TrainingStrategy", "default_training_fn"]
 
@@ -270,8 +276,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     @field_validator("compile_kwargs", mode="before")
     @classmethod
     def _compile_kwargs(cls, value: Any) -> Any:
-        from nvalchemi.training._compiled import check_compile_kwargs
-
         return check_compile_kwargs(value)
 
     @field_validator("devices", mode="before")
@@ -330,8 +334,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         _check_do_claims(self.hooks)
         _validate_dependencies(self.hooks)
         if self.global_step_count == 0 and self.step_count > 0:
-            from nvalchemi.training.runtime import training_world_size
-
             self.global_step_count = self.step_count * training_world_size(self.distributed_manager)
         self._init_runtime()
         return self
@@ -516,8 +518,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         ``NeighborConfig``, or when a ``NeighborListHook`` is registered (then it owns
         the lists).
         """
-        from nvalchemi.hooks.neighbor_list import NeighborListHook
-        from nvalchemi.training._neighbor_lists import builders_for
+        from nvalchemi.hooks.neighbor_list import NeighborListHook  # light
 
         if any(isinstance(hook, NeighborListHook) for hook in self.all_hooks()):
             return ()
@@ -642,8 +643,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         Checks the non-finite record first, fires ``AFTER_VALIDATION`` hooks with
         ``ctx.validation`` set. Does not step metric schedulers.
         """
-        from nvalchemi.training.validation import ValidationLoop
-
         if config is None and self.validation_config is None:
             raise RuntimeError("TrainingStrategy.validate() requires a validation_config.")
         self.check_nonfinite()
@@ -687,8 +686,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
     def new_context(self, batch: Any = None) -> TrainContext:
         """A ``TrainContext`` filled from the strategy (models, optimizers, counters, rank)."""
-        from nvalchemi.distributed.runtime import get_rank
-
         d = self.__dict__
         return TrainContext(
             batch=batch,
@@ -876,8 +873,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         :meth:`check_nonfinite` first (on every rank), so a checkpoint never captures a
         run that already diverged; this method itself does not synchronise.
         """
-        from nvalchemi.training import loader_position
-
         d = self.__dict__
         progress, run = d["_progress"], d["_run"]
         state: dict[str, Any] = {name: int(d[name]) for name in _COUNTERS}
@@ -895,8 +890,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
     def load_runtime_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`runtime_state` output (``ValueError`` for negative/malformed values)."""
-        from nvalchemi.training import loader_position
-
         if not isinstance(state, Mapping):
             raise ValueError(f"runtime_state must be a mapping; got {type(state).__name__}.")
         d = self.__dict__
@@ -913,8 +906,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                 raise ValueError(f"runtime_state[{name!r}] must be >= 0; got {value}.")
             d[name] = value
         if not state.get("global_step_count") and d["step_count"] > 0:
-            from nvalchemi.distributed.runtime import get_world_size
-
             d["global_step_count"] = d["step_count"] * get_world_size(self.distributed_manager)
         progress, run = d["_progress"], d["_run"]
         progress.consecutive_skips = int(state.get("consecutive_skips", 0))
@@ -1075,9 +1066,6 @@ def _normalize_configs(configs: Any, single: bool) -> Any:
 
 
 def _resolve_dotted(path: str) -> Any:
-    import importlib.util
-
-    from nvalchemi._serialization import UnsafeImportError, import_path
 
     if "." not in path:
         raise ValueError(f"training_fn {path!r}: expected 'module.attribute'.")
@@ -1158,8 +1146,6 @@ def _annotation_kind(annotation: Any) -> str | None:
 
 def _is_model_mixin(target: type) -> bool:
     """Whether ``target`` is ``BaseModelMixin`` or a subclass (a model type, not a mapping)."""
-    from nvalchemi.models.base import BaseModelMixin  # models is a lower layer
-
     return issubclass(target, BaseModelMixin)
 
 

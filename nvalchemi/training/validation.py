@@ -37,9 +37,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi.distributed.runtime import all_reduce, get_world_size, is_distributed_initialized
 from nvalchemi.training.errors import add_note
 from nvalchemi.training.losses.composition import (
     as_composed_loss,
@@ -562,15 +564,8 @@ def _weights(loss_fn: Any, step: int, epoch: int) -> tuple[dict[str, float], dic
 
 def _all_reduce(packed: torch.Tensor, manager: Any) -> torch.Tensor | None:
     """The SUM over ranks of ``packed`` on the CPU, or ``None`` in a single process."""
-    from nvalchemi.distributed.runtime import (
-        all_reduce,
-        get_world_size,
-        is_distributed_initialized,
-    )
-
     if not is_distributed_initialized(manager) or get_world_size(manager) <= 1:
         return None
-    import torch.distributed as dist
 
     backend = str(dist.get_backend()) if dist.is_initialized() else ""
     device = packed.device if "nccl" in backend else torch.device("cpu")

@@ -470,7 +470,7 @@ def _load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_locati
         UserWarning,
         stacklevel=3,
     )
-    from nvalchemi.models.mace import MACEWrapper
+    from nvalchemi.models.mace import MACEWrapper  # optional
 
     model = MACEWrapper.from_checkpoint(
         file, map_location=map_location or "cpu", dtype=options["dtype"]

@@ -44,6 +44,7 @@ from nvalchemi.training.checkpoint.store import (
     unapproved,
     utc_now,
 )
+from nvalchemi.training.model_spec import model_spec_for
 from nvalchemi.training.runtime import move_to_devices, unwrap_model
 from nvalchemi.training.spec import BaseSpec, create_model_spec
 
@@ -179,8 +180,6 @@ def optimizer_names(strategy: Any) -> list[tuple[str, str | None, str, Any]]:
 
 def live_specs(strategy: Any, model_names: list[str]) -> dict[str, dict[str, Any]]:
     """Spec dumps of the live strategy's components, keyed like :meth:`Snapshot.specs`."""
-    from nvalchemi.training.model_spec import model_spec_for
-
     out = {}
     models = strategy.unwrapped_models()
     for name in model_names:
@@ -610,8 +609,6 @@ def capture_components(
 
 def _component_spec(kind: str, name: str, obj: Any, spec: Any) -> dict[str, Any]:
     if spec is None and kind == "models":
-        from nvalchemi.training.model_spec import model_spec_for
-
         spec = model_spec_for(obj, strict=True)
     if spec is None and kind == "optimizers":
         spec = create_model_spec(type(obj), **obj.defaults)

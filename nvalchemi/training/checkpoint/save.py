@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_rank
 from nvalchemi.training.checkpoint.parts import (
     Snapshot,
     SnapshotBuffers,
@@ -61,8 +62,6 @@ def save_strategy(
     Returns the index written, or ``None`` when ``writer`` writes it in the background
     (``on_written(index)`` is called when it is done).
     """
-    from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_rank
-
     manager = strategy.distributed_manager
     _agree_finite(strategy)
     states = gather_rng(manager)
@@ -113,8 +112,6 @@ def _write(store: CheckpointStore, snapshot: Snapshot, retention: Any, index: in
 
 def _agree_finite(strategy: Any) -> None:
     """``strategy.check_nonfinite()`` on every rank; raise everywhere if any rank diverged."""
-    from nvalchemi.distributed.runtime import all_agree
-
     error = None
     try:
         strategy.check_nonfinite()

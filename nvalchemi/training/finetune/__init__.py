@@ -303,7 +303,7 @@ class FineTuningStrategy(TrainingStrategy):
             ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-5}),
             ...     num_steps=200)
         """
-        from nvalchemi.models.mace import MACEWrapper
+        from nvalchemi.models.mace import MACEWrapper  # optional
 
         reject_new_run_conflicts(
             strategy_kwargs,

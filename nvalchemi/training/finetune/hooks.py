@@ -47,6 +47,7 @@ from nvalchemi._serialization import spec_factory
 from nvalchemi.training.model_spec import model_spec_for
 from nvalchemi.training.optimizers import iter_qualified_named_parameters
 from nvalchemi.training.spec import BaseSpec, create_model_spec, create_model_spec_from_json
+from nvalchemi.training.validation import ValidationConfig, ValidationLoop
 
 __all__ = [
     "AddHeadHook",
@@ -648,8 +649,6 @@ class ForgettingHook:
 
     def evaluate(self, workflow: Any) -> dict[str, float]:
         """The MAE/RMSE metrics of ``workflow``'s models on ``holdout`` now (cached per step)."""
-        from nvalchemi.training.validation import ValidationConfig, ValidationLoop
-
         if self.holdout is None:
             raise RuntimeError(
                 "ForgettingHook has no holdout data; pass ForgettingHook(holdout=loader) or set "

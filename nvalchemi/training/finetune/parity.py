@@ -27,7 +27,8 @@ import torch
 __all__ = ["ParityReport", "check_zero_step_parity"]
 
 from nvalchemi.data.batch import iter_batches
-from nvalchemi.training.runtime import evaluating
+from nvalchemi.data.neighbors import compute_neighbors
+from nvalchemi.training.runtime import evaluating, unwrap_model
 
 _OUTPUTS = ("energy", "forces", "stress")
 _UNITS = {"energy": "eV", "forces": "eV/Å", "stress": "eV/Å³"}
@@ -95,8 +96,6 @@ def check_zero_step_parity(
     Both models run in eval mode (restored afterwards) in their own dtype and on their
     own device; differences are taken in float64.
     """
-    from nvalchemi.training.runtime import unwrap_model
-
     source, model = unwrap_model(source), unwrap_model(model)
     wanted = [o for o in outputs if o in _OUTPUTS]
     unknown = sorted(set(outputs) - set(_OUTPUTS))
@@ -124,8 +123,6 @@ def _name(head: str | int | None) -> str:
 
 
 def _predict(model: Any, batch: Any, outputs: list[str], head: str | None) -> dict[str, Any]:
-    from nvalchemi.data.neighbors import compute_neighbors
-
     config = model.model_config
     batch = batch.clone()
     if config.neighbor_config is not None:

@@ -39,7 +39,15 @@ from nvalchemi._fileio import replace_dir
 
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
+import copy
+
 from nvalchemi.data.batch import iter_batches
+from nvalchemi.data.datapipes import MultiDataset
+from nvalchemi.data.datapipes.dataloader import DataLoader
+from nvalchemi.data.datapipes.dataset import InMemoryDataset
+from nvalchemi.data.datapipes.samplers import MultiDatasetBatchSampler
+from nvalchemi.data.io.zarr import AtomicDataZarrReader, AtomicDataZarrWriter
+from nvalchemi.data.neighbors import NeighborListTransform, compute_neighbors
 from nvalchemi.training.runtime import evaluating
 
 _LABELS = ("energy", "forces", "stress")
@@ -69,8 +77,6 @@ def pseudo_label(
     Labels take each structure's float dtype; the structures carry neighbour lists
     for the model's cutoff.
     """
-    from nvalchemi.data.datapipes.dataset import InMemoryDataset
-
     if cache is not None and Path(cache).exists():
         return read_pseudo_labels(cache, model.model_config.neighbor_config)
     labelled = []
@@ -88,9 +94,6 @@ def read_pseudo_labels(cache: str | Path, neighbor_config: Any = None) -> Any:
 
     ``neighbor_config`` (a model's ``NeighborConfig``): neighbour lists to build.
     """
-    from nvalchemi.data.datapipes.dataset import InMemoryDataset
-    from nvalchemi.data.io.zarr import AtomicDataZarrReader
-    from nvalchemi.data.neighbors import NeighborListTransform
 
     transforms = None if neighbor_config is None else [NeighborListTransform(neighbor_config)]
     return InMemoryDataset(reader=AtomicDataZarrReader(str(cache)), transforms=transforms)
@@ -101,8 +104,6 @@ def split_holdout(dataset: Any, fraction: float, seed: int = 0) -> tuple[Any, An
 
     The held-out part measures forgetting; it is never trained on.
     """
-    from nvalchemi.data.datapipes.dataset import InMemoryDataset
-
     n = len(dataset)
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"holdout fraction must be between 0 and 1; got {fraction}.")
@@ -131,8 +132,6 @@ class ReplayMix:
 
     def loader(self, **kwargs: Any) -> Any:
         """An nvalchemi ``DataLoader`` over the mix (``kwargs``: ``num_workers``, ...)."""
-        from nvalchemi.data.datapipes.dataloader import DataLoader
-
         if self.batch_sampler is not None:
             return DataLoader(self.dataset, batch_sampler=self.batch_sampler, **kwargs)
         return DataLoader(
@@ -168,8 +167,6 @@ def mix_replay(
         distributed_manager: shard the batches across ranks (the sampler then
             counts as distributed, so ``DDPHook`` keeps it).
     """
-    from nvalchemi.data.datapipes import MultiDataset
-    from nvalchemi.data.datapipes.samplers import MultiDatasetBatchSampler
 
     if not math.isfinite(weight) or weight < 0:
         raise ValueError(f"replay weight must be finite and non-negative; got {weight}.")
@@ -208,8 +205,6 @@ def mix_replay(
 # ---------------------------------------------------------------------------- labelling
 def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
     """The structures of ``batch`` with the model's energy/forces/stress as labels."""
-    from nvalchemi.data.neighbors import compute_neighbors
-
     config = model.model_config
     work = batch.clone()
     if config.neighbor_config is not None:
@@ -253,8 +248,6 @@ def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
 
 def _write_store(structures: list[Any], path: Path) -> None:
     """Write the labelled structures to a new zarr store at ``path`` (atomically)."""
-    from nvalchemi.data.io.zarr import AtomicDataZarrWriter
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     if tmp.exists():  # our own half-written store of an interrupted run
@@ -265,8 +258,6 @@ def _write_store(structures: list[Any], path: Path) -> None:
 
 def _without_edges(data: Any) -> Any:
     """Neighbour lists are rebuilt for the consuming model; store the structure only."""
-    import copy
-
     data = copy.copy(data)
     for key in ("neighbor_list", "neighbor_list_shifts", "shifts"):
         if key in data:

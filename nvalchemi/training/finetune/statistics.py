@@ -49,6 +49,19 @@ __all__ = [
 ]
 
 from nvalchemi.data.batch import iter_batches
+from nvalchemi.data.neighbors import compute_neighbors
+from nvalchemi.distributed.runtime import (
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed_initialized,
+)
+from nvalchemi.models.statistics import (
+    atomic_number,
+    element_counts,
+    mean_num_neighbors,
+    solve_atomic_energies,
+)
 from nvalchemi.training.runtime import evaluating
 
 E0Mode = Literal["keep", "refit", "estimated", "fixed"]
@@ -121,13 +134,6 @@ def compute_finetune_statistics(
         ValueError: an unknown mode; ``atomic_energies`` without ``e0="fixed"``; no
             energy labels; elements the model does not support.
     """
-    from nvalchemi.distributed.runtime import (
-        broadcast_object,
-        get_rank,
-        get_world_size,
-        is_distributed_initialized,
-    )
-
     if e0 not in get_args(E0Mode):
         raise ValueError(f"e0={e0!r}; choose one of {list(get_args(E0Mode))}.")
     if scale_shift not in get_args(ScaleShiftMode):
@@ -169,8 +175,6 @@ def prepare_finetune_model(
     ``options`` are those of :func:`compute_finetune_statistics`. With ``run_dir``, rank
     0 writes ``finetune_statistics.json`` there (``spec report`` shows it).
     """
-    from nvalchemi.distributed.runtime import get_rank
-
     stats = compute_finetune_statistics(
         model, data, distributed_manager=distributed_manager, **options
     )
@@ -226,8 +230,6 @@ def _run_pass(
 ) -> _Pass:
     """One pass: counts, labels, force sums, neighbour counts, and the model's energies
     for the batches ``run_on(counts)`` selects (NaN elsewhere)."""
-    from nvalchemi.data.neighbors import compute_neighbors
-    from nvalchemi.models.statistics import element_counts, mean_num_neighbors
 
     config = model.model_config
     neighbor_config = config.neighbor_config
@@ -283,8 +285,6 @@ def _compute(
     head: str | None,
     batch_size: int,
 ) -> FineTuneStatistics:
-    from nvalchemi.models.statistics import atomic_number, solve_atomic_energies
-
     source = model.get_reference_energies(head)
     wanted = {atomic_number(z): float(v) for z, v in (given or {}).items()}
     bad = sorted(z for z in wanted if z not in source)
@@ -358,7 +358,7 @@ def _compute(
 
 
 def _symbol(z: int) -> str:
-    from ase.data import chemical_symbols
+    from ase.data import chemical_symbols  # light
 
     return chemical_symbols[z] if 0 < z < len(chemical_symbols) else str(z)
 
