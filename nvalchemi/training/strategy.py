@@ -655,8 +655,9 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         hooks = self.hooks_for(TrainingStage.AFTER_VALIDATION)
         if hooks:
             run = d["_run"]
-            ctx = run.synced_ctx() if run is not None and run.ctx is not None else None
-            ctx = ctx if ctx is not None else self.new_context()
+            ctx = run.synced_ctx() if run is not None else None  # None: no run context
+            if ctx is None:
+                ctx = self.new_context()
             ctx.validation = summary
             # The last training batch's loss, never a live graph (no sync: detach only).
             if isinstance(ctx.loss, torch.Tensor):
