@@ -65,6 +65,7 @@ __all__ = [
     "combined_error",
     "parse_spec",
     "spec_error",
+    "strategy_class",
     "from_checkpoint_dict",
     "from_spec_dict",
     "to_checkpoint_dict",
@@ -647,6 +648,19 @@ def to_checkpoint_dict(strategy: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- reading a payload
+def strategy_class(path: Any, trust: bool = False) -> type:
+    """The strategy class a checkpoint's ``strategy_cls`` names (through the allow-list)."""
+    if not isinstance(path, str):
+        raise ValueError(f"'strategy_cls' must be a dotted-path string; got {path!r}.")
+    try:
+        target = import_path(path, trust=trust)
+    except Exception as exc:
+        raise ValueError(f"'strategy_cls' {path!r} cannot be imported: {exc}") from exc
+    if not (isinstance(target, type) and callable(getattr(target, "from_spec_dict", None))):
+        raise ValueError(f"'strategy_cls' {path!r} is not a TrainingStrategy class.")
+    return target
+
+
 def from_spec_dict(
     cls: type,
     spec: Mapping[str, Any],
@@ -686,16 +700,9 @@ def from_checkpoint_dict(
         raise ValueError(f"from_spec_dict: spec must be a mapping; got {type(spec).__name__}.")
     spec = dict(spec)
     path, state = spec.pop("strategy_cls", None), spec.pop("runtime_state", {})
-    target = cls
-    if path is not None:
-        if not isinstance(path, str):
-            raise ValueError(f"'strategy_cls' must be a dotted-path string; got {path!r}.")
-        try:
-            target = import_path(path, trust=trust)
-        except Exception as exc:
-            raise ValueError(f"'strategy_cls' {path!r} cannot be imported: {exc}") from exc
-        if not (isinstance(target, type) and issubclass(target, cls)):
-            raise ValueError(f"'strategy_cls' {path!r} must resolve to a {cls.__name__} subclass.")
+    target = cls if path is None else strategy_class(path, trust)
+    if not issubclass(target, cls):
+        raise ValueError(f"'strategy_cls' {path!r} must resolve to a {cls.__name__} subclass.")
     if not isinstance(state, Mapping):
         raise ValueError(f"'runtime_state' must be a mapping; got {type(state).__name__}.")
     strategy = target.from_spec_dict(

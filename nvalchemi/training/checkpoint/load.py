@@ -21,10 +21,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from nvalchemi._serialization import encode_value, import_path
+from nvalchemi._serialization import encode_value
 from nvalchemi.checkpoint_files import (
     CheckpointManifest,
-    EntryFiles,
     build_model,
     open_entry,
     read_json,
@@ -38,6 +37,7 @@ from nvalchemi.training.checkpoint.parts import (
     hook_types,
     restore_strategy,
 )
+from nvalchemi.training.strategy_payload import strategy_class
 
 __all__ = [
     "CheckpointValidator",
@@ -204,7 +204,7 @@ def _rebuild(
 ) -> dict[str, Any]:
     """Build the saved strategy class (``cls`` or a subclass) from its recipe, then restore it."""
     meta = files.strategy_data()
-    saved = _saved_class(files, meta, trust)
+    saved = strategy_class(meta.get("strategy_cls") or DEFAULT_STRATEGY, trust)
     if cls is None:
         cls = saved
     elif not issubclass(saved, cls):
@@ -254,22 +254,7 @@ def _rebuild(
 
 
 _NOT_RECIPE = ("strategy_cls", "runtime_state")
-
-
-def _saved_class(files: EntryFiles, meta: Mapping[str, Any], trust: bool) -> type:
-    """The strategy class ``strategy.json`` names, under the trust rule."""
-    path = meta.get("strategy_cls") or "nvalchemi.training.strategy.TrainingStrategy"
-    if not isinstance(path, str):
-        raise ValueError(f"'strategy_cls' must be a dotted-path string; got {path!r}.")
-    try:
-        saved = import_path(path, trust=trust)
-    except Exception as exc:
-        raise ValueError(f"'strategy_cls' {path!r} cannot be imported: {exc}") from exc
-    if not (isinstance(saved, type) and callable(getattr(saved, "from_spec_dict", None))):
-        raise ValueError(
-            f"{files.strategy()}: 'strategy_cls' {path!r} is not a TrainingStrategy class."
-        )
-    return saved
+DEFAULT_STRATEGY = "nvalchemi.training.strategy.TrainingStrategy"  # checkpoints without a class
 
 
 def _restore(strategy, files, map_location, validators, patterns, trust) -> dict[str, Any]:
