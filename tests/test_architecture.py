@@ -39,6 +39,7 @@ BOTTOM = frozenset(
         "nvalchemi._fileio",
         "nvalchemi._lazy",
         "nvalchemi._optional",
+        "nvalchemi.checkpoint_files",
         "nvalchemi.spec",
     }
 )

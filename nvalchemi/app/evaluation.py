@@ -71,13 +71,22 @@ _ATOM_RANGES = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def _mae_rmse(pred: np.ndarray | None, ref: np.ndarray | None) -> tuple[float, float, int]:
+    """MAE, RMSE and count by validation's :func:`~nvalchemi.training.validation.error_sums`
+    (a NaN reference is missing; a NaN prediction shows)."""
+    import torch  # light: torch and the engine load when a report computes metrics
+
+    from nvalchemi.training.validation import error_sums, mae_rmse
+
     if pred is None or ref is None or pred.size == 0:
         return math.nan, math.nan, 0
-    error = (pred - ref).reshape(-1)
-    error = error[np.isfinite(error)]
-    if error.size == 0:
+    sums = error_sums(
+        torch.from_numpy(np.asarray(pred, float)), torch.from_numpy(np.asarray(ref, float))
+    )
+    count = int(sums[2])
+    if count == 0:
         return math.nan, math.nan, 0
-    return float(np.abs(error).mean()), float(np.sqrt((error**2).mean())), int(error.size)
+    mae, rmse = mae_rmse(sums)
+    return float(mae), float(rmse), count
 
 
 @dataclass

@@ -227,6 +227,6 @@ def _activities(
 
 
 def _profiler_active() -> bool:
-    # torch has no public query; every torch profiler turns on the autograd profiler state.
-    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return bool(enabled()) if enabled is not None else False
+    # torch has no public query: this is the flag its own profile() sets while it records
+    # (torch's compiler reads it too); a torch without it reports no profiler.
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))

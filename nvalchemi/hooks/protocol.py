@@ -37,7 +37,7 @@ later step) and ``batches_per_step`` (batches per optimizer step of a full windo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -48,6 +48,8 @@ __all__ = [
     "OPTIONAL_MEMBERS",
     "CheckpointableHook",
     "Hook",
+    "enter_hooks",
+    "exit_hooks",
     "is_checkpointable",
     "member",
     "runs_at",
@@ -166,3 +168,40 @@ class CheckpointableHook(Protocol):
 def is_checkpointable(hook: Any) -> bool:
     """Whether ``hook`` has ``state_dict`` and ``load_state_dict`` (its state is checkpointed)."""
     return member(hook, "state_dict") is not None and member(hook, "load_state_dict") is not None
+
+
+def enter_hooks(hooks: Iterable[Any]) -> None:
+    """``__enter__()`` every hook that has one, in order; if one fails, exit those already
+    entered (:func:`exit_hooks`) and re-raise."""
+    entered: list[Any] = []
+    try:
+        for hook in hooks:
+            enter = member(hook, "__enter__")
+            if enter is not None:
+                enter()
+                entered.append(hook)
+    except BaseException as exc:
+        exit_hooks(entered, type(exc), exc, exc.__traceback__)
+        raise
+
+
+def exit_hooks(hooks: Iterable[Any], exc_type: Any, exc: Any, tb: Any) -> None:
+    """``__exit__(...)`` (else ``close()``) every hook, last first; all run even if one fails.
+
+    The first failure is raised once all ran, unless ``exc`` (an exception already on its
+    way out) is set.
+    """
+    first_error: BaseException | None = None
+    for hook in reversed(list(hooks)):  # a copy: an exiting hook may unregister itself
+        try:
+            exit_ = member(hook, "__exit__")
+            if exit_ is not None:
+                exit_(exc_type, exc, tb)
+            else:
+                close = member(hook, "close")
+                if close is not None:
+                    close()
+        except Exception as error:  # exit every hook; report the first failure
+            first_error = first_error or error
+    if first_error is not None and exc is None:
+        raise first_error

@@ -29,6 +29,7 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.stress import full_3x3_to_voigt_6_stress
 
+from nvalchemi import checkpoint_files
 from nvalchemi.models.export import Potential, check_head, neighbor_inputs, quiet_torchscript
 
 __all__ = ["NvalchemiCalculator"]
@@ -175,9 +176,7 @@ class NvalchemiCalculator(Calculator):
             ...     "runs/x/checkpoints", checkpoint_index=0, use_ema=False)  # doctest: +SKIP
         """
         _check_ase_keywords(kwargs, "NvalchemiCalculator.from_checkpoint")
-        from nvalchemi.training.checkpoint.store import load_model_from_checkpoint
-
-        model = load_model_from_checkpoint(
+        model = checkpoint_files.load_model_from_checkpoint(
             path,
             map_location=device,
             model_key=model_key,

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from nvalchemi import checkpoint_files
 from nvalchemi._optional import OptionalDependency
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.data.neighbors import compute_neighbors
@@ -176,10 +177,7 @@ class TorchSimModel(ModelInterface):
         Example:
             >>> model = TorchSimModel.from_checkpoint("runs/x/checkpoints")  # doctest: +SKIP
         """
-        # The loader NvalchemiCalculator.from_checkpoint calls, called the same way.
-        from nvalchemi.training.checkpoint.store import load_model_from_checkpoint
-
-        model = load_model_from_checkpoint(
+        model = checkpoint_files.load_model_from_checkpoint(
             path,
             map_location=device,
             model_key=model_key,

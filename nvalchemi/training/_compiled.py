@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,23 +75,19 @@ def check_compile_kwargs(value: Any) -> dict[str, Any]:
 
 def compiled_graph_count() -> int:
     """Graphs ``torch.compile`` has built in this process so far (0 before the first)."""
-    import sys
-
     if "torch._dynamo" not in sys.modules:  # nothing was compiled: keep the import light
         return 0
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # light
 
     return int(counters["stats"]["unique_graphs"])
 
 
 def _unsupported_reason() -> str | None:
     try:
-        import torch._dynamo as dynamo
+        import torch._dynamo as dynamo  # light
     except Exception as exc:  # a build without dynamo
         return f"torch._dynamo cannot be imported ({exc})"
     if not dynamo.is_dynamo_supported():
-        import sys
-
         return f"torch {torch.__version__} has no torch.compile for Python {sys.version.split()[0]}"
     return None
 

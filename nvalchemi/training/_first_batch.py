@@ -23,6 +23,9 @@ from typing import Any
 
 from torch import nn
 
+from nvalchemi.models.base import BaseModelMixin
+from nvalchemi.training.runtime import unwrap_model
+
 __all__ = ["check_dataloader", "check_first_batch", "describe_loader", "loader_error"]
 
 _LOADER_FIX = (
@@ -43,7 +46,7 @@ def describe_loader(loader: Any) -> str:
 
 def check_dataloader(dataloader: Any) -> None:
     """Refuse, before anything runs, what cannot be a dataloader (``TypeError`` with the fix)."""
-    from nvalchemi.data import AtomicData, Batch
+    from nvalchemi.data import AtomicData, Batch  # light
 
     if isinstance(dataloader, (Batch, AtomicData)):
         raise TypeError(
@@ -72,7 +75,7 @@ def check_first_batch(
       from the model's parameters, unless the model is an nvalchemi model (those cast
       their inputs to their own dtype).
     """
-    from nvalchemi.data import Batch
+    from nvalchemi.data import Batch  # light
 
     source = "the dataloader"
     if dataloader is not None:
@@ -95,7 +98,7 @@ def check_first_batch(
 
 
 def _structures_in(batch: Any) -> str | None:
-    from nvalchemi.data import AtomicData
+    from nvalchemi.data import AtomicData  # light
 
     if isinstance(batch, AtomicData):
         return "one AtomicData"
@@ -106,8 +109,6 @@ def _structures_in(batch: Any) -> str | None:
 
 
 def _check_dtype(batch: Any, models: Any, source: str) -> None:
-    from nvalchemi.models.base import BaseModelMixin
-    from nvalchemi.training.runtime import unwrap_model
 
     positions = getattr(batch, "positions", None)
     if positions is None or not positions.dtype.is_floating_point:

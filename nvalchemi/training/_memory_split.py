@@ -63,6 +63,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from nvalchemi.training.losses import terms
 
 __all__ = [
     "DistributedVote",
@@ -169,8 +172,6 @@ class LossShares:
 
 def _denominators(leaf: Any, batch: Any) -> torch.Tensor | None:
     """Per-structure contribution to ``leaf``'s denominator (float64, host), ``None`` if unknown."""
-    from nvalchemi.training.losses import terms
-
     kind = type(leaf)
     structures = batch.num_graphs
     atoms = torch.tensor(batch.num_nodes_list, dtype=torch.float64)
@@ -421,8 +422,6 @@ class DistributedVote:
     """
 
     def __init__(self, manager: Any) -> None:
-        import torch.distributed as dist
-
         self.manager = manager
         found = (getattr(manager, name, None) for name in ("process_group", "group"))
         group = next((g for g in found if g is not None), None)
@@ -436,8 +435,6 @@ class DistributedVote:
 
     def __call__(self, wants_split: bool) -> bool:
         """Whether any rank wants to train this step in pieces (a collective: call on all)."""
-        import torch.distributed as dist
-
         flag = self.flag
         flag.fill_(1 if wants_split else 0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -449,8 +446,6 @@ def average_gradients(
 ) -> None:
     """Average the pieces' gradients over the ranks in place (DDP's mean; one all-reduce
     per parameter dtype). Every rank sends every parameter, zeros where none was reached."""
-    import torch.distributed as dist
-
     by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, param in enumerate(params):
         by_kind.setdefault((param.dtype, param.device), []).append(i)

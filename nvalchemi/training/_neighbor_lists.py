@@ -37,6 +37,9 @@ from typing import Any
 
 from torch import nn
 
+from nvalchemi.models.base import BaseModelMixin
+from nvalchemi.training.runtime import unwrap_model
+
 __all__ = ["NeighborListBuilder", "builders_for"]
 
 _FIELD = {"coo": "neighbor_list", "matrix": "neighbor_matrix"}
@@ -69,7 +72,7 @@ class NeighborListBuilder:
 
     def missing(self, batch: Any) -> bool:
         """Whether ``batch`` lacks the list field (a ``Batch``; other objects never do)."""
-        from nvalchemi.data import Batch
+        from nvalchemi.data import Batch  # light
 
         return isinstance(batch, Batch) and self.field not in batch
 
@@ -77,7 +80,7 @@ class NeighborListBuilder:
         batch = getattr(ctx, "batch", None)
         if not self.missing(batch):
             return
-        from nvalchemi.data.neighbors import compute_neighbors
+        from nvalchemi.data.neighbors import compute_neighbors  # light
 
         compute_neighbors(batch, self.cutoff, half_list=self.half_list, format=self.format)
         self.builds += 1
@@ -90,8 +93,6 @@ def builders_for(models: Iterable[nn.Module]) -> tuple[NeighborListBuilder, ...]
     beyond their own). Models that want the same format as half and full lists cannot
     share one: none is built for that format, and the model's own error explains it.
     """
-    from nvalchemi.models.base import BaseModelMixin
-    from nvalchemi.training.runtime import unwrap_model
 
     wanted: dict[str, list[Any]] = {}
     for model in models:

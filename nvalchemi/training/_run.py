@@ -1,11 +1,13 @@
 """One training run, read top to bottom: the plan, the epochs, the step.
 
 :meth:`TrainingStrategy.run <nvalchemi.training.TrainingStrategy.run>` builds a
-:class:`_Run` and calls :meth:`_Run.train`; a ``train_batch`` session keeps one and calls
-:meth:`_Run.step` per batch. The strategy holds the configuration and the state that
-outlives a run (counters, optimizers, hooks); the run holds what exists only while
-training: the hooks of each stage, the one ``TrainContext``, the non-finite loss record,
-the loader position, the validation cadence.
+:class:`_Run`, calls :meth:`_Run.begin` and :meth:`_Run.train`; a ``train_batch`` session
+keeps one and calls :meth:`_Run.step` per batch. The strategy holds the configuration, the
+counters, the optimizers and its :class:`Progress` (what a resume needs besides the
+counters); the run holds everything else: the hooks of each stage, the one
+``TrainContext``, the non-finite loss record, the loader and its epoch's position, the
+last loss, the stop request. A finished run stays the strategy's last run (closed, its
+context released), so its loader position and stop reason can still be read.
 
 The step (:meth:`_Run.step`) is the hot path. It reads counters from and writes them to
 the strategy's ``__dict__`` (no pydantic ``__setattr__``), dispatches only to stages that
@@ -29,19 +31,26 @@ import itertools
 import math
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from nvalchemi.distributed.runtime import explain_collective_failure
+from nvalchemi.distributed.runtime import (
+    all_agree,
+    explain_collective_failure,
+    get_world_size,
+    is_distributed_initialized,
+)
 from nvalchemi.hooks import protocol
+from nvalchemi.training import _memory_split as split
 from nvalchemi.training import loader_position
 from nvalchemi.training._compiled import CompiledModels, compiled_graph_count
 from nvalchemi.training._first_batch import check_first_batch, loader_error
 from nvalchemi.training._memory_split import DistributedVote, MemoryBudget
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
-from nvalchemi.training.losses.composition import compute_supervised_loss
+from nvalchemi.training.losses.composition import compute_supervised_loss, loss_target_keys
 from nvalchemi.training.optimizers import (
     is_metric_scheduler,
     step_metric_schedulers,
@@ -120,51 +129,58 @@ class NonFiniteRecord:
         return meta[int((~finite).nonzero()[0, 0])]
 
 
+@dataclass(slots=True)
+class Progress:
+    """Where training stands besides the counters: what ``runtime_state`` saves with them.
+
+    The strategy keeps one across runs; its runs update it.
+    """
+
+    consecutive_skips: int = 0  # batches in a row without an optimizer step
+    validated_at: tuple[int, int] | None = None  # (step_count, batch_count) of the last one
+    resume_loader: dict[str, Any] | None = None  # a restored loader position, for the next epoch
+
+
 class _Run:
     """What one ``run()`` (or one ``train_batch`` session) needs, and the loop itself."""
 
-    def __init__(self, strategy: Any, loader: Any, *, strict: bool = False) -> None:
+    def __init__(self, strategy: Any, *, strict: bool = False) -> None:
         self.strategy = strategy
-        self.d = strategy.__dict__
+        self.d = strategy.__dict__  # the counters, written without pydantic's __setattr__
+        self.progress: Progress = strategy._progress
         self.record = NonFiniteRecord()
         self.strict_nonfinite = strict  # train_batch: check every loss before its step
+        self.open, self.running, self.stale = True, False, True
+        self.loader: Any = None  # the loader this run iterates (SETUP hooks may replace it)
+        self.epoch_record: dict[str, Any] | None = None  # the open epoch's generator states
         self.epoch_length: int | None = None
-        self.first_batch = loader is not None
-        self.loader = self._begin(loader)
-        s = strategy
-        self.compiled = (
-            CompiledModels(s.trainable_models(), s.compile_kwargs) if s.compile else None
-        )
+        self.first_batch = False
+        self.last_loss: torch.Tensor | None = None
+        self.stop_reason: str | None = None
+        self.compiled_graphs: list[int] = []  # per epoch (compile=True)
+        self.compiled: CompiledModels | None = None
+        self.ctx: Any = None
         self.neighbor_builders: tuple[Any, ...] = ()  # decided at the first batch
         self.budget: MemoryBudget | None = None  # after the first out-of-memory error
         self.oom_reported = False
         self._piece_gate = 0
         self.vote: DistributedVote | None = None
-        self._resolve()
-        if self.world_size > 1 and _distributed(s) and torch.distributed.is_initialized():
-            # a collective on every rank; a manager without a torch process group has no vote
-            self.vote = DistributedVote(s.distributed_manager)
-
-    @classmethod
-    def idle(cls, strategy: Any) -> _Run:
-        """A run with nothing recorded (``check_nonfinite`` outside a run still takes part
-        in a distributed vote)."""
-        run = cls.__new__(cls)
-        run.strategy, run.d, run.record = strategy, strategy.__dict__, NonFiniteRecord()
-        return run
+        self.stage: Any = None  # where the current step is (for errors, out-of-memory retries)
+        self.voted = False  # whether the current step took part in the out-of-memory vote
 
     # ------------------------------------------------------------------ setup
-    def _begin(self, loader: Any) -> Any:
-        """prepare_strategy hooks, device placement, SETUP hooks, optimizers; the loader."""
-        s, d = self.strategy, self.d
+    def begin(self, loader: Any) -> None:
+        """prepare_strategy hooks, device placement, ``SETUP`` hooks, optimizers, the plan."""
+        s = self.strategy
+        self.first_batch = loader is not None
+        self.loader = loader
         for hook in s.all_hooks():
             prepare = protocol.member(hook, "prepare_strategy")
             if prepare is not None:
                 prepare(s)
         move_to_devices(s.models, s.devices)
-        for optimizer in d["_optimizers"]:
+        for optimizer in s._optimizers:
             rehome_optimizer_state(optimizer)
-        d["_active_dataloader"] = loader
         setup = s.hooks_for(S.SETUP)
         orchestrator = s.orchestrator()
         if orchestrator is not None and orchestrator not in setup:
@@ -177,13 +193,23 @@ class _Run:
                 self.annotate(exc, S.SETUP)
                 raise
         s.ensure_optimizers()
-        return d["_active_dataloader"]
+        if s.compile:
+            self.compiled = CompiledModels(s.trainable_models(), s.compile_kwargs)
+        self._resolve()
+        if self.world_size > 1 and _distributed(s) and torch.distributed.is_initialized():
+            # a collective on every rank; a manager without a torch process group has no vote
+            self.vote = DistributedVote(s.distributed_manager)
+
+    def close(self) -> None:
+        """End the run; keep what the strategy reads of its last run, release the rest."""
+        self.open = False
+        self.ctx = self.compiled = self.model_arg = self.budget = self.vote = None
 
     def _resolve(self) -> None:
         """Resolve the hooks of each stage and everything else a step reads, once."""
-        s, d = self.strategy, self.d
+        s = self.strategy
         at = s.hooks_for
-        self.version = (d["_hooks_version"], d["_optimizer_version"])
+        self.stale = False
         self.before_training, self.before_epoch = at(S.BEFORE_TRAINING), at(S.BEFORE_EPOCH)
         self.before_batch, self.before_forward = at(S.BEFORE_BATCH), at(S.BEFORE_FORWARD)
         self.after_forward, self.before_loss = at(S.AFTER_FORWARD), at(S.BEFORE_LOSS)
@@ -216,10 +242,10 @@ class _Run:
             models = self.compiled.models(models, s.optimizer_configs)
         self.model_arg = models["main"] if s.single_model_input else models
         self.loss_fn, self.assembler = s.loss_fn, s.loss_target_assembler
-        self.target_keys = d["_target_keys"]
-        self.optimizers = d["_optimizers"]
+        self.target_keys = loss_target_keys(s.loss_fn)
+        self.optimizers = s._optimizers
         self.time_schedulers = [
-            x for x in d["_lr_schedulers"] if x is not None and not is_metric_scheduler(x)
+            x for x in s._lr_schedulers if x is not None and not is_metric_scheduler(x)
         ]
         self.nonfinite = NONFINITE_MODES[s.nonfinite_loss]
         self._capacity = 1 if self.strict_nonfinite else s.nonfinite_check_interval
@@ -228,11 +254,11 @@ class _Run:
         self.val_every_epochs = (config.every_n_epochs or 0) if config is not None else 0
         self.device = s.devices[0]
         self.world_size = training_world_size(s.distributed_manager)
-        self.clear_unowned = s.clear_unowned_gradients if d.get("_unowned_params") else None
+        self.clear_unowned = s.clear_unowned_gradients if s._unowned_params else None
 
     def refresh(self) -> None:
-        """Re-resolve after hooks or optimizers changed (a cheap comparison per batch)."""
-        if (self.d["_hooks_version"], self.d["_optimizer_version"]) != self.version:
+        """Re-resolve after hooks or optimizers changed (the strategy marks the run stale)."""
+        if self.stale:
             self._resolve()
 
     # ------------------------------------------------------------------ the loop
@@ -257,12 +283,12 @@ class _Run:
                 return
             self.check_nonfinite()
             self.refresh()
-            ctx = self._synced_ctx()
+            ctx = self.synced_ctx()
             if ctx is not None:
                 ctx.clear_step_outputs()
             if self.after_training:
                 _fire(S.AFTER_TRAINING, self.after_training, ctx, 0)
-            if s.validation_config is not None and d["_validated_at"] != (
+            if s.validation_config is not None and self.progress.validated_at != (
                 d["step_count"],
                 d["batch_count"],
             ):
@@ -312,10 +338,10 @@ class _Run:
                     finished = True
                     break
                 if d["step_count"] >= target or (
-                    d["_stop_reason"] is not None and self._at_step_boundary()
+                    self.stop_reason is not None and self._at_step_boundary()
                 ):
                     break
-            if processed == 0 and d["step_count"] < target and d["_stop_reason"] is None:
+            if processed == 0 and d["step_count"] < target and self.stop_reason is None:
                 raise ValueError(
                     "dataloader produced no batches before reaching the target step count; "
                     "ensure the dataloader is non-empty, re-iterable, and compatible with the "
@@ -324,7 +350,7 @@ class _Run:
             if finished and processed:
                 self._end_epoch()
             if d["step_count"] >= target or (
-                d["_stop_reason"] is not None and (processed == 0 or self._at_step_boundary())
+                self.stop_reason is not None and (processed == 0 or self._at_step_boundary())
             ):
                 return started
 
@@ -336,8 +362,8 @@ class _Run:
         the interrupted epoch gets the same order (see
         :mod:`nvalchemi.training.loader_position`). CPU RNG states only: no device sync.
         """
-        d = self.d
-        resume, d["_resume_loader"] = d["_resume_loader"], None
+        d, progress = self.d, self.progress
+        resume, progress.resume_loader = progress.resume_loader, None
         replaying = resume is not None and resume["epoch"] == d["epoch_count"]
         if resume is not None and not replaying:
             loader_position.restore_generators(loader, resume["generators_now"])
@@ -355,7 +381,7 @@ class _Run:
         scope = loader_position.replay(loader, resume) if replaying else contextlib.nullcontext()
         try:
             with scope:
-                d["_epoch_record"] = (
+                self.epoch_record = (
                     resume if replaying else loader_position.capture(loader, d["epoch_count"])
                 )
                 iterator = iter(loader)
@@ -378,12 +404,12 @@ class _Run:
         d["epoch_count"] += 1
         d["epoch_step_count"] = 0
         if self.compiled is not None:
-            d["_compiled_graphs"].append(
+            self.compiled_graphs.append(
                 self.compiled.report_epoch(d["epoch_count"], self._graphs_mark)
             )
         if self.after_epoch:
             self.check_nonfinite()
-            _fire(S.AFTER_EPOCH, self.after_epoch, self._synced_ctx(), d["epoch_count"])
+            _fire(S.AFTER_EPOCH, self.after_epoch, self.synced_ctx(), d["epoch_count"])
         if self.val_every_epochs and d["epoch_count"] % self.val_every_epochs == 0:
             self.validate()
 
@@ -402,67 +428,83 @@ class _Run:
         gate = d["step_count"] + 1
         if self.budget is not None and not self.budget.fits(batch):
             return self.split_step(batch, gate, begun=False)
-        stage: Any = _BEFORE_BATCH
-        voted = False
+        self.stage, self.voted = _BEFORE_BATCH, False
         try:
             if ctx is not None:
                 ctx.clear_step_outputs()
                 ctx.batch = batch
                 self._sync(ctx)
             if self.before_batch:
-                _fire(stage, self.before_batch, ctx, gate)
+                _fire(_BEFORE_BATCH, self.before_batch, ctx, gate)
             if self.orchestrator is None:
-                stage = "zeroing gradients"
+                self.stage = "zeroing gradients"
                 zero_gradients(self.optimizers)
                 if self.clear_unowned is not None:
                     self.clear_unowned()
             if self.before_forward:
-                stage = S.BEFORE_FORWARD
-                _fire(stage, self.before_forward, ctx, gate)
-            stage = "the forward pass (training_fn)"
+                self.stage = S.BEFORE_FORWARD
+                _fire(S.BEFORE_FORWARD, self.before_forward, ctx, gate)
+            self.stage = "the forward pass (training_fn)"
             predictions = self.fn(self.model_arg, batch)
             if ctx is not None:
                 ctx.predictions = predictions
             if self.after_forward:
-                stage = S.AFTER_FORWARD
-                _fire(stage, self.after_forward, ctx, gate)
+                self.stage = S.AFTER_FORWARD
+                _fire(S.AFTER_FORWARD, self.after_forward, ctx, gate)
             if self.before_loss:
-                stage = S.BEFORE_LOSS
-                _fire(stage, self.before_loss, ctx, gate)
-            stage = "the loss computation"
+                self.stage = S.BEFORE_LOSS
+                _fire(S.BEFORE_LOSS, self.before_loss, ctx, gate)
+            self.stage = "the loss computation"
             out = self.compute_loss(predictions, batch)
-            loss = out["total_loss"]
-            if ctx is not None:
-                ctx.loss, ctx.losses = loss, out
-                if self.after_loss:
-                    stage = S.AFTER_LOSS
-                    _fire(stage, self.after_loss, ctx, gate)
-                    if ctx.loss is not None:
-                        loss = ctx.loss
-            if self.vote is not None:  # DDP: did a rank run out in its forward? (one all-reduce)
-                stage, voted = "the out-of-memory vote", True
-                if self.vote(False):
-                    raise _PiecesAgreed
-            mode = self.record_loss(loss, out)
-            if mode == _SKIP and self._skip_nonfinite(loss):
-                return self._skip_batch(out)
-            if self.before_backward:
-                stage = S.BEFORE_BACKWARD
-                _fire(stage, self.before_backward, ctx, gate)
-            stage = _DO_BACKWARD
-            self.backward(loss)
+            backpropagated = self.through_backward(out, gate, vote=self.vote is not None)
         except torch.OutOfMemoryError as exc:
-            ran_out_at = self._splittable(exc, stage, batch, voted)
+            ran_out_at = self._splittable(exc, self.stage, batch, self.voted)
         except _PiecesAgreed:
             ran_out_at = None
         except Exception as exc:
-            self.annotate(exc, stage)
+            self.annotate(exc, self.stage)
             self._explain_compile(exc)
             raise
         else:
-            return self.finish(out, loss, gate, mode)
-        predictions = out = loss = None  # free this attempt's graph first
-        return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=voted)
+            if backpropagated is None:  # a skipped non-finite batch
+                return False
+            return self.finish(out, *backpropagated, gate)
+        predictions = out = backpropagated = None  # free this attempt's graph first
+        return self.split_step(batch, gate, ran_out_at=ran_out_at, voted=self.voted)
+
+    def through_backward(
+        self, out: Mapping[str, Any], gate: int, *, vote: bool
+    ) -> tuple[torch.Tensor, int] | None:
+        """From a step's loss output to its gradients; ``(loss, mode)``, or ``None`` if skipped.
+
+        ``AFTER_LOSS`` (its hooks may replace ``ctx.loss``), the out-of-memory vote of a
+        distributed step (``vote``), the non-finite record (``nonfinite_loss="skip"`` may
+        skip the batch here), ``BEFORE_BACKWARD`` and ``DO_BACKWARD``; ``self.stage`` says
+        where it is.
+        """
+        ctx = self.ctx
+        loss = out["total_loss"]
+        if ctx is not None:
+            ctx.loss, ctx.losses = loss, out
+            if self.after_loss:
+                self.stage = S.AFTER_LOSS
+                _fire(S.AFTER_LOSS, self.after_loss, ctx, gate)
+                if ctx.loss is not None:
+                    loss = ctx.loss
+        if vote:  # DDP: did a rank run out in its forward? (one all-reduce)
+            self.stage, self.voted = "the out-of-memory vote", True
+            if self.vote(False):
+                raise _PiecesAgreed
+        mode = self.record_loss(loss, out)
+        if mode == _SKIP and self._skip_nonfinite(loss):
+            self._skip_batch(out)
+            return None
+        if self.before_backward:
+            self.stage = S.BEFORE_BACKWARD
+            _fire(S.BEFORE_BACKWARD, self.before_backward, ctx, gate)
+        self.stage = _DO_BACKWARD
+        self.backward(loss)
+        return loss, mode
 
     def compute_loss(self, predictions: Any, batch: Any) -> Any:
         """The loss output of ``predictions`` against ``batch`` at the current counters."""
@@ -481,7 +523,7 @@ class _Run:
     def record_loss(self, loss: torch.Tensor, out: Mapping[str, Any]) -> int:
         """Publish the detached loss and record it for the non-finite check; return the mode."""
         d = self.d
-        d["_last_loss"] = detached_loss = loss.detach()  # the graph would outlive the step
+        self.last_loss = detached_loss = loss.detach()  # the graph would outlive the step
         mode = self.nonfinite
         if mode == _RAISE:  # detached aliases only: no kernel, no sync
             self.record.losses.append(detached_loss)
@@ -511,7 +553,7 @@ class _Run:
         else:
             loss.backward()
 
-    def finish(self, out: Mapping[str, Any], loss: torch.Tensor, gate: int, mode: int) -> bool:
+    def finish(self, out: Mapping[str, Any], loss: torch.Tensor, mode: int, gate: int) -> bool:
         """From ``AFTER_BACKWARD`` to ``AFTER_BATCH``: the optimizer step and the counters."""
         d, ctx = self.d, self.ctx
         stage: Any = _AFTER_BACKWARD
@@ -551,7 +593,7 @@ class _Run:
                 d["epoch_step_count"] += 1
                 d["step_count"] += 1
                 d["global_step_count"] += self.world_size
-                d["_consecutive_skips"] = 0
+                self.progress.consecutive_skips = 0
             else:
                 self._not_stepped(skipped_nonfinite=False)
             if self.after_batch:
@@ -575,7 +617,7 @@ class _Run:
     def _splittable(self, exc: torch.OutOfMemoryError, stage: Any, batch: Any, voted: bool) -> Any:
         """The stage a step ran out of memory at, if the batch can be trained in pieces;
         else annotate and re-raise ``exc`` (see :mod:`nvalchemi.training._memory_split`)."""
-        from nvalchemi.data import Batch
+        from nvalchemi.data import Batch  # light
 
         reason = None
         if not isinstance(batch, Batch):
@@ -618,10 +660,8 @@ class _Run:
         (the pieces' gradients are added scaled by its gradient, so hooks that scale or
         extend the loss act as in one step), ``ctx.losses`` the whole batch's parts.
         """
-        from nvalchemi.training import _memory_split as split
-
         ctx = self.ctx
-        stage: Any = "training the batch in pieces"
+        self.stage = "training the batch in pieces"
         try:
             if not begun:
                 if ctx is not None:
@@ -629,12 +669,12 @@ class _Run:
                     ctx.batch = batch
                     self._sync(ctx)
                 if self.before_batch:
-                    stage = S.BEFORE_BATCH
-                    _fire(stage, self.before_batch, ctx, gate)
+                    self.stage = S.BEFORE_BATCH
+                    _fire(S.BEFORE_BATCH, self.before_batch, ctx, gate)
             if self.vote is not None and not voted:
-                stage = "the out-of-memory vote"
+                self.stage = "the out-of-memory vote"
                 self.vote(True)
-            stage = "training the batch in pieces"
+            self.stage = "training the batch in pieces"
             if ctx is not None:
                 ctx.clear_step_outputs()  # the failed attempt's graph
             if ran_out_at is not None:
@@ -662,30 +702,19 @@ class _Run:
             self._report_split(batch, ran_out_at, pieces)
             proxy = pieces.total.detach().clone().requires_grad_(True)
             out = pieces.out
-            out["total_loss"] = loss = proxy
+            out["total_loss"] = proxy
             if ctx is not None:
                 ctx.batch, ctx.predictions = batch, pieces.predictions
-                ctx.loss, ctx.losses = proxy, out
-                if self.after_loss:
-                    stage = S.AFTER_LOSS
-                    _fire(stage, self.after_loss, ctx, gate)
-                    if ctx.loss is not None:
-                        loss = ctx.loss
-            mode = self.record_loss(loss, out)
-            if mode == _SKIP and self._skip_nonfinite(loss):
-                return self._skip_batch(out)
-            if self.before_backward:
-                stage = S.BEFORE_BACKWARD
-                _fire(stage, self.before_backward, ctx, gate)
-            stage = _DO_BACKWARD
-            self.backward(loss)
+            backpropagated = self.through_backward(out, gate, vote=False)
+            if backpropagated is None:  # a skipped non-finite batch
+                return False
             if proxy.grad is not None:  # d(what was backpropagated) / d(loss)
                 split.add_gradients(params, pieces.grads, proxy.grad / scale)
         except Exception as exc:
-            self.annotate(exc, stage)
+            self.annotate(exc, self.stage)
             self._explain_compile(exc)
             raise
-        return self.finish(out, loss, gate, mode)
+        return self.finish(out, *backpropagated, gate)
 
     def _run_piece(self, piece: Any) -> tuple[Any, Any]:
         """Forward and loss of one piece, with its per-forward stages."""
@@ -803,22 +832,22 @@ class _Run:
         return False
 
     def _not_stepped(self, skipped_nonfinite: bool) -> None:
-        d = self.d
+        d, progress = self.d, self.progress
         d["batch_count"] += 1
         d["epoch_step_count"] += 1
         orchestrator = self.orchestrator
         if skipped_nonfinite or orchestrator is None or not orchestrator.step_deferred:
             # A step postponed by an open accumulation window is not a skip.
-            d["_consecutive_skips"] += 1
+            progress.consecutive_skips += 1
             limit = self.strategy.max_consecutive_skips
-            if limit is not None and d["_consecutive_skips"] >= limit:
+            if limit is not None and progress.consecutive_skips >= limit:
                 why = (
                     "the loss was non-finite (nonfinite_loss='skip')"
                     if skipped_nonfinite
                     else "update hooks vetoed the optimizer step or a GradScaler skipped it"
                 )
                 raise TrainingStalledError(
-                    f"{d['_consecutive_skips']} consecutive batches made no optimizer step "
+                    f"{progress.consecutive_skips} consecutive batches made no optimizer step "
                     f"(latest: {why}); stopping instead of looping forever at step "
                     f"{d['step_count']}. Check the data and learning rate, the update hooks' "
                     "veto conditions, or raise max_consecutive_skips (None disables the "
@@ -831,70 +860,13 @@ class _Run:
         return len(self.record.losses) >= self._capacity
 
     def check_nonfinite(self) -> None:
-        """Raise :class:`NonFiniteLossError` for a NaN/inf loss since the last check (see the
-        strategy's ``check_nonfinite``)."""
-        d, s = self.d, self.strategy
-        bad = self.record.first_bad()
-        if _distributed(s):
-            from nvalchemi.distributed.runtime import all_agree
-
-            if all_agree(bad is not None, s.distributed_manager) and bad is None:
-                raise NonFiniteLossError(
-                    step=d["step_count"],
-                    epoch=d["epoch_count"],
-                    epoch_step=d["epoch_step_count"],
-                    batch_count=d["batch_count"],
-                    components=[],
-                    detail="Another rank reported a non-finite loss since the last check. "
-                    + self._advice(None),
-                )
-        if bad is None:
-            return
-        step, epoch, epoch_step, batch_count, components = bad
-        names = [n for n, v in components if not bool(torch.isfinite(v))] if components else []
-        raise NonFiniteLossError(
-            step=step,
-            epoch=epoch,
-            epoch_step=epoch_step,
-            batch_count=batch_count,
-            components=names or ["total_loss"],
-            detail=self._advice(step),
-        )
-
-    def _advice(self, step: int | None) -> str:
-        """How far a non-finite loss found now may have reached the weights."""
-        now = self.d["step_count"]
-        strict = (
-            "Set TrainingStrategy(nonfinite_check_interval=1) to check every batch before its "
-            "optimizer step (strict; one device sync per step), or nonfinite_loss='skip' to "
-            "skip such batches."
-        )
-        if step is None:
-            return (
-                "Optimizer steps taken since the previous check may have used non-finite "
-                f"gradients (weights and optimizer state). {strict}"
-            )
-        taken = now - step
-        if taken <= 0:
-            return (
-                "Found before the optimizer step of that batch: no optimizer step used it, the "
-                "weights are unaffected."
-            )
-        return (
-            f"Found at a non-finite check (every nonfinite_check_interval="
-            f"{self.strategy.nonfinite_check_interval} recorded losses, before validation, "
-            "epoch-end and training-end hooks, checkpoints and at the end of run()) after "
-            f"optimizer steps {step}..{now - 1} had already used its gradients: the weights "
-            f"and optimizer state of the last {taken} step(s) may be non-finite; resume from a "
-            f"checkpoint with step_count <= {step}. {strict}"
-        )
+        """Raise :class:`NonFiniteLossError` for a NaN/inf loss since the last check."""
+        check_nonfinite(self.strategy, self.record)
 
     def _skip_nonfinite(self, loss: torch.Tensor) -> bool:
         """Whether to skip this batch: one sync, agreed across ranks (DDP must skip together)."""
         bad = not math.isfinite(float(loss.detach()))
         if self.world_size > 1 and _distributed(self.strategy):
-            from nvalchemi.distributed.runtime import all_agree
-
             bad = all_agree(bad, self.strategy.distributed_manager)
         return bad
 
@@ -902,10 +874,15 @@ class _Run:
     def validate(self) -> None:
         """A scheduled validation, then the metric-driven schedulers step on its summary."""
         s, d = self.strategy, self.d
+        configs = [
+            (f"optimizer_configs[{key!r}][{i}]", config.scheduler_metric_adapter)
+            for key, configs in s.optimizer_configs.items()
+            for i, config in enumerate(configs)
+        ]
         try:
             s.validate()
             summary = d["last_validation"]
-            for _, scheduler, adapter, label in d["_runtime_optimizers"]:
+            for (label, adapter), scheduler in zip(configs, s._lr_schedulers):
                 if summary is None or not is_metric_scheduler(scheduler):
                     continue
                 try:
@@ -1004,7 +981,7 @@ class _Run:
         ctx.batch_count, ctx.epoch_step_count = d["batch_count"], d["epoch_step_count"]
         ctx.epoch = d["epoch_count"]
 
-    def _synced_ctx(self) -> Any:
+    def synced_ctx(self) -> Any:
         ctx = self.ctx
         if ctx is not None:
             self._sync(ctx)
@@ -1013,7 +990,7 @@ class _Run:
 
     def _fire_around(self, stage: S, hooks: tuple[Any, ...], batch: Any, gate: int) -> None:
         """Fire a stage outside the step (no stale loss or predictions of a previous batch)."""
-        ctx = self._synced_ctx()
+        ctx = self.synced_ctx()
         ctx.clear_step_outputs()
         ctx.batch = batch
         _fire(stage, hooks, ctx, gate)
@@ -1027,8 +1004,7 @@ class _Run:
 
     def to_device(self, batch: Any) -> Any:
         """``batch`` on the training device (``non_blocking``; mappings of tensors too)."""
-        self.d["_last_batch"] = batch = _to_device(batch, self.device)
-        return batch
+        return _to_device(batch, self.device)
 
     def check_first_batch(self, loader: Any, batch: Any) -> None:
         """Once per run, before the first forward: is this a batch the models can take?"""
@@ -1109,6 +1085,67 @@ def annotate(exc: BaseException, counters: Mapping[str, Any], stage: Any) -> Non
         exc._nvalchemi_annotated = True
 
 
+def check_nonfinite(strategy: Any, record: NonFiniteRecord | None) -> None:
+    """Raise :class:`NonFiniteLossError` for a NaN/inf loss in ``record`` (see the strategy's
+    ``check_nonfinite``); with no record (no run) the process still takes part in the vote
+    of a distributed run."""
+    d = strategy.__dict__
+    bad = None if record is None else record.first_bad()
+    # Every rank votes (a collective), also one that found nothing.
+    voted = _distributed(strategy) and all_agree(bad is not None, strategy.distributed_manager)
+    if voted and bad is None:
+        raise NonFiniteLossError(
+            step=d["step_count"],
+            epoch=d["epoch_count"],
+            epoch_step=d["epoch_step_count"],
+            batch_count=d["batch_count"],
+            components=[],
+            detail="Another rank reported a non-finite loss since the last check. "
+            + _advice(strategy, None),
+        )
+    if bad is None:
+        return
+    step, epoch, epoch_step, batch_count, components = bad
+    names = [n for n, v in components if not bool(torch.isfinite(v))] if components else []
+    raise NonFiniteLossError(
+        step=step,
+        epoch=epoch,
+        epoch_step=epoch_step,
+        batch_count=batch_count,
+        components=names or ["total_loss"],
+        detail=_advice(strategy, step),
+    )
+
+
+def _advice(strategy: Any, step: int | None) -> str:
+    """How far a non-finite loss found now may have reached the weights."""
+    now = strategy.step_count
+    strict = (
+        "Set TrainingStrategy(nonfinite_check_interval=1) to check every batch before its "
+        "optimizer step (strict; one device sync per step), or nonfinite_loss='skip' to "
+        "skip such batches."
+    )
+    if step is None:
+        return (
+            "Optimizer steps taken since the previous check may have used non-finite "
+            f"gradients (weights and optimizer state). {strict}"
+        )
+    taken = now - step
+    if taken <= 0:
+        return (
+            "Found before the optimizer step of that batch: no optimizer step used it, the "
+            "weights are unaffected."
+        )
+    return (
+        f"Found at a non-finite check (every nonfinite_check_interval="
+        f"{strategy.nonfinite_check_interval} recorded losses, before validation, "
+        "epoch-end and training-end hooks, checkpoints and at the end of run()) after "
+        f"optimizer steps {step}..{now - 1} had already used its gradients: the weights "
+        f"and optimizer state of the last {taken} step(s) may be non-finite; resume from a "
+        f"checkpoint with step_count <= {step}. {strict}"
+    )
+
+
 def _fire(stage: S, hooks: tuple[Any, ...], ctx: Any, gate: int) -> None:
     """Run ``hooks`` at ``stage``; a hook fires when ``frequency == 1`` or ``gate % frequency == 0``."""
     for hook in hooks:
@@ -1130,8 +1167,6 @@ def _not_split(exc: BaseException, reason: str) -> None:
 
 
 def _distributed(strategy: Any) -> bool:
-    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
-
     manager = strategy.distributed_manager
     return is_distributed_initialized(manager) and get_world_size(manager) > 1
 

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from nvalchemi._fileio import write_atomic
+from nvalchemi.data import AtomicData, Batch
+from nvalchemi.data.neighbors import compute_neighbors
 
 __all__ = ["BatchBudget", "probe_batch_budget"]
 
@@ -169,8 +171,6 @@ class _Meter:
 # ------------------------------------------------------------------------------ batches
 def _as_structures(structures: Any, most: int = _MOST_SAMPLES) -> list[Any]:
     """Sample structures as ``AtomicData`` (at most ``most``, evenly spread over a dataset)."""
-    from nvalchemi.data import AtomicData, Batch
-
     if isinstance(structures, Batch):
         items = structures.to_data_list()
     elif isinstance(structures, AtomicData):
@@ -288,8 +288,6 @@ def probe_batch_budget(
         ValueError: bad ``fraction``, no structures, or not even one sample structure
             fits in the allowed memory.
     """
-    from nvalchemi.data import Batch
-    from nvalchemi.data.neighbors import compute_neighbors
 
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1]; got {fraction!r}.")

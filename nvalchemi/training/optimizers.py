@@ -42,7 +42,6 @@ from pydantic import (
 )
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim import optimizer as torch_optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from nvalchemi._serialization import (
@@ -465,75 +464,16 @@ def _is_metric_scheduler_class(scheduler_cls: Any) -> bool:
     return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, ReduceLROnPlateau)
 
 
-# Torch opens a profiler range in every ``Optimizer.zero_grad`` and ``Optimizer.step`` call,
-# whether a profiler runs or not: about 5 us each, more than the rest of the zeroing and a
-# third of a small model's Adam step. While no profiler runs, the two helpers below do what
-# those calls do without the range, for optimizers that keep torch's ``zero_grad`` and
-# torch's step wrapper with no step hooks; anything else (and everything, on a torch without
-# the profiler query) goes through the public calls.
-_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
-_TORCH_ZERO_GRAD = Optimizer.zero_grad
-_GLOBAL_STEP_HOOKS = tuple(
-    getattr(torch_optimizer, name, None)
-    for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-)
-
-
 def zero_gradients(optimizers: Iterable[Optimizer]) -> None:
-    """``zero_grad(set_to_none=True)`` on every optimizer.
-
-    Torch's profiler range ``Optimizer.zero_grad#...`` is recorded only while a profiler runs.
-    """
-    direct = not _profiler_enabled()
+    """``zero_grad(set_to_none=True)`` on every optimizer."""
     for optimizer in optimizers:
-        if (
-            direct
-            and type(optimizer).zero_grad is _TORCH_ZERO_GRAD
-            and "zero_grad" not in optimizer.__dict__
-        ):
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    param.grad = None
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
 
 
 def step_optimizers(optimizers: Iterable[Optimizer]) -> None:
-    """``step()`` every optimizer; their step hooks run as with ``optimizer.step()``.
-
-    Torch's profiler range ``Optimizer.step#...`` is recorded only while a profiler runs.
-    """
-    pre, post = _GLOBAL_STEP_HOOKS
-    direct = pre is not None and post is not None and not (pre or post or _profiler_enabled())
+    """``step()`` every optimizer (its step hooks and LR-scheduler bookkeeping run as usual)."""
     for optimizer in optimizers:
-        step = _unwrapped_step(optimizer) if direct else None
-        if step is None:
-            optimizer.step()
-        else:
-            step(optimizer)
-            optimizer._optimizer_step_code()
-
-
-def _unwrapped_step(optimizer: Optimizer) -> Callable[[Optimizer], Any] | None:
-    """The step under torch's profiling wrapper when the wrapper would only open its range."""
-    hooked = type(optimizer).step
-    inner = getattr(hooked, "__wrapped__", None)
-    state = optimizer.__dict__
-    pre, post = state.get("_optimizer_step_pre_hooks"), state.get("_optimizer_step_post_hooks")
-    # (hook dicts absent: not an optimizer torch's wrapper would accept)
-    if inner is None or not getattr(hooked, "hooked", False) or pre is None or post is None:
-        return None
-    if pre or post:
-        return None
-    own = state.get("step")
-    if own is not None:
-        # An LR scheduler wraps the instance's step to record that it ran (it warns when it
-        # steps first); anything else patched onto the instance is called as it is.
-        wrapped = getattr(own, "__wrapped__", None)
-        if not getattr(own, "_wrapped_by_lr_sched", False) or wrapped is not hooked:
-            return None
-        state["_opt_called"] = True
-    return inner
+        optimizer.step()
 
 
 def step_lr_schedulers(schedulers: Iterable[Any]) -> None:

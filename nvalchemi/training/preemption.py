@@ -35,6 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nvalchemi.distributed.runtime import all_agree, barrier, get_world_size
+from nvalchemi.training.checkpoint import save_checkpoint
+from nvalchemi.training.hooks.checkpoint import CheckpointHook
 from nvalchemi.training.stages import TrainingStage
 
 __all__ = ["PREEMPTION_EXIT_CODE", "PreemptionHandler", "PreemptionHook"]
@@ -148,8 +151,6 @@ class PreemptionHandler:
         elif stage is _S.AFTER_TRAINING:
             self._finish(strategy)
         elif stage is _S.SETUP:
-            from nvalchemi.distributed.runtime import get_world_size
-
             self._last_step = strategy.step_count
             self._world_size = get_world_size(strategy.distributed_manager)
             self._checkpoint_hook(strategy)  # fail early without a destination
@@ -157,8 +158,6 @@ class PreemptionHandler:
     def _maybe_stop(self, strategy: Any) -> None:
         received = self._received is not None
         if self._world_size > 1:
-            from nvalchemi.distributed.runtime import all_agree
-
             received = all_agree(received, strategy.distributed_manager)
         if received:
             self._stopping = True
@@ -166,8 +165,6 @@ class PreemptionHandler:
             strategy.request_stop(f"preemption: received {name}; checkpointing and exiting")
 
     def _finish(self, strategy: Any) -> None:
-        from nvalchemi.distributed.runtime import all_agree, barrier
-
         if not (
             self._stopping or all_agree(self._received is not None, strategy.distributed_manager)
         ):
@@ -177,8 +174,6 @@ class PreemptionHandler:
             hook.save(strategy, reason="preemption")
             self.checkpoint_index = hook.flush()
         else:
-            from nvalchemi.training.checkpoint import save_checkpoint
-
             self.checkpoint_index = save_checkpoint(
                 self.preemption_dir, strategy=strategy, reason="preemption"
             )
@@ -190,7 +185,6 @@ class PreemptionHandler:
     def _checkpoint_hook(self, strategy: Any) -> Any:
         if self.preemption_dir is not None:
             return None
-        from nvalchemi.training.hooks.checkpoint import CheckpointHook
 
         for hook in strategy.hooks:
             if isinstance(hook, CheckpointHook):

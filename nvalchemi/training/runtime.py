@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
+
 __all__ = [
     "configure_dataloader",
     "configure_parallelism",
@@ -45,8 +47,6 @@ def training_world_size(distributed_manager: Any = None) -> int:
     when launcher variables (torchrun/``srun``) name more ranks: processes that never
     joined a group train alone.
     """
-    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
-
     if distributed_manager is None and not is_distributed_initialized():
         return 1
     return get_world_size(distributed_manager)
@@ -230,7 +230,7 @@ def configure_dataloader(
 
 
 def _collate_atomic_data(items: list[Any]) -> Any:
-    from nvalchemi.data import AtomicData, Batch
+    from nvalchemi.data import AtomicData, Batch  # light
 
     items = list(items)
     if items and all(isinstance(item, AtomicData) for item in items):
@@ -263,7 +263,6 @@ def configure_parallelism(
         raise ValueError(
             f"Unsupported parallelism strategy {strategy!r}; supported: ['none', 'ddp']."
         )
-    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
 
     if (
         not is_distributed_initialized(distributed_manager)

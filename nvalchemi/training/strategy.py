@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import importlib.util
 import inspect
 import sys
 import typing
@@ -42,11 +43,27 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi._serialization import UnsafeImportError, import_path
+from nvalchemi.distributed.runtime import get_rank, get_world_size
 from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
 from nvalchemi.hooks.registry import HookRegistryMixin
+from nvalchemi.models.base import BaseModelMixin
+from nvalchemi.training import loader_position, strategy_payload
+from nvalchemi.training._compiled import check_compile_kwargs
 from nvalchemi.training._first_batch import check_dataloader, check_first_batch
-from nvalchemi.training._run import NONFINITE_MODES, _Run, annotate, default_training_fn, detached
+from nvalchemi.training._neighbor_lists import builders_for
+from nvalchemi.training._run import (
+    NONFINITE_MODES,
+    Progress,
+    _Run,
+    annotate,
+    check_nonfinite,
+    default_training_fn,
+    detached,
+)
+from nvalchemi.training.checkpoint import load as checkpoint_load
+from nvalchemi.training.checkpoint import save as checkpoint_save
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.hooks.update import (
     _MULTIPLE_ORCHESTRATOR_MSG,
@@ -59,7 +76,6 @@ from nvalchemi.training.losses.base import BaseLossFunction
 from nvalchemi.training.losses.composition import (
     ComposedLossFunction,
     assemble_loss_targets,
-    loss_target_keys,
 )
 from nvalchemi.training.optimizers import (
     OptimizerConfig,
@@ -67,10 +83,10 @@ from nvalchemi.training.optimizers import (
     iter_qualified_named_parameters,
     setup_optimizers,
 )
-from nvalchemi.training.runtime import unwrap_model
+from nvalchemi.training.runtime import training_world_size, unwrap_model
 from nvalchemi.training.spec import BaseSpec
 from nvalchemi.training.stages import TrainingStage
-from nvalchemi.training.validation import ValidationConfig
+from nvalchemi.training.validation import ValidationConfig, ValidationLoop
 
 __all__ = ["NonFiniteLossError", "TrainingStalledError", "TrainingStrategy", "default_training_fn"]
 
@@ -260,8 +276,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     @field_validator("compile_kwargs", mode="before")
     @classmethod
     def _compile_kwargs(cls, value: Any) -> Any:
-        from nvalchemi.training._compiled import check_compile_kwargs
-
         return check_compile_kwargs(value)
 
     @field_validator("devices", mode="before")
@@ -320,8 +334,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         _check_do_claims(self.hooks)
         _validate_dependencies(self.hooks)
         if self.global_step_count == 0 and self.step_count > 0:
-            from nvalchemi.training.runtime import training_world_size
-
             self.global_step_count = self.step_count * training_world_size(self.distributed_manager)
         self._init_runtime()
         return self
@@ -330,28 +342,15 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         # Runs after every validation check passed, so a rejected configuration never
         # triggers a hook's on_register side effects.
         d = self.__dict__
-        d["_run"] = None  # the run object of the current run() or train_batch session
+        d["_run"] = None  # the run of the current run() or train_batch session, else the last
+        d["_progress"] = Progress()  # where training stands besides the counters (resume)
         d["_context_depth"] = 0
         d["_auto_session"] = False
-        d["_hooks_version"] = 0
-        d["_optimizer_version"] = 0
         d["_optimizer_signature"] = None
         d["_optimizers"] = []
         d["_lr_schedulers"] = []
-        d["_runtime_optimizers"] = []
         d["_unowned_params"] = ()
-        d["_last_batch"] = None
-        d["_last_loss"] = None
-        d["_active_dataloader"] = None
-        d["_stop_reason"] = None
-        d["_running"] = False
-        d["_validated_at"] = None
-        d["_consecutive_skips"] = 0
-        d["_epoch_record"] = None  # generator states the open epoch's order was drawn from
-        d["_compiled_graphs"] = []  # per epoch of the last run (compile=True)
         d["_neighbor_builders"] = None  # (models key, builders), see neighbor_list_builders
-        d["_resume_loader"] = None  # a restored loader position, applied at the next epoch
-        d["_target_keys"] = loss_target_keys(self.loss_fn)
         hooks = list(self.hooks)
         self.hooks = []
         self._rebuild_hook_table()
@@ -408,7 +407,9 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         self._hooks_changed()
 
     def _hooks_changed(self) -> None:
-        self.__dict__["_hooks_version"] += 1
+        run = self.__dict__["_run"]
+        if run is not None:
+            run.stale = True  # it resolves the hooks of each stage again before its next batch
 
     def orchestrator(self) -> TrainingUpdateOrchestrator | None:
         """The update-hook orchestrator (gradient accumulation, mixed precision, ...), if any."""
@@ -455,12 +456,18 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
     @property
     def active_dataloader(self) -> Any:
-        """The loader the current run iterates (``SETUP`` hooks may replace it)."""
-        return self.__dict__["_active_dataloader"]
+        """The loader the current (or last) run iterates (``SETUP`` hooks may replace it)."""
+        run = self.__dict__["_run"]
+        return None if run is None else run.loader
 
     @active_dataloader.setter
     def active_dataloader(self, loader: Any) -> None:
-        self.__dict__["_active_dataloader"] = loader
+        run = self.__dict__["_run"]
+        if run is None:
+            raise RuntimeError(
+                "active_dataloader is the loader of a run; set it from a SETUP hook (or later)."
+            )
+        run.loader = loader
 
     @property
     def accumulation_window_open(self) -> bool:
@@ -475,17 +482,19 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     @property
     def running(self) -> bool:
         """Whether :meth:`run` is executing (``False`` during ``train_batch`` sessions)."""
-        return self.__dict__["_running"]
+        run = self.__dict__["_run"]
+        return run is not None and run.running
 
     @property
     def stop_reason(self) -> str | None:
         """Why the last (or current) run was asked to stop, or ``None``."""
-        return self.__dict__["_stop_reason"]
+        run = self.__dict__["_run"]
+        return None if run is None else run.stop_reason
 
     @property
     def stop_requested(self) -> bool:
         """Whether :meth:`request_stop` was called during the current run."""
-        return self.__dict__["_stop_reason"] is not None
+        return self.stop_reason is not None
 
     @property
     def compiled_graphs(self) -> list[int]:
@@ -495,7 +504,8 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         initial compilation; with ``dynamic=True`` later epochs stay near 0 even when
         every batch has another size.
         """
-        return list(self.__dict__["_compiled_graphs"])
+        run = self.__dict__["_run"]
+        return [] if run is None else list(run.compiled_graphs)
 
     def neighbor_list_builders(self) -> tuple[Any, ...]:
         """Builders of the neighbour lists the models need, for batches that come without.
@@ -508,8 +518,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         ``NeighborConfig``, or when a ``NeighborListHook`` is registered (then it owns
         the lists).
         """
-        from nvalchemi.hooks.neighbor_list import NeighborListHook
-        from nvalchemi.training._neighbor_lists import builders_for
+        from nvalchemi.hooks.neighbor_list import NeighborListHook  # light
 
         if any(isinstance(hook, NeighborListHook) for hook in self.all_hooks()):
             return ()
@@ -532,16 +541,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     def __enter__(self) -> TrainingStrategy:
         d = self.__dict__
         if d["_context_depth"] == 0:
-            entered: list[Any] = []
-            try:
-                for hook in self.hooks:
-                    enter = protocol.member(hook, "__enter__")
-                    if enter is not None:
-                        enter()
-                        entered.append(hook)
-            except BaseException as exc:
-                _exit_hooks(entered, type(exc), exc, exc.__traceback__)
-                raise
+            protocol.enter_hooks(self.hooks)
         d["_context_depth"] += 1
         return self
 
@@ -552,15 +552,17 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         d["_context_depth"] -= 1
         if d["_context_depth"] == 0:
             d["_auto_session"] = False
-            run, d["_run"] = d["_run"], None
-            if exc_type is None and run is not None and run.record.losses:
-                # The final pending check: a NaN in the last steps is never silent.
-                try:
-                    run.check_nonfinite()
-                except NonFiniteLossError as error:
-                    _exit_hooks(list(self.hooks), type(error), error, error.__traceback__)
-                    raise
-            _exit_hooks(list(self.hooks), exc_type, exc, tb)
+            run = d["_run"]
+            if run is not None and run.open:
+                run.close()  # it stays the last run: its loader position, stop reason, ...
+                if exc_type is None and run.record.losses:
+                    # The final pending check: a NaN in the last steps is never silent.
+                    try:
+                        run.check_nonfinite()
+                    except NonFiniteLossError as error:
+                        protocol.exit_hooks(self.hooks, type(error), error, error.__traceback__)
+                        raise
+            protocol.exit_hooks(self.hooks, exc_type, exc, tb)
 
     def close(self) -> None:
         """End a ``train_batch`` session opened without ``with strategy:`` (exit hook contexts).
@@ -587,19 +589,17 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                 ``validation_config`` (it would never step).
         """
         check_dataloader(dataloader)
-        d = self.__dict__
         self.close()
-        d["_stop_reason"] = None
-        d["_compiled_graphs"] = []
         _check_metric_schedulers(self)
         with self:
-            d["_running"] = True
+            run = self.__dict__["_run"] = _Run(self)
+            run.running = True
             try:
                 with self._parameter_flags():  # fine-tuning filters, undone on exit
-                    d["_run"] = run = _Run(self, dataloader)
+                    run.begin(dataloader)
                     run.train()
             finally:
-                d["_running"] = False
+                run.running = False
 
     def train_batch(self, batch: Any) -> torch.Tensor:
         """Train on one batch (all per-batch stages, counters advance); return the detached loss.
@@ -618,11 +618,12 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             d["_auto_session"] = True
         with self._parameter_flags():  # fine-tuning filters, undone on return
             run = d["_run"]
-            first = run is None
+            first = run is None or not run.open
             if first:
                 default = self.training_fn is default_training_fn
                 check_first_batch(batch, self.models, default_training_fn=default)
-                d["_run"] = run = _Run(self, None, strict=True)
+                d["_run"] = run = _Run(self, strict=True)
+                run.begin(None)
             else:
                 self.ensure_optimizers()
                 run.refresh()
@@ -633,7 +634,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                     run.plan_neighbor_lists(batch)
                 run.step(batch)
         ctx = run.ctx
-        loss = ctx.loss if ctx is not None and ctx.loss is not None else d["_last_loss"]
+        loss = ctx.loss if ctx is not None and ctx.loss is not None else run.last_loss
         return loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def validate(self, config: Any = None) -> dict[str, Any]:
@@ -642,8 +643,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         Checks the non-finite record first, fires ``AFTER_VALIDATION`` hooks with
         ``ctx.validation`` set. Does not step metric schedulers.
         """
-        from nvalchemi.training.validation import ValidationLoop
-
         if config is None and self.validation_config is None:
             raise RuntimeError("TrainingStrategy.validate() requires a validation_config.")
         self.check_nonfinite()
@@ -652,13 +651,13 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             summary = loop.execute()
         d = self.__dict__
         d["last_validation"] = summary
-        d["_validated_at"] = (d["step_count"], d["batch_count"])
+        d["_progress"].validated_at = (d["step_count"], d["batch_count"])
         hooks = self.hooks_for(TrainingStage.AFTER_VALIDATION)
         if hooks:
             run = d["_run"]
-            ctx = (
-                run._synced_ctx() if run is not None and run.ctx is not None else self.new_context()
-            )
+            ctx = run.synced_ctx() if run is not None else None  # None: no run context
+            if ctx is None:
+                ctx = self.new_context()
             ctx.validation = summary
             # The last training batch's loss, never a live graph (no sync: detach only).
             if isinstance(ctx.loss, torch.Tensor):
@@ -682,14 +681,12 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         ``AFTER_EPOCH`` only if the epoch completed, then ``AFTER_TRAINING`` and the final
         validation; counters stay consistent.
         """
-        d = self.__dict__
-        if d["_stop_reason"] is None:
-            d["_stop_reason"] = str(reason)
+        run = self.__dict__["_run"]
+        if run is not None and run.stop_reason is None:
+            run.stop_reason = str(reason)
 
     def new_context(self, batch: Any = None) -> TrainContext:
         """A ``TrainContext`` filled from the strategy (models, optimizers, counters, rank)."""
-        from nvalchemi.distributed.runtime import get_rank
-
         d = self.__dict__
         return TrainContext(
             batch=batch,
@@ -722,9 +719,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         rank at the same point.
         """
         run = self.__dict__["_run"]
-        if run is None:
-            run = _Run.idle(self)  # nothing recorded: still take part in a distributed vote
-        run.check_nonfinite()
+        check_nonfinite(self, None if run is None else run.record)
 
     def check_nonfinite_if_due(self) -> None:
         """Run :meth:`check_nonfinite` if enough losses are recorded (right before a step).
@@ -779,22 +774,15 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
             except Exception as exc:
                 annotate(exc, d, "building optimizers")
                 raise
-            optimizers, schedulers, records = [], [], []
-            for model_key, configs in self.optimizer_configs.items():
-                for i, (config, (optimizer, scheduler)) in enumerate(
-                    zip(configs, pairs[model_key])
-                ):
-                    optimizers.append(optimizer)
-                    schedulers.append(scheduler)
-                    label = f"optimizer_configs[{model_key!r}][{i}]"
-                    records.append((optimizer, scheduler, config.scheduler_metric_adapter, label))
+            optimizers = [o for key in self.optimizer_configs for o, _ in pairs[key]]
+            schedulers = [s for key in self.optimizer_configs for _, s in pairs[key]]
             d["_unowned_params"] = () if allowed is None else _unowned(self, optimizers)
         # Mutate in place: contexts and hooks hold these list objects.
         d["_optimizers"][:] = optimizers
         d["_lr_schedulers"][:] = schedulers
-        d["_runtime_optimizers"] = records
         d["_optimizer_signature"] = key
-        d["_optimizer_version"] += 1
+        if d["_run"] is not None:
+            d["_run"].stale = True
         return d["_optimizers"], d["_lr_schedulers"]
 
     def _optimizer_key(self) -> tuple[Any, ...]:
@@ -886,26 +874,23 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         :meth:`check_nonfinite` first (on every rank), so a checkpoint never captures a
         run that already diverged; this method itself does not synchronise.
         """
-        from nvalchemi.training import loader_position
-
         d = self.__dict__
+        progress, run = d["_progress"], d["_run"]
         state: dict[str, Any] = {name: int(d[name]) for name in _COUNTERS}
-        state["consecutive_skips"] = int(d["_consecutive_skips"])
-        validated = d["_validated_at"]
+        state["consecutive_skips"] = int(progress.consecutive_skips)
+        validated = progress.validated_at
         state["validated_at"] = list(validated) if validated is not None else None
-        record = d["_epoch_record"]
+        record = None if run is None else run.epoch_record
         if record is not None:
-            now = [g.get_state() for g in loader_position.generators(d["_active_dataloader"])]
+            now = [g.get_state() for g in loader_position.generators(run.loader)]
             state["loader_position"] = loader_position.encode(record, now)
-        elif d["_resume_loader"] is not None:  # restored but not run yet: keep what was saved
-            resume = d["_resume_loader"]
+        elif progress.resume_loader is not None:  # restored but not run yet: keep what was saved
+            resume = progress.resume_loader
             state["loader_position"] = loader_position.encode(resume, resume["generators_now"])
         return state
 
     def load_runtime_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`runtime_state` output (``ValueError`` for negative/malformed values)."""
-        from nvalchemi.training import loader_position
-
         if not isinstance(state, Mapping):
             raise ValueError(f"runtime_state must be a mapping; got {type(state).__name__}.")
         d = self.__dict__
@@ -922,14 +907,14 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                 raise ValueError(f"runtime_state[{name!r}] must be >= 0; got {value}.")
             d[name] = value
         if not state.get("global_step_count") and d["step_count"] > 0:
-            from nvalchemi.distributed.runtime import get_world_size
-
             d["global_step_count"] = d["step_count"] * get_world_size(self.distributed_manager)
-        d["_consecutive_skips"] = int(state.get("consecutive_skips", 0))
+        progress, run = d["_progress"], d["_run"]
+        progress.consecutive_skips = int(state.get("consecutive_skips", 0))
         validated = state.get("validated_at")
-        d["_validated_at"] = tuple(int(v) for v in validated) if validated else None
-        if d["_run"] is not None:
-            d["_run"].record.__init__()
+        progress.validated_at = tuple(int(v) for v in validated) if validated else None
+        if run is not None:
+            run.record.forget_last(len(run.record.losses))
+            run.epoch_record = None
         record = loader_position.decode(state.get("loader_position"))
         legacy = _decode_rng_state(state.get("epoch_rng_state"))  # written before 0.2
         if record is None and legacy is not None:
@@ -939,7 +924,7 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
                 "generators": [],
                 "generators_now": [],
             }
-        d["_resume_loader"], d["_epoch_record"] = record, None
+        progress.resume_loader = record
 
     def validation_autocast(
         self, device: torch.device, mode: str = "auto"
@@ -960,83 +945,17 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
         return contextlib.nullcontext, "float32"
 
     # ------------------------------------------------------------------ specs
-    def to_spec_dict(self) -> dict[str, Any]:
-        """JSON-ready spec (optimizers, duration, devices, loss, model specs, training_fn)."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.to_spec_dict(self)
-
-    def to_checkpoint_dict(self) -> dict[str, Any]:
-        """:meth:`to_spec_dict` + ``strategy_cls`` + ``runtime_state`` (no file I/O)."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.to_checkpoint_dict(self)
-
-    @classmethod
-    def from_spec_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> TrainingStrategy:
-        """Rebuild a strategy from :meth:`to_spec_dict`; ``models``/``hooks``/``training_fn`` override."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.from_spec_dict(
-            cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
-        )
-
-    @classmethod
-    def from_checkpoint_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> TrainingStrategy:
-        """Rebuild the saved strategy class from :meth:`to_checkpoint_dict` and its counters."""
-        from nvalchemi.training import _strategy_spec
-
-        return _strategy_spec.from_checkpoint_dict(
-            cls, spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **overrides
-        )
+    # The JSON form of a strategy has one home (nvalchemi.training.strategy_payload); these
+    # are its functions, bound as methods.
+    to_spec_dict = strategy_payload.to_spec_dict
+    to_checkpoint_dict = strategy_payload.to_checkpoint_dict
+    from_spec_dict = classmethod(strategy_payload.from_spec_dict)
+    from_checkpoint_dict = classmethod(strategy_payload.from_checkpoint_dict)
 
     # ------------------------------------------------------------------ checkpoint files
-    def save_checkpoint(
-        self, root_folder: Any, *, checkpoint_index: int = -1, **kwargs: Any
-    ) -> int:
-        """Write a restartable checkpoint (see :mod:`nvalchemi.training.checkpoint`)."""
-        from nvalchemi.training.checkpoint.save import save_checkpoint
-
-        return save_checkpoint(
-            root_folder, strategy=self, checkpoint_index=checkpoint_index, **kwargs
-        )
-
-    def restore_checkpoint(
-        self, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> Mapping[str, Any]:
-        """Load a checkpoint into this strategy in place."""
-        from nvalchemi.training.checkpoint.load import strategy_restore_checkpoint
-
-        return strategy_restore_checkpoint(
-            self, root_folder, checkpoint_index, map_location, **kwargs
-        )
-
-    @classmethod
-    def load_checkpoint(
-        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> TrainingStrategy:
-        """Rebuild a strategy from a checkpoint and restore its state (resume)."""
-        from nvalchemi.training.checkpoint.load import strategy_load_checkpoint
-
-        return strategy_load_checkpoint(cls, root_folder, checkpoint_index, map_location, **kwargs)
+    save_checkpoint = checkpoint_save.strategy_save_checkpoint
+    restore_checkpoint = checkpoint_load.strategy_restore_checkpoint
+    load_checkpoint = classmethod(checkpoint_load.strategy_load_checkpoint)
 
     def __repr_args__(self) -> Any:
         for name in ("num_epochs", "num_steps", "step_count", "epoch_count", "nonfinite_loss"):
@@ -1046,30 +965,6 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
 
 
 # ---------------------------------------------------------------------------- helpers
-def _exit_hooks(hooks: list[Any], exc_type: Any, exc: Any, tb: Any) -> None:
-    first_error: BaseException | None = None
-    for hook in reversed(hooks):
-        try:
-            exit_ = protocol.member(hook, "__exit__")
-            if exit_ is not None:
-                exit_(exc_type, exc, tb)
-            else:
-                close = protocol.member(hook, "close")
-                if close is not None:
-                    close()
-        except Exception as error:  # exit every hook; report the first failure
-            first_error = first_error or error
-    if first_error is not None and exc is None:
-        raise first_error
-
-
-def _distributed(strategy: Any) -> bool:
-    from nvalchemi.distributed.runtime import get_world_size, is_distributed_initialized
-
-    manager = strategy.distributed_manager
-    return is_distributed_initialized(manager) and get_world_size(manager) > 1
-
-
 def _check_metric_schedulers(self: Any) -> None:
     """A metric-driven scheduler needs validation summaries, or it would never step."""
     if self.validation_config is not None:
@@ -1172,9 +1067,6 @@ def _normalize_configs(configs: Any, single: bool) -> Any:
 
 
 def _resolve_dotted(path: str) -> Any:
-    import importlib.util
-
-    from nvalchemi._serialization import UnsafeImportError, import_path
 
     if "." not in path:
         raise ValueError(f"training_fn {path!r}: expected 'module.attribute'.")
@@ -1255,8 +1147,6 @@ def _annotation_kind(annotation: Any) -> str | None:
 
 def _is_model_mixin(target: type) -> bool:
     """Whether ``target`` is ``BaseModelMixin`` or a subclass (a model type, not a mapping)."""
-    from nvalchemi.models.base import BaseModelMixin  # models is a lower layer
-
     return issubclass(target, BaseModelMixin)
 
 

@@ -37,6 +37,8 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler
 
+from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_world_size
+
 __all__ = ["DEFAULT_CHECK_INTERVAL", "BudgetPlan", "TimeBudgetHook", "WarmupCosineLR"]
 
 DEFAULT_CHECK_INTERVAL = 10
@@ -302,8 +304,6 @@ class TimeBudgetHook:
 
     # ------------------------------------------------------------------ planning
     def _begin(self, strategy: Any) -> None:
-        from nvalchemi.distributed.runtime import get_world_size
-
         self._strategy = strategy
         self._started = self.clock() - self.plan.spent_s
         self.expired = False
@@ -387,7 +387,6 @@ class TimeBudgetHook:
     def _agree(self, planned: int | None) -> int | None:
         if self._world_size <= 1:
             return planned
-        from nvalchemi.distributed.runtime import broadcast_object
 
         value = broadcast_object(planned, src=0, manager=self._strategy.distributed_manager)
         return None if value is None else int(value)
@@ -418,8 +417,6 @@ class TimeBudgetHook:
         mine = now - self._started >= self.seconds
         over = mine
         if self._world_size > 1:
-            from nvalchemi.distributed.runtime import all_agree
-
             over = all_agree(mine, strategy.distributed_manager)  # same verdict on every rank
         if over:
             self.expired = True

@@ -18,7 +18,8 @@ Summary keys (``strategy.last_validation`` / ``ctx.validation``):
   and ``predicted_stress``/``stress`` are present (NaN labels are missing and excluded):
   ``energy_mae``, ``energy_rmse``, ``energy_per_atom_mae``, ``energy_per_atom_rmse`` (eV,
   eV/atom), ``forces_mae``, ``forces_rmse`` (eV/Å, per Cartesian component),
-  ``stress_mae``, ``stress_rmse`` (eV/Å³, per tensor component), plus ``num_structures``;
+  ``stress_mae``, ``stress_rmse`` (eV/Å³, per tensor component), plus ``num_structures``
+  (each from :func:`error_sums`, the error metric evaluation reports use too);
 * ``name``, ``model_source`` (``"live"``, ``"ema"``, ``"mixed"``), ``ema_model_keys``,
   ``precision``, ``distributed_reduced``.
 
@@ -36,9 +37,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
+from nvalchemi.distributed.runtime import all_reduce, get_world_size, is_distributed_initialized
 from nvalchemi.training.errors import add_note
 from nvalchemi.training.losses.composition import (
     as_composed_loss,
@@ -48,13 +51,20 @@ from nvalchemi.training.losses.composition import (
 from nvalchemi.training.runtime import unwrap_model
 from nvalchemi.training.stages import TrainingStage
 
-__all__ = ["BatchValidationCallback", "ValidationConfig", "ValidationLoop"]
+__all__ = [
+    "BatchValidationCallback",
+    "ValidationConfig",
+    "ValidationLoop",
+    "error_sums",
+    "mae_rmse",
+]
 
 _BEFORE_FORWARD = TrainingStage.BEFORE_FORWARD
 _AFTER_FORWARD = TrainingStage.AFTER_FORWARD
-# (prediction key, target key, metric prefix, per-atom variant)
+# (prediction key, target key, metric prefix, per atom): one block of error_sums each
 _METRICS = (
-    ("predicted_energy", "energy", "energy", True),
+    ("predicted_energy", "energy", "energy", False),
+    ("predicted_energy", "energy", "energy_per_atom", True),
     ("predicted_forces", "forces", "forces", False),
     ("predicted_stress", "stress", "stress", False),
 )
@@ -405,9 +415,9 @@ class _Totals:
         self.leaves = list(leaves)
         self.device = device
         # total, then per component (unweighted, labelled-sample sum, labelled-sample count),
-        # then metric blocks: energy (abs, sq, n, abs/atom, sq/atom), forces (abs, sq, n),
-        # stress (abs, sq, n). Counts live on the device too, so nothing syncs per batch.
-        size = 1 + 3 * len(self.names) + 5 + 3 + 3
+        # then one error_sums block (abs, sq, n) per metric of _METRICS. Counts live on the
+        # device too, so nothing syncs per batch.
+        size = 1 + 3 * len(self.names) + 3 * len(_METRICS)
         self.sums = torch.zeros(size, dtype=torch.float64, device=device)
         self.num_batches = 0
         self.num_structures = 0
@@ -429,9 +439,11 @@ class _Totals:
             # Unlabelled structures (NaN) are left out; a NaN where a label exists stays.
             parts.append(torch.where(labelled, sample, 0.0).sum())
             parts.append(labelled.sum())
+        parts = [p.to(torch.float64).reshape(1) for p in parts]
+        zeros = self.sums.new_zeros(3)
         for pred_key, target_key, _, per_atom in _METRICS:
-            parts.extend(_errors(predictions, batch, pred_key, target_key, per_atom, zero))
-        self.sums += torch.stack([p.to(torch.float64) for p in parts])
+            parts.append(_errors(predictions, batch, pred_key, target_key, per_atom, zeros))
+        self.sums += torch.cat(parts)
         self.num_batches += 1
         self.num_structures += _num_graphs(batch)
         self.last_weights = (
@@ -480,49 +492,62 @@ class _Totals:
         return out
 
 
+def error_sums(
+    pred: torch.Tensor, target: torch.Tensor, per: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[sum |e|, sum e^2, n]`` of ``e = (pred - target) / per`` over the labelled entries.
+
+    In float64, on ``pred``'s device (no host sync). A NaN target is a missing label and is
+    left out; a NaN prediction stays, so a diverged model shows in the metrics. ``per``
+    (e.g. atoms per structure) divides each error. Sums of several batches or ranks add
+    up; read them with :func:`mae_rmse`.
+
+    >>> sums = error_sums(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([0.0, float("nan"), 3.0]))
+    >>> sums.tolist(), [float(v) for v in mae_rmse(sums)]
+    ([3.0, 5.0, 2.0], [1.5, 1.5811388300841898])
+    """
+    pred = pred.detach().to(torch.float64)
+    target = target.detach().to(device=pred.device, dtype=torch.float64).reshape(pred.shape)
+    valid = ~torch.isnan(target)
+    err = torch.where(valid, pred - target, 0.0)
+    if per is not None:
+        err = err / per.to(device=err.device, dtype=torch.float64).reshape(err.shape)
+    return torch.stack([err.abs().sum(), (err * err).sum(), valid.sum().to(torch.float64)])
+
+
+def mae_rmse(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean absolute error and root-mean-square error from :func:`error_sums` (NaN if empty)."""
+    return sums[0] / sums[2], torch.sqrt(sums[1] / sums[2])
+
+
 def _errors(
     predictions: Mapping[str, Any],
     batch: Any,
     pred_key: str,
     target_key: str,
     per_atom: bool,
-    zero: torch.Tensor,
-) -> list[torch.Tensor]:
+    zeros: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`error_sums` of one metric of a batch; ``zeros`` without the prediction or the
+    label (or, per atom, the atom counts)."""
     pred = predictions.get(pred_key) if isinstance(predictions, Mapping) else None
     target = _field(batch, target_key)
-    width = 5 if per_atom else 3
     if not isinstance(pred, torch.Tensor) or target is None:
-        return [zero] * width
-    pred = pred.detach().to(torch.float64)
-    target = target.detach().to(device=pred.device, dtype=torch.float64)
-    if per_atom:
-        pred, target = pred.reshape(-1), target.reshape(-1)
-    else:
-        pred = pred.reshape(target.shape)
-    valid = ~torch.isnan(target)  # NaN label = missing; a NaN prediction stays and shows
-    err = torch.where(valid, pred - target, 0.0)
-    out = [err.abs().sum(), (err * err).sum(), valid.sum().to(torch.float64)]
-    if per_atom:
-        atoms = _field(batch, "num_nodes_per_graph")
-        if atoms is None or atoms.numel() != err.numel():
-            return [*out, zero, zero]
-        err = err / atoms.to(device=err.device, dtype=torch.float64).clamp_min(1)
-        out += [err.abs().sum(), (err * err).sum()]
-    return out
+        return zeros
+    if not per_atom:
+        return error_sums(pred.reshape(target.shape), target).to(zeros.device)
+    atoms = _field(batch, "num_nodes_per_graph")
+    if atoms is None or atoms.numel() != target.numel():
+        return zeros
+    return error_sums(pred.reshape(-1), target.reshape(-1), atoms.clamp_min(1)).to(zeros.device)
 
 
 def _metrics(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
-    offset = 0
-    for _, _, prefix, per_atom in _METRICS:
-        abs_sum, sq_sum, count = blocks[offset], blocks[offset + 1], float(blocks[offset + 2])
-        if count > 0:
-            out[f"{prefix}_mae"] = abs_sum / count
-            out[f"{prefix}_rmse"] = torch.sqrt(sq_sum / count)
-            if per_atom:
-                out[f"{prefix}_per_atom_mae"] = blocks[offset + 3] / count
-                out[f"{prefix}_per_atom_rmse"] = torch.sqrt(blocks[offset + 4] / count)
-        offset += 5 if per_atom else 3
+    for i, (_, _, prefix, _) in enumerate(_METRICS):
+        sums = blocks[3 * i : 3 * i + 3]
+        if float(sums[2]) > 0:
+            out[f"{prefix}_mae"], out[f"{prefix}_rmse"] = mae_rmse(sums)
     return out
 
 
@@ -539,15 +564,8 @@ def _weights(loss_fn: Any, step: int, epoch: int) -> tuple[dict[str, float], dic
 
 def _all_reduce(packed: torch.Tensor, manager: Any) -> torch.Tensor | None:
     """The SUM over ranks of ``packed`` on the CPU, or ``None`` in a single process."""
-    from nvalchemi.distributed.runtime import (
-        all_reduce,
-        get_world_size,
-        is_distributed_initialized,
-    )
-
     if not is_distributed_initialized(manager) or get_world_size(manager) <= 1:
         return None
-    import torch.distributed as dist
 
     backend = str(dist.get_backend()) if dist.is_initialized() else ""
     device = packed.device if "nccl" in backend else torch.device("cpu")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from nvalchemi.hooks.protocol import CheckpointableHook, Hook
+import pytest
+
+from nvalchemi.hooks.protocol import CheckpointableHook, Hook, enter_hooks, exit_hooks
 from nvalchemi.training.stages import TrainingStage
 
 
@@ -85,3 +87,42 @@ def test_package_exports_the_protocols():
 
     assert nvalchemi.hooks.Hook is Hook
     assert nvalchemi.hooks.CheckpointableHook is CheckpointableHook
+
+
+def test_hook_contexts_unwind_on_a_failed_enter_and_all_exit_despite_a_failure():
+    calls = []
+
+    class Context:
+        def __init__(self, name, fail_enter=False, fail_exit=False):
+            self.name, self.fail_enter, self.fail_exit = name, fail_enter, fail_exit
+
+        def __enter__(self):
+            if self.fail_enter:
+                raise RuntimeError(f"enter {self.name}")
+            calls.append(f"enter {self.name}")
+
+        def __exit__(self, *exc_info):
+            calls.append(f"exit {self.name}")
+            if self.fail_exit:
+                raise RuntimeError(f"exit {self.name}")
+
+    class Closing:
+        def close(self):
+            calls.append("close")
+
+    hooks = [Context("a"), Closing(), Context("b", fail_enter=True), Context("c")]
+    with pytest.raises(RuntimeError, match="enter b"):
+        enter_hooks(hooks)
+    assert calls == ["enter a", "exit a"]  # only what was entered is exited
+    calls.clear()
+    with pytest.raises(RuntimeError, match="exit c"):
+        exit_hooks(
+            [Context("a", fail_exit=True), Closing(), Context("c", fail_exit=True)],
+            None,
+            None,
+            None,
+        )
+    assert calls == ["exit c", "close", "exit a"]
+    calls.clear()
+    exit_hooks([Context("a", fail_exit=True)], RuntimeError, RuntimeError("run"), None)
+    assert calls == ["exit a"]  # the run's own error wins: the hook's is not raised

@@ -164,9 +164,9 @@ def test_from_checkpoint_honours_checkpoint_index_and_passes_every_option(
         seen.update(options, map_location=map_location, model_key=model_key)
         return _painn()
 
-    from nvalchemi.training.checkpoint import store  # the calculator reads through the store
+    from nvalchemi import checkpoint_files  # the calculator reads through this module
 
-    monkeypatch.setattr(store, "load_model_from_checkpoint", fake_load)
+    monkeypatch.setattr(checkpoint_files, "load_model_from_checkpoint", fake_load)
     calc = load(tmp_path / "ckpt", checkpoint_index=0, use_ema=False, trust=True, label="x")
     assert seen == {
         "use_ema": False,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nvalchemi._serialization import UnsafeImportError, trusted_imports
+from nvalchemi.checkpoint_files import build_model
 from nvalchemi.training import TrainingStrategy, create_model_spec
 from nvalchemi.training.checkpoint import (
     UnsafeCheckpointError,
@@ -24,7 +25,6 @@ from nvalchemi.training.checkpoint import (
     save_checkpoint,
     strategy_load_checkpoint,
 )
-from nvalchemi.training.checkpoint.store import build_model
 
 
 class Payload:

@@ -13,9 +13,9 @@ import _update_support as S
 import torch
 from _checkpoint_support import batches, demo_model, strategy
 
+from nvalchemi.checkpoint_files import averaged_weights as ema_weights
 from nvalchemi.training import TrainingStage, ValidationConfig
 from nvalchemi.training.checkpoint import load_model_from_checkpoint
-from nvalchemi.training.checkpoint.store import averaged_weights as ema_weights
 from nvalchemi.training.hooks.ema import EMAHook
 
 _NUMERIC = ("total_loss", "energy_mae", "energy_rmse", "forces_mae", "forces_rmse")

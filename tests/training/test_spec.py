@@ -336,7 +336,7 @@ def test_build_strict_refuses_and_lenient_drops_keywords_the_target_lost():
 
 
 def test_unresolvable_and_non_module_model_specs_are_named_before_building(tmp_path):
-    from nvalchemi.training.checkpoint.store import build_model, load_spec
+    from nvalchemi.checkpoint_files import build_model, load_spec
 
     missing = {"cls_path": "torch.nn.NoSuchLayer", "timestamp": "t"}
     with pytest.raises(ValueError, match=r"Could not resolve cls_path='torch.nn.NoSuchLayer'"):

@@ -31,8 +31,8 @@ _VALIDATION_COLOR = "#d62728"
 
 def _figure(width: float, height: float) -> Any:
     OptionalDependency.MATPLOTLIB.require("plots")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional
+    from matplotlib.figure import Figure  # optional
 
     figure = Figure(figsize=(width, height))
     FigureCanvasAgg(figure)

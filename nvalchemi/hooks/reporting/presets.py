@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nvalchemi._optional import OptionalDependency
+
 __all__ = ["PLOTS_HINT", "REPORT_STAGES", "learning_curves", "plots_available", "run_reporting"]
 
 REPORT_STAGES = frozenset({"AFTER_OPTIMIZER_STEP", "AFTER_VALIDATION"})
@@ -27,8 +29,6 @@ PLOTS_HINT = "plots skipped: matplotlib is missing (pip install 'nvalchemi-train
 
 def plots_available() -> bool:
     """Whether matplotlib (extra ``plots``) is installed."""
-    from nvalchemi._optional import OptionalDependency
-
     return OptionalDependency.MATPLOTLIB.is_available()
 
 
@@ -58,11 +58,10 @@ def run_reporting(
     ``budget/planned_steps`` to every report, which progress lines and the dashboard
     show as the time left and the run's planned end.
     """
-    from nvalchemi._optional import OptionalDependency
-    from nvalchemi.hooks.reporting.jsonl import JSONLinesReporter
-    from nvalchemi.hooks.reporting.orchestrator import ReportingOrchestrator
-    from nvalchemi.hooks.reporting.rich_reporter import RichReporter
-    from nvalchemi.hooks.reporting.tensorboard import TensorBoardReporter
+    from nvalchemi.hooks.reporting.jsonl import JSONLinesReporter  # light
+    from nvalchemi.hooks.reporting.orchestrator import ReportingOrchestrator  # light
+    from nvalchemi.hooks.reporting.rich_reporter import RichReporter  # light
+    from nvalchemi.hooks.reporting.tensorboard import TensorBoardReporter  # light
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +85,7 @@ def run_reporting(
 
 def learning_curves(run_dir: str | Path) -> Path | None:
     """``<run_dir>/learning_curves.png`` from ``metrics.jsonl`` (``None`` without metrics)."""
-    from nvalchemi.hooks.reporting.plots import plot_learning_curves
+    from nvalchemi.hooks.reporting.plots import plot_learning_curves  # optional
 
     metrics = Path(run_dir) / "metrics.jsonl"
     if not plots_available() or not metrics.is_file() or metrics.stat().st_size == 0:

@@ -521,7 +521,7 @@ def _add_memory(buffer: _ScalarBuffer, ctx: Any) -> None:
         device = _cuda_device(ctx) or torch.device("cuda", torch.cuda.current_device())
         buffer.add("memory/cuda_max_allocated_mib", torch.cuda.max_memory_allocated(device) / 2**20)
     try:
-        import resource
+        import resource  # posix
     except ImportError:  # Windows
         return
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -16,7 +16,8 @@ scheduler states, the strategy recipe and counters, hook states, RNG states). Gu
 * **Explicit changes**: changing e.g. the learning rate when resuming needs
   ``overrides=...`` or ``allow_spec_changes=True`` and is recorded in the manifest.
 
-The package: :mod:`.store` (the on-disk store, which knows nothing of training),
+The package: :mod:`.store` (the on-disk store, which knows nothing of training; its read
+side, with the models a checkpoint holds, is :mod:`nvalchemi.checkpoint_files`),
 :mod:`.parts` (what a strategy checkpoint is made of, read both ways), :mod:`.save` (the
 one save routine), :mod:`.load` (the one load routine), :mod:`.rng` (RNG states).
 
@@ -44,8 +45,8 @@ _EXPORTS = {
     "CheckpointStore": _STORE,
     "CheckpointWriteError": _STORE,
     "UnsafeCheckpointError": _STORE,
-    "load_model_from_checkpoint": _STORE,
-    "load_models_from_checkpoint": _STORE,
+    "load_model_from_checkpoint": "nvalchemi.checkpoint_files",
+    "load_models_from_checkpoint": "nvalchemi.checkpoint_files",
     "CheckpointValidator": _LOAD,
     "check_finite_weights": _LOAD,
     "load_checkpoint": _LOAD,

@@ -1,9 +1,14 @@
 """The one load routine: :func:`load_checkpoint` and the strategy loaders built on it.
 
-Every file is read once: the manifest and the entry's files come from the store, each
-``spec.json`` is rehydrated once through the trust rule of :mod:`nvalchemi.spec` (which
-is where every dotted path a file names is checked), and the strategy is restored through
-the table of :mod:`nvalchemi.training.checkpoint.parts`.
+``TrainingStrategy.load_checkpoint`` is :func:`strategy_load_checkpoint` and
+``restore_checkpoint`` is :func:`strategy_restore_checkpoint`: a strategy is rebuilt from
+its recipe (``strategy.json``, by :class:`~nvalchemi.training.strategy_payload.StrategyPayload`;
+models from their specs) and then restored through the table of
+:mod:`nvalchemi.training.checkpoint.parts`, which applies the counters once. Every file
+is read once: the manifest opens the entry, whose
+:class:`~nvalchemi.checkpoint_files.EntryFiles` keeps each JSON file it read and
+each ``spec.json`` rehydrated through the trust rule of :mod:`nvalchemi.spec` (where every
+dotted path a file names is checked).
 """
 
 from __future__ import annotations
@@ -16,22 +21,23 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from nvalchemi._serialization import encode_value, import_path
+from nvalchemi._serialization import encode_value
+from nvalchemi.checkpoint_files import (
+    CheckpointManifest,
+    build_model,
+    open_entry,
+    read_json,
+    safe_torch_load,
+)
+from nvalchemi.distributed.runtime import get_rank
 from nvalchemi.training.checkpoint.parts import (
+    RUN_RECORD,
     checkpoint_record,
     history_event,
     hook_types,
     restore_strategy,
 )
-from nvalchemi.training.checkpoint.store import (
-    CheckpointManifest,
-    CheckpointStore,
-    EntryFiles,
-    build_model,
-    load_spec,
-    read_json,
-    safe_torch_load,
-)
+from nvalchemi.training.strategy_payload import strategy_class
 
 __all__ = [
     "CheckpointValidator",
@@ -106,21 +112,6 @@ def run_validators(validators: Any, loaded: Mapping[str, Any], root: Path) -> No
                 ) from exc
 
 
-class _Specs:
-    """The entry's ``spec.json`` files, each rehydrated once (through the trust rule)."""
-
-    def __init__(self, files: EntryFiles, trust: bool) -> None:
-        self.files, self.trust, self._cache = files, trust, {}
-
-    def get(self, kind: str, name: str, expect: Any = None) -> Any:
-        key = (kind, name)
-        if key not in self._cache:
-            self._cache[key] = load_spec(
-                self.files.spec(kind, name), trust=self.trust, expect=expect
-            )
-        return self._cache[key]
-
-
 def _entry(model: nn.Module, spec: Any, assoc: Any) -> dict[str, Any]:
     return {
         "model": model,
@@ -177,20 +168,16 @@ def load_checkpoint(
         if strategy is not None:
             raise ValueError("load_checkpoint: adapter=... cannot restore into a strategy.")
         return _load_adapter(root_folder, adapter, adapter_kwargs or {}, map_location)
-    files = CheckpointStore(root_folder).open(checkpoint_index)
-    specs = _Specs(files, trust)
+    files = open_entry(root_folder, checkpoint_index)
     if strategy is not None:
         if model_names is not None:
             raise ValueError("load_checkpoint: model_names cannot be combined with strategy=....")
         patterns = ("*",) if allow_spec_changes else ()
-        return _restore(strategy, files, specs, map_location, validators, patterns)
-    meta_path = files.strategy()
-    if meta_path is not None and model_names is None:
+        return _restore(strategy, files, map_location, validators, patterns, trust)
+    if files.strategy() is not None and model_names is None:
         return _rebuild(
             None,
             files,
-            specs,
-            meta_path,
             map_location,
             hooks,
             training_fn,
@@ -201,14 +188,12 @@ def load_checkpoint(
         )
     if overrides:
         raise ValueError("load_checkpoint: overrides apply to strategy checkpoints only.")
-    return _load_components(files, specs, map_location, model_names, validators)
+    return _load_components(files, map_location, model_names, validators, trust)
 
 
 def _rebuild(
     cls,
     files,
-    specs,
-    meta_path,
     map_location,
     hooks,
     training_fn,
@@ -218,16 +203,23 @@ def _rebuild(
     allow_spec_changes,
 ) -> dict[str, Any]:
     """Build the saved strategy class (``cls`` or a subclass) from its recipe, then restore it."""
-    meta = read_json(meta_path, "strategy metadata")
-    if not isinstance(meta, Mapping):
-        raise ValueError(f"{meta_path} must hold a JSON object (strategy metadata).")
-    if cls is None:  # the class the recipe names, under the trust rule
-        path = meta.get("strategy_cls") or "nvalchemi.training.strategy.TrainingStrategy"
-        cls = import_path(path, trust=trust) if isinstance(path, str) else None
-        if not callable(getattr(cls, "from_checkpoint_dict", None)):
-            raise ValueError(
-                f"{meta_path}: 'strategy_cls' {path!r} is not a TrainingStrategy class."
-            )
+    meta = files.strategy_data()
+    saved = strategy_class(meta.get("strategy_cls") or DEFAULT_STRATEGY, trust)
+    if cls is None:
+        cls = saved
+    elif not issubclass(saved, cls):
+        fresh = (
+            f", or start a new run from its weights with {cls.__name__}"
+            ".from_pretrained_checkpoint(...)"
+            if callable(getattr(cls, "from_pretrained_checkpoint", None))
+            else ""
+        )
+        raise TypeError(
+            f"Loaded strategy has type {saved.__name__}, expected {cls.__name__}: "
+            f"{cls.__name__}.load_checkpoint: checkpoint {files.entry.index} in {files.root} was "
+            f"saved by {meta.get('strategy_cls')}, not a {cls.__name__}. Resume it with that "
+            f"class{fresh}."
+        )
     meta, approved, kwargs, record = _apply_overrides(dict(meta), overrides)
     devices = meta.get("devices") or ["cpu"]
     device = torch.device(map_location if map_location is not None else devices[0])
@@ -239,34 +231,33 @@ def _rebuild(
     if map_location is not None:
         meta["devices"] = [str(map_location)]
     models = {
-        name: build_model(specs.get("models", name, nn.Module), device)
+        name: build_model(files.load_spec("models", name, trust=trust, expect=nn.Module), device)
         for name in files.entry.models
     }
     single = bool(meta.get("single_model_input")) and set(models) == {"main"}
-    strategy = cls.from_checkpoint_dict(
-        {**meta, "model_specs": {}},
+    recipe = {k: v for k, v in meta.items() if k not in (*RUN_RECORD, *_NOT_RECIPE)}
+    strategy = cls.from_spec_dict(  # the counters are restored with the rest, below
+        {**recipe, "model_specs": {}},
         models=models["main"] if single else models,
         hooks=hooks,
         training_fn=training_fn,
         trust=trust,
         **kwargs,
     )
-    if not isinstance(strategy, cls):
-        raise TypeError(
-            f"Loaded strategy has type {type(strategy).__name__}, expected {cls.__name__}."
-        )
     if record:
         checkpoint_record(strategy)["history"].append(
             history_event("resume_overrides", from_index=files.entry.index, overrides=record)
         )
     _warn_missing_runtime_parts(meta, strategy)
     patterns = ("*",) if allow_spec_changes else approved
-    return _restore(strategy, files, specs, map_location, validators, patterns)
+    return _restore(strategy, files, map_location, validators, patterns, trust)
 
 
-def _restore(strategy, files, specs, map_location, validators, patterns) -> dict[str, Any]:
-    from nvalchemi.distributed.runtime import get_rank
+_NOT_RECIPE = ("strategy_cls", "runtime_state")
+DEFAULT_STRATEGY = "nvalchemi.training.strategy.TrainingStrategy"  # checkpoints without a class
 
+
+def _restore(strategy, files, map_location, validators, patterns, trust) -> dict[str, Any]:
     rank = get_rank(strategy.distributed_manager)
     info = restore_strategy(
         strategy, files, map_location=map_location, approved=patterns, rank=rank
@@ -276,9 +267,9 @@ def _restore(strategy, files, specs, map_location, validators, patterns) -> dict
     loaded = {}
     for name in files.entry.models:
         try:
-            spec: Any = specs.get("models", name)
+            spec: Any = files.load_spec("models", name, trust=trust)
         except ValueError:  # e.g. a model outside the trust rule restored in place: report the JSON
-            spec = read_json(files.spec("models", name), "spec file")
+            spec = dict(files.spec_data("models", name))
         loaded[name] = _entry(models[name], spec, assoc.get(name, {}))
     run_validators(validators, loaded, files.root)
     return {
@@ -344,7 +335,7 @@ def _apply_overrides(meta: dict, overrides: Mapping[str, Any] | None):
     return meta, tuple(approved), overrides, record
 
 
-def _load_components(files, specs, map_location, model_names, validators) -> CheckpointManifest:
+def _load_components(files, map_location, model_names, validators, trust) -> CheckpointManifest:
     entry = files.entry
     names = list(entry.models) if model_names is None else list(model_names)
     unknown = sorted(set(names) - set(entry.models))
@@ -355,7 +346,7 @@ def _load_components(files, specs, map_location, model_names, validators) -> Che
         associations = read_json(files.associations(), "associations.json")
     models = {}
     for name in names:
-        spec = specs.get("models", name, nn.Module)
+        spec = files.load_spec("models", name, trust=trust, expect=nn.Module)
         model = build_model(spec, map_location)
         model.load_state_dict(safe_torch_load(files.state("models", name), map_location))
         models[name] = (model, spec)
@@ -365,13 +356,13 @@ def _load_components(files, specs, map_location, model_names, validators) -> Che
         wanted, wanted_s = set(entry.optimizers), set(entry.schedulers)
     optimizers = {}
     for opt in sorted(wanted & set(entry.optimizers)):
-        spec = specs.get("optimizers", opt, torch.optim.Optimizer)
+        spec = files.load_spec("optimizers", opt, trust=trust, expect=torch.optim.Optimizer)
         optimizer = spec.build(_optimizer_params(opt, associations, models))
         optimizer.load_state_dict(safe_torch_load(files.state("optimizers", opt), map_location))
         optimizers[opt] = (optimizer, spec)
     schedulers = {}
     for sched in sorted(wanted_s & set(entry.schedulers)):
-        spec = specs.get("schedulers", sched, SCHEDULER_BASES)
+        spec = files.load_spec("schedulers", sched, trust=trust, expect=SCHEDULER_BASES)
         scheduler = spec.build(_scheduler_optimizer(sched, associations, optimizers))
         scheduler.load_state_dict(safe_torch_load(files.state("schedulers", sched), map_location))
         schedulers[sched] = (scheduler, spec)
@@ -464,7 +455,7 @@ def _load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_locati
         UserWarning,
         stacklevel=3,
     )
-    from nvalchemi.models.mace import MACEWrapper
+    from nvalchemi.models.mace import MACEWrapper  # optional
 
     model = MACEWrapper.from_checkpoint(
         file, map_location=map_location or "cpu", dtype=options["dtype"]
@@ -485,8 +476,8 @@ def read_strategy_metadata(
     root_folder: str | Path, checkpoint_index: Index = "latest"
 ) -> dict | None:
     """The saved strategy recipe (``to_checkpoint_dict()`` output) or ``None``; loads no tensors."""
-    meta = CheckpointStore(root_folder).open(checkpoint_index).strategy()
-    return None if meta is None else read_json(meta, "strategy metadata")
+    meta = open_entry(root_folder, checkpoint_index).strategy_data()
+    return None if meta is None else dict(meta)
 
 
 def strategy_restore_checkpoint(
@@ -529,9 +520,8 @@ def strategy_load_checkpoint(
     See :func:`load_checkpoint` for the arguments; hooks are not saved, so pass the same
     hooks again (e.g. ``EMAHook``) to restore their state.
     """
-    files = CheckpointStore(root_folder).open(checkpoint_index)
-    meta_path = files.strategy()
-    if meta_path is None:
+    files = open_entry(root_folder, checkpoint_index)
+    if files.strategy() is None:
         raise ValueError(
             f"{cls.__name__}.load_checkpoint requires a checkpoint saved from a TrainingStrategy "
             f"(checkpoint {files.entry.index} in {files.root} holds components only); use "
@@ -540,8 +530,6 @@ def strategy_load_checkpoint(
     return _rebuild(
         cls,
         files,
-        _Specs(files, trust),
-        meta_path,
         map_location,
         hooks,
         training_fn,

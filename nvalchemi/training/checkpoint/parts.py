@@ -38,18 +38,19 @@ from nvalchemi.training.checkpoint.rng import capture_rng, preserved_rng, restor
 from nvalchemi.training.checkpoint.store import (
     EntryFiles,
     format_differences,
-    read_json,
     safe_component_name,
     safe_torch_load,
     spec_differences,
     unapproved,
     utc_now,
 )
+from nvalchemi.training.model_spec import model_spec_for
 from nvalchemi.training.runtime import move_to_devices, unwrap_model
 from nvalchemi.training.spec import BaseSpec, create_model_spec
 
 __all__ = [
     "PARTS",
+    "RUN_RECORD",
     "Snapshot",
     "SnapshotBuffers",
     "capture_components",
@@ -62,6 +63,8 @@ __all__ = [
 ]
 
 _COUNTERS = ("step_count", "global_step_count", "batch_count", "epoch_count", "epoch_step_count")
+RUN_RECORD = ("world_size", "hook_types", "validation_configured", "dataloader_state")
+"""What ``strategy.json`` holds besides ``to_checkpoint_dict()``: a record of the run."""
 
 
 @dataclass
@@ -177,8 +180,6 @@ def optimizer_names(strategy: Any) -> list[tuple[str, str | None, str, Any]]:
 
 def live_specs(strategy: Any, model_names: list[str]) -> dict[str, dict[str, Any]]:
     """Spec dumps of the live strategy's components, keyed like :meth:`Snapshot.specs`."""
-    from nvalchemi.training.model_spec import model_spec_for
-
     out = {}
     models = strategy.unwrapped_models()
     for name in model_names:
@@ -217,7 +218,7 @@ class _Restore:
     rank: int
     saved_specs: dict[str, dict[str, Any]]
     live_specs: dict[str, dict[str, Any]]
-    meta: dict[str, Any] | None = None
+    meta: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -520,7 +521,7 @@ def restore_strategy(
     """
     entry = files.entry
     saved = {
-        f"{kind}/{name}": read_json(files.spec(kind, name), "spec file")
+        f"{kind}/{name}": dict(files.spec_data(kind, name))
         for kind in ("models", "optimizers", "schedulers")
         for name in getattr(entry, kind)
     }
@@ -539,8 +540,7 @@ def restore_strategy(
             "TrainingStrategy.load_checkpoint, or allow_spec_changes=True (recorded in the "
             "manifest history)."
         )
-    meta_path = files.strategy()
-    meta = read_json(meta_path, "strategy metadata") if meta_path is not None else None
+    meta = files.strategy_data()
     restore = _Restore(strategy, files, map_location, rank, saved, live, meta)
     for part in PARTS:
         part.restore(restore)
@@ -609,8 +609,6 @@ def capture_components(
 
 def _component_spec(kind: str, name: str, obj: Any, spec: Any) -> dict[str, Any]:
     if spec is None and kind == "models":
-        from nvalchemi.training.model_spec import model_spec_for
-
         spec = model_spec_for(obj, strict=True)
     if spec is None and kind == "optimizers":
         spec = create_model_spec(type(obj), **obj.defaults)

@@ -39,7 +39,7 @@ def capture_rng() -> dict[str, Any]:
         "gauss_next": gauss,
     }
     try:
-        import numpy as np
+        import numpy as np  # optional
     except ImportError:  # pragma: no cover - numpy is a torch dependency here
         return state
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -74,7 +74,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         random.setstate((int(py["version"]), internal, py["gauss_next"]))
     np_state = state.get("numpy")
     if np_state:
-        import numpy as np
+        import numpy as np  # optional
 
         np.random.set_state(
             (

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_rank
 from nvalchemi.training.checkpoint.parts import (
     Snapshot,
     SnapshotBuffers,
@@ -39,7 +40,7 @@ from nvalchemi.training.checkpoint.store import (
     unapproved,
 )
 
-__all__ = ["BackgroundWriter", "save_checkpoint", "save_strategy"]
+__all__ = ["BackgroundWriter", "save_checkpoint", "save_strategy", "strategy_save_checkpoint"]
 
 
 def save_strategy(
@@ -61,8 +62,6 @@ def save_strategy(
     Returns the index written, or ``None`` when ``writer`` writes it in the background
     (``on_written(index)`` is called when it is done).
     """
-    from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_rank
-
     manager = strategy.distributed_manager
     _agree_finite(strategy)
     states = gather_rng(manager)
@@ -113,8 +112,6 @@ def _write(store: CheckpointStore, snapshot: Snapshot, retention: Any, index: in
 
 def _agree_finite(strategy: Any) -> None:
     """``strategy.check_nonfinite()`` on every rank; raise everywhere if any rank diverged."""
-    from nvalchemi.distributed.runtime import all_agree
-
     error = None
     try:
         strategy.check_nonfinite()
@@ -256,6 +253,19 @@ def save_checkpoint(
     store = CheckpointStore(root_folder)
     check_spec_changes(store, snapshot)
     return _write(store, snapshot, retention, index)
+
+
+def strategy_save_checkpoint(
+    strategy: Any, root_folder: str | Path, *, checkpoint_index: int = -1, **kwargs: Any
+) -> int:
+    """``TrainingStrategy.save_checkpoint``: a restartable checkpoint of ``strategy``.
+
+    Collective under ``torch.distributed``; the keyword arguments are those of
+    :func:`save_checkpoint` (``keep_last``, ``metric``, ``allow_spec_changes``, ...).
+    """
+    return save_checkpoint(
+        root_folder, strategy=strategy, checkpoint_index=checkpoint_index, **kwargs
+    )
 
 
 def _is_strategy(value: Any) -> bool:

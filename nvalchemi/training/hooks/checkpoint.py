@@ -16,6 +16,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from nvalchemi.distributed.runtime import all_agree, broadcast_object, get_rank
+from nvalchemi.training.checkpoint.parts import SnapshotBuffers, checkpoint_record
+from nvalchemi.training.checkpoint.save import BackgroundWriter, save_strategy
+from nvalchemi.training.checkpoint.store import CheckpointStore, Retention
 from nvalchemi.training.stages import TrainingStage
 
 __all__ = ["CheckpointHook"]
@@ -192,25 +196,17 @@ class CheckpointHook(BaseModel):
             error = error or caught
         if exc_type is not None:
             return  # the run's own error wins; other ranks may be gone: no collectives
-        if strategy is not None:
-            from nvalchemi.distributed.runtime import all_agree
-
-            # Also the barrier: no rank goes on (e.g. reads the checkpoint) before the write ends.
-            if all_agree(error is not None, strategy.distributed_manager) and error is None:
-                raise RuntimeError(
-                    "CheckpointHook: the final checkpoint write failed on another rank."
-                )
+        # Also the barrier: no rank goes on (e.g. reads the checkpoint) before the write ends.
+        failed = strategy is not None and all_agree(error is not None, strategy.distributed_manager)
+        if failed and error is None:
+            raise RuntimeError("CheckpointHook: the final checkpoint write failed on another rank.")
         if error is not None:
             raise error
 
     def _writes_here(self, strategy: Any) -> bool:
-        from nvalchemi.distributed.runtime import get_rank
-
         return not self.rank_zero_only or get_rank(strategy.distributed_manager) == 0
 
     def _setup(self, strategy: Any) -> None:
-        from nvalchemi.training.checkpoint.parts import checkpoint_record
-        from nvalchemi.training.checkpoint.store import CheckpointStore
 
         self._strategy = strategy
         self._last_step = strategy.step_count
@@ -245,9 +241,6 @@ class CheckpointHook(BaseModel):
         return self._saved_at == (strategy.step_count, strategy.batch_count)
 
     def _save(self, strategy: Any, reason: str | None = None) -> None:
-        from nvalchemi.training.checkpoint.parts import SnapshotBuffers
-        from nvalchemi.training.checkpoint.save import BackgroundWriter, save_strategy
-        from nvalchemi.training.checkpoint.store import Retention
 
         pending_reason, metric = self._pending or ("manual", None)
         self._pending = None
@@ -293,8 +286,6 @@ class CheckpointHook(BaseModel):
             self._pending = ("best", metric)
 
     def _attach(self, strategy: Any, metric: dict[str, Any]) -> None:
-        from nvalchemi.training.checkpoint.store import CheckpointStore, Retention
-
         self._scores.append(metric["value"])
         if not self._writes_here(strategy) or self._writer is None:
             return
@@ -305,8 +296,6 @@ class CheckpointHook(BaseModel):
             self._writer.submit(store.attach_metric, self.last_checkpoint_index, metric, retention)
 
     def _qualifies(self, value: float, strategy: Any) -> bool:
-        from nvalchemi.distributed.runtime import broadcast_object
-
         if not math.isfinite(value):
             return False
         scores = sorted(self._scores, reverse=self.best_mode == "max")

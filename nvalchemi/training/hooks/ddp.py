@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from torch import nn
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
-from nvalchemi.distributed.manager import DistributedManager
+from nvalchemi.data.datapipes.dataloader import DataLoader
+from nvalchemi.data.datapipes.multidataset import MultiDataset
+from nvalchemi.data.datapipes.samplers import MultiDatasetBatchSampler
+from nvalchemi.distributed.manager import TIMEOUT_ENV, DistributedManager
 from nvalchemi.distributed.runtime import (
     destroy_distributed,
     distributed_device,
@@ -32,6 +35,7 @@ from nvalchemi.distributed.runtime import (
     init_distributed,
     is_distributed_initialized,
 )
+from nvalchemi.training.errors import add_note
 from nvalchemi.training.stages import TrainingStage
 
 __all__ = ["DDPHook"]
@@ -348,8 +352,6 @@ class DDPHook(BaseModel):
     def _install_batch_sampler(
         self, loader: Any, dataset: Any, defaults: dict[str, Any], drop_last: bool
     ) -> Any:
-        from nvalchemi.data.datapipes.multidataset import MultiDataset
-        from nvalchemi.data.datapipes.samplers import MultiDatasetBatchSampler
 
         kwargs = {**defaults, **self.sampler_kwargs}
         if isinstance(dataset, MultiDataset) and self.sampler_cls is DistributedSampler:
@@ -443,8 +445,6 @@ def _is_communication_error(exc: BaseException) -> bool:
 
 
 def _explain_peer_failure(exc: BaseException, manager: Any) -> None:
-    from nvalchemi.distributed.manager import TIMEOUT_ENV
-    from nvalchemi.training.errors import add_note
 
     add_note(
         exc,
@@ -462,8 +462,6 @@ def _is_ddp(model: Any, ddp_cls: Any) -> bool:
 
 
 def _is_nvalchemi_loader(loader: Any) -> bool:
-    from nvalchemi.data.datapipes.dataloader import DataLoader
-
     return isinstance(loader, DataLoader)
 
 

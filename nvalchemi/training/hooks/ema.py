@@ -32,6 +32,7 @@ from nvalchemi.training.hooks.gradients import _check_config
 from nvalchemi.training.hooks.update import TrainingUpdateHook
 from nvalchemi.training.runtime import unwrap_model
 from nvalchemi.training.stages import TrainingStage
+from nvalchemi.training.validation import ValidationLoop
 
 __all__ = ["EMAHook", "EMAValidationHook"]
 
@@ -346,7 +347,6 @@ class EMAValidationHook:
             use_ema, prefix = "always", "ema/"
         else:
             return
-        from nvalchemi.training.validation import ValidationLoop
 
         config = strategy.validation_config
         if config is None:

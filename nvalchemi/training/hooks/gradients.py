@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from nvalchemi.distributed.runtime import all_agree
 from nvalchemi.training.hooks.update import TrainingUpdateHook
 from nvalchemi.training.stages import TrainingStage
 
@@ -359,8 +360,6 @@ class LossSpikeSkipHook(BaseModel, TrainingUpdateHook):
         return True, ctx.loss
 
     def _decide(self, ctx: Any) -> bool:
-        from nvalchemi.distributed.runtime import all_agree
-
         state = self._runtime
         window = state.loss_count
         loss = state.loss_sum / window

@@ -331,21 +331,11 @@ class TrainingUpdateOrchestrator:
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> TrainingUpdateOrchestrator:
-        for hook in self._hooks:
-            enter = protocol.member(hook, "__enter__")
-            if enter is not None:
-                enter()
+        protocol.enter_hooks(self._hooks)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        for hook in reversed(self._hooks):
-            exit_ = protocol.member(hook, "__exit__")
-            if exit_ is not None:
-                exit_(exc_type, exc, tb)
-            else:
-                close = protocol.member(hook, "close")
-                if close is not None:
-                    close()
+        protocol.exit_hooks(self._hooks, exc_type, exc, tb)
 
     def close(self) -> None:
         """Close every child (reverse order) that defines ``close()``."""

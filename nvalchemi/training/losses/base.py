@@ -56,7 +56,6 @@ from typing import Any, ClassVar, Literal, TypedDict, get_args
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_hooks
 
 from nvalchemi._serialization import init_kwargs_from_attrs
 from nvalchemi.training.losses.schedules import (
@@ -753,8 +752,7 @@ class ComposedLossFunction(nn.Module):
         unweighted: dict[str, torch.Tensor] = {}
         samples: list[tuple[str, Any, Any, float]] = []
         total = None
-        leaves = self._modules["components"]._modules.values()  # (ModuleList.__iter__ is Python)
-        for name, leaf, weight in zip(self._names, leaves, effective):
+        for name, leaf, weight in zip(self._names, self.components, effective):
             try:
                 pred = predictions[leaf.prediction_key]
                 target = targets[leaf.target_key]
@@ -780,77 +778,6 @@ class ComposedLossFunction(nn.Module):
                         raise TypeError(f"{name}.per_sample_loss must be a torch.Tensor or None")
                     _check_sample(name, sample)
                     samples.append((name, sample, None, weight))
-            total = _weighted_sum(total, value, weight)
-        return _output(total, unweighted, effective_by_name, raw_by_name, samples)
-
-    def plain_output(
-        self,
-        predictions: Mapping[str, torch.Tensor],
-        batch: Any,
-        step: int,
-        epoch: int | None,
-        target_keys: Sequence[str] | None = None,
-    ) -> ComposedLossOutput | None:
-        """``forward``'s output with the targets read from ``batch``, in the plain case; else ``None``.
-
-        The plain case (every training step of a fully labelled batch): ``batch`` (a
-        ``Batch``) has no ``loss_weight`` and no missing labels, no module hook is registered,
-        and every leaf is a built-in template leaf without ``ignore_nonfinite`` whose
-        prediction and target (a batch field) have one dtype and shape. Each leaf's loss is
-        then its :meth:`~BaseLossFunction.unmasked_loss`, which is what ``forward`` computes
-        too, without the checks, masks and calls that cannot apply. ``None`` sends the caller
-        to the general path (which also raises the errors).
-        """
-        get, hooks = batch.get, _module_hooks
-        if (
-            type(predictions) is not dict
-            or get("loss_weight") is not None
-            or batch.missing_labels
-            or self._forward_hooks
-            or self._forward_pre_hooks
-            or self._backward_hooks
-            or self._backward_pre_hooks
-            or hooks._global_forward_hooks
-            or hooks._global_forward_pre_hooks
-            or hooks._global_backward_hooks
-            or hooks._global_backward_pre_hooks
-        ):
-            return None
-        kwargs = {"batch": batch}  # metadata, read only by the leaves that need it
-        effective, effective_by_name, raw_by_name = self._weight_dicts(step, epoch)
-        unweighted: dict[str, torch.Tensor] = {}
-        samples: list[tuple[str, Any, Any, float]] = []
-        total = None
-        leaves = self._modules["components"]._modules.values()  # (ModuleList.__iter__ is Python)
-        for name, leaf, weight in zip(self._names, leaves, effective):
-            state = leaf.__dict__
-            key = state.get("target_key")
-            if (
-                not leaf._direct
-                or state.get("ignore_nonfinite", False)
-                or (target_keys is not None and key not in target_keys)
-                or leaf._forward_hooks
-                or leaf._forward_pre_hooks
-                or leaf._backward_hooks
-                or leaf._backward_pre_hooks
-            ):
-                return None
-            pred, target = predictions.get(state.get("prediction_key")), get(key)
-            if (
-                type(pred) is not torch.Tensor
-                or type(target) is not torch.Tensor
-                or pred.dtype != target.dtype
-                or pred.shape != target.shape
-            ):
-                return None
-            state["_per_sample"] = state["_per_sample_source"] = state["_per_sample_valid"] = None
-            value = leaf.unmasked_loss(pred, target, _PLAIN, kwargs)
-            if value is None:
-                return None
-            unweighted[name] = value
-            source = state["_per_sample_source"]
-            if source is not None:
-                samples.append((name, source, state["_per_sample_valid"], weight))
             total = _weighted_sum(total, value, weight)
         return _output(total, unweighted, effective_by_name, raw_by_name, samples)
 

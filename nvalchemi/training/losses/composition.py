@@ -12,7 +12,6 @@ also exports them under the import path that specs and job files name.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -119,12 +118,6 @@ def assemble_loss_targets(
     return targets
 
 
-def _is_batch(batch: Any) -> bool:
-    """Whether ``batch`` is a ``Batch`` (without importing the data package)."""
-    module = sys.modules.get("nvalchemi.data.batch")
-    return module is not None and isinstance(batch, module.Batch)
-
-
 _GRAPH_METADATA = ("batch_idx", "num_graphs", "num_nodes_per_graph")
 
 
@@ -157,10 +150,6 @@ def compute_supervised_loss(
     """
     if type(loss_fn) is not ComposedLossFunction:
         loss_fn = as_composed_loss(loss_fn)
-    if target_assembler is assemble_loss_targets and _is_batch(batch):
-        out = loss_fn.plain_output(predictions, batch, step, epoch, target_keys)
-        if out is not None:
-            return out
     targets = target_assembler(
         loss_fn,
         predictions,

@@ -48,33 +48,6 @@ __all__ = [
 ]
 
 
-# The kernels behind F.mse_loss, F.l1_loss and F.huber_loss. Their Python wrappers check sizes
-# and broadcast the inputs on every call (a third of a small step's loss time); the leaves
-# call the kernel directly when the shapes are already equal, and the wrapper otherwise.
-_KERNELS = getattr(torch._C, "_nn", None)
-if not all(hasattr(_KERNELS, k) for k in ("mse_loss", "l1_loss", "huber_loss")):
-    _KERNELS = None  # a torch without them: the wrappers only
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-
-
-def _mse(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    if _KERNELS is not None and pred.shape == target.shape:
-        return _KERNELS.mse_loss(pred, target, _REDUCTIONS[reduction])
-    return F.mse_loss(pred, target, reduction=reduction)
-
-
-def _l1(pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    if _KERNELS is not None and pred.shape == target.shape:
-        return _KERNELS.l1_loss(pred, target, _REDUCTIONS[reduction])
-    return F.l1_loss(pred, target, reduction=reduction)
-
-
-def _huber(pred: torch.Tensor, target: torch.Tensor, reduction: str, delta: float) -> torch.Tensor:
-    if _KERNELS is not None and pred.shape == target.shape:
-        return _KERNELS.huber_loss(pred, target, _REDUCTIONS[reduction], delta)
-    return F.huber_loss(pred, target, reduction=reduction, delta=delta)
-
-
 def _check_delta(delta: float) -> float:
     delta = float(delta)
     if not delta > 0:
@@ -180,7 +153,7 @@ class EnergyMSELoss(_EnergyLoss):
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return _mse(pred, target, reduction)
+        return F.mse_loss(pred, target, reduction=reduction)
 
 
 class EnergyMAELoss(_EnergyLoss):
@@ -202,7 +175,7 @@ class EnergyMAELoss(_EnergyLoss):
         self._store(target_key, prediction_key, per_atom, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return _l1(pred, target, reduction)
+        return F.l1_loss(pred, target, reduction=reduction)
 
 
 class EnergyHuberLoss(_EnergyLoss):
@@ -228,7 +201,7 @@ class EnergyHuberLoss(_EnergyLoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return _huber(pred, target, reduction, self.delta)
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
 
 
 # ------------------------------------------------------------------------------- forces
@@ -375,7 +348,7 @@ class ForceMSELoss(_ForceLoss):
         self._store(target_key, prediction_key, normalize_by_atom_count, ignore_nonfinite)
 
     def _pointwise(self, pred, target, reduction):
-        return _mse(pred, target, reduction)
+        return F.mse_loss(pred, target, reduction=reduction)
 
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
@@ -404,7 +377,7 @@ class ForceHuberLoss(ForceMSELoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return _huber(pred, target, reduction, self.delta)
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)
 
 
 class ForceL2NormLoss(_ForceLoss):
@@ -455,7 +428,7 @@ class StressMSELoss(BaseLossFunction):
         self.ignore_nonfinite = bool(ignore_nonfinite)
 
     def _pointwise(self, pred: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-        return _mse(pred, target, reduction)
+        return F.mse_loss(pred, target, reduction=reduction)
 
     def compute_residual(self, pred, target, valid):
         return self._pointwise(pred, target, "none")
@@ -501,4 +474,4 @@ class StressHuberLoss(StressMSELoss):
         self.delta = _check_delta(delta)
 
     def _pointwise(self, pred, target, reduction):
-        return _huber(pred, target, reduction, self.delta)
+        return F.huber_loss(pred, target, reduction=reduction, delta=self.delta)

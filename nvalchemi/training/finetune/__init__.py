@@ -1,10 +1,18 @@
-"""``FineTuningStrategy``: a new training run that starts from pretrained weights.
+"""Fine-tuning: a new training run that starts from pretrained weights.
 
-A :class:`~nvalchemi.training.TrainingStrategy` that adds readout heads, patches
-modules and chooses the trained parameters (see the class docstring); reference
-energies, replay and the zero-step check live next door
-(:mod:`nvalchemi.training.finetune_statistics`, :mod:`nvalchemi.training.replay`,
-:mod:`nvalchemi.training.finetune_parity`; guide: ``docs/finetuning.md``). The entry
+The package is fine-tuning, one module per idea:
+
+* here, :class:`FineTuningStrategy`: a :class:`~nvalchemi.training.TrainingStrategy` that
+  adds readout heads, patches modules and chooses the trained parameters (see the class
+  docstring), and its entry points;
+* :mod:`.hooks`: the hooks it generates (new heads, module patches, parameter filters)
+  and :class:`~nvalchemi.training.finetune.hooks.ForgettingHook`;
+* :mod:`.weights`: a plain ``state_dict`` loaded into your model (key maps, DDP prefixes);
+* :mod:`.statistics`: reference energies, scale and shift for the new data;
+* :mod:`.parity`: the zero-step check (the fine-tune predicts what its source predicts);
+* :mod:`.replay`: replay data against forgetting.
+
+Guide: ``docs/finetuning.md``. The entry
 points :meth:`~FineTuningStrategy.from_pretrained_checkpoint`,
 :meth:`~FineTuningStrategy.from_pretrained_weights` and
 :meth:`~FineTuningStrategy.from_mace` start at step 0 (``load_checkpoint`` resumes).
@@ -36,16 +44,18 @@ from pydantic import Field, field_validator, model_validator
 from torch import nn
 
 from nvalchemi._serialization import requires_trust
+from nvalchemi.checkpoint_files import open_entry, read_models
 from nvalchemi.training.checkpoint.load import run_validators
-from nvalchemi.training.hooks.finetune import (
+from nvalchemi.training.finetune.hooks import (
     AddHeadHook,
     ForgettingHook,
     ModulePatchHook,
     TrainableParameterHook,
 )
+from nvalchemi.training.finetune.weights import load_plain_weights
 from nvalchemi.training.optimizers import OptimizerConfig
-from nvalchemi.training.spec import BaseSpec, create_model_spec_from_json
 from nvalchemi.training.strategy import TrainingStrategy
+from nvalchemi.training.strategy_payload import build_loss, build_optimizer_configs, parse_spec
 
 __all__ = ["FineTuningStrategy"]
 
@@ -135,86 +145,6 @@ class FineTuningStrategy(TrainingStrategy):
     def _none_is_empty(cls, value: Any) -> Any:
         return {} if value is None else value
 
-    def to_spec_dict(self) -> dict[str, Any]:
-        """The base spec plus ``module_patches`` (spec dumps), the patterns and ``freeze_mode``.
-
-        Raises:
-            TypeError: a module patch is an ``nn.Module`` instance (pass a BaseSpec).
-        """
-        spec, patches = super().to_spec_dict(), {}
-        for target, patch in self.module_patches.items():
-            if not isinstance(patch, BaseSpec):
-                raise TypeError(
-                    f"module_patches[{target!r}] is a {type(patch).__name__} instance, which "
-                    "cannot be serialized; pass a BaseSpec (create_model_spec(cls, **kwargs)) "
-                    "to make the strategy restartable."
-                )
-            patches[target] = patch.model_dump()
-        return {
-            **spec,
-            "new_heads": dict(self.new_heads),
-            "module_patches": patches,
-            "freeze_patterns": list(self.freeze_patterns),
-            "trainable_patterns": list(self.trainable_patterns),
-            "freeze_mode": self.freeze_mode,
-        }
-
-    @classmethod
-    def from_spec_dict(
-        cls,
-        spec: Mapping[str, Any],
-        *,
-        models: Any = None,
-        hooks: list[Any] | None = None,
-        training_fn: Any = None,
-        trust: bool = False,
-        **overrides: Any,
-    ) -> FineTuningStrategy:
-        """Rebuild from :meth:`to_spec_dict` (fine-tuning keys default when absent).
-
-        ``models``/``hooks``/``training_fn`` and ``overrides`` win over the spec.
-        """
-        if not isinstance(spec, Mapping):
-            raise ValueError(f"from_spec_dict: spec must be a mapping; got {type(spec).__name__}.")
-        extra: dict[str, Any] = {
-            "new_heads": dict(spec.get("new_heads") or {}),
-            "module_patches": load_patches(spec.get("module_patches"), trust),
-            "freeze_patterns": pattern_tuple(spec.get("freeze_patterns"), "freeze_patterns"),
-            "trainable_patterns": pattern_tuple(
-                spec.get("trainable_patterns"), "trainable_patterns"
-            ),
-            "freeze_mode": spec.get("freeze_mode", "requires_grad"),
-        }
-        extra.update(overrides)
-        return super().from_spec_dict(
-            spec, models=models, hooks=hooks, training_fn=training_fn, trust=trust, **extra
-        )
-
-    @classmethod
-    def load_checkpoint(
-        cls, root_folder: Any, checkpoint_index: Any = -1, map_location: Any = None, **kwargs: Any
-    ) -> FineTuningStrategy:
-        """Resume a fine-tuning run (``TypeError`` for a checkpoint of another strategy class).
-
-        To start fine-tuning from a plain training checkpoint use
-        :meth:`from_pretrained_checkpoint`.
-        """
-        from nvalchemi._serialization import import_path
-        from nvalchemi.training.checkpoint.load import read_strategy_metadata
-
-        meta = read_strategy_metadata(root_folder, checkpoint_index)
-        path = (meta or {}).get("strategy_cls")
-        if isinstance(path, str):
-            saved = import_path(path, trust=kwargs.get("trust", False))
-            if not (isinstance(saved, type) and issubclass(saved, cls)):
-                raise TypeError(
-                    f"{cls.__name__}.load_checkpoint: checkpoint in {root_folder} was saved by "
-                    f"{path}, not a {cls.__name__}. Resume it with that class, or start a new "
-                    f"fine-tuning run from its weights with {cls.__name__}."
-                    "from_pretrained_checkpoint(...)."
-                )
-        return super().load_checkpoint(root_folder, checkpoint_index, map_location, **kwargs)
-
     @classmethod
     def from_pretrained_checkpoint(
         cls,
@@ -258,8 +188,6 @@ class FineTuningStrategy(TrainingStrategy):
                 passed; the checkpoint has no models; a reuse flag without strategy
                 metadata; no loss or optimizer configs.
         """
-        from nvalchemi.training.checkpoint.store import CheckpointStore, read_json, read_models
-
         kwargs = dict(strategy_kwargs)
         reject_new_run_conflicts(
             kwargs,
@@ -267,15 +195,14 @@ class FineTuningStrategy(TrainingStrategy):
             "from_pretrained_checkpoint loads models from checkpoint_dir; do not pass "
             "models=... (use from_pretrained_weights(model, weights) for your own model).",
         )
-        files = CheckpointStore(checkpoint_dir).open(checkpoint_index)
+        files = open_entry(checkpoint_dir, checkpoint_index)
         root, entry = files.root, files.entry
         names = list(entry.models)
         if not names:
             raise ValueError(
                 f"Checkpoint {entry.index} in {root} holds no models to fine-tune from."
             )
-        meta_path = files.strategy()
-        meta = read_json(meta_path, "strategy metadata") if meta_path is not None else None
+        meta = files.strategy_data()
         apply_reuse(kwargs, meta, use_original_loss, use_original_opt_class, optimizer_lr, trust)
         kwargs = rehydrate_payload(kwargs, trust, "from_pretrained_checkpoint")
         device = torch.device(map_location) if map_location is not None else torch.device("cpu")
@@ -376,7 +303,7 @@ class FineTuningStrategy(TrainingStrategy):
             ...     optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-5}),
             ...     num_steps=200)
         """
-        from nvalchemi.models.mace import MACEWrapper
+        from nvalchemi.models.mace import MACEWrapper  # optional
 
         reject_new_run_conflicts(
             strategy_kwargs,
@@ -417,7 +344,6 @@ _COUNTERS = (
     "epoch",
     "runtime_state",
 )
-_STATE_KEYS = ("state_dict", "model_state_dict", "model")
 
 
 def pattern_tuple(value: Any, field: str) -> tuple[str, ...]:
@@ -439,15 +365,12 @@ def load_patches(value: Any, trust: bool) -> dict[str, Any]:
         raise ValueError(
             f"'module_patches' must map targets to module specs; got {type(value).__name__}."
         )
-    out: dict[str, Any] = {}
-    for target, patch in value.items():
-        if isinstance(patch, Mapping):
-            try:
-                patch = create_model_spec_from_json(patch, trust=trust)
-            except Exception as exc:
-                raise ValueError(f"module_patches[{target!r}] is not a valid spec: {exc}") from exc
-        out[target] = patch
-    return out
+    return {
+        target: parse_spec(patch, f"module_patches.{target}", trust)
+        if isinstance(patch, Mapping)
+        else patch
+        for target, patch in value.items()
+    }
 
 
 def reject_new_run_conflicts(kwargs: Mapping[str, Any], who: str, models_error: str) -> None:
@@ -476,8 +399,6 @@ def apply_reuse(
     trust: bool,
 ) -> None:
     """Fill ``loss_fn``/``optimizer_configs`` from the checkpoint's recipe (flags win)."""
-    from nvalchemi.training._strategy_spec import _optimizer_configs
-
     wanted = [
         name for name, flag in (("loss_fn", use_loss), ("optimizer_configs", use_opt)) if flag
     ]
@@ -495,10 +416,12 @@ def apply_reuse(
                 "Cannot reuse original loss_fn: the checkpoint's strategy metadata has no "
                 "loss_fn_spec. Pass loss_fn=... instead."
             )
-        kwargs["loss_fn"] = _build_loss(meta["loss_fn_spec"], trust, "checkpoint loss_fn_spec")
+        kwargs["loss_fn"] = build_loss(meta["loss_fn_spec"], "checkpoint loss_fn_spec", trust)
     if use_opt:
         _drop_overridden(kwargs, ("optimizer_configs",), "use_original_opt_class")
-        configs = _optimizer_configs(meta.get("optimizer_configs") or {}, trust)
+        configs = build_optimizer_configs(
+            meta.get("optimizer_configs") or {}, trust, "checkpoint optimizer_configs"
+        )
         if not configs:
             raise ValueError(
                 "Cannot reuse original optimizer_configs: the checkpoint's strategy metadata "
@@ -533,19 +456,8 @@ def _with_lr(config: OptimizerConfig, lr: float) -> OptimizerConfig:
     return OptimizerConfig(**fields)
 
 
-def _build_loss(spec: Any, trust: bool, where: str) -> Any:
-    if not isinstance(spec, Mapping):
-        raise ValueError(f"{where} must be a loss spec mapping; got {type(spec).__name__}.")
-    try:
-        return create_model_spec_from_json(spec, trust=trust).build()
-    except Exception as exc:
-        raise ValueError(f"{where} does not build a loss function: {exc}") from exc
-
-
 def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[str, Any]:
     """Turn job-payload keys (spec dumps) into constructor arguments."""
-    from nvalchemi.training._strategy_spec import _optimizer_configs
-
     out = dict(kwargs)
     out.pop("model_specs", None)
     out.pop("single_model_input", None)  # the call mode follows the models supplied
@@ -553,12 +465,12 @@ def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[
         spec = out.pop("loss_fn_spec")
         if out.get("loss_fn") is not None:
             raise ValueError(f"{who}: pass loss_fn or loss_fn_spec, not both.")
-        out["loss_fn"] = _build_loss(spec, trust, "loss_fn_spec")
+        out["loss_fn"] = build_loss(spec, "loss_fn_spec", trust)
     configs = out.get("optimizer_configs")
     if isinstance(configs, Mapping) and any(
         isinstance(v, list) and any(isinstance(c, Mapping) for c in v) for v in configs.values()
     ):
-        out["optimizer_configs"] = _optimizer_configs(configs, trust)
+        out["optimizer_configs"] = build_optimizer_configs(configs, trust)
     if "module_patches" in out:
         out["module_patches"] = load_patches(out["module_patches"], trust)
     missing = [k for k in ("loss_fn", "optimizer_configs") if out.get(k) is None]
@@ -570,130 +482,3 @@ def rehydrate_payload(kwargs: Mapping[str, Any], trust: bool, who: str) -> dict[
         ]
         raise ValueError(f"{who} needs {' and '.join(asks)}.")
     return out
-
-
-# ---------------------------------------------------------------------------- plain weights
-def load_plain_weights(
-    model: Any,
-    weights: str | os.PathLike | Mapping[str, Any],
-    *,
-    strict: bool,
-    key_map: Mapping[str, str] | None,
-    model_key: str | None,
-) -> None:
-    """Load a ``state_dict`` file (``weights_only``) or mapping into ``model`` (see the caller)."""
-    target = _weights_target(model, model_key)
-    if isinstance(weights, (str, os.PathLike)):
-        from nvalchemi.training.checkpoint.store import safe_torch_load
-
-        where = str(weights)
-        raw = safe_torch_load(Path(weights), "cpu")
-    elif isinstance(weights, Mapping):
-        where, raw = "the given mapping", weights
-    else:
-        raise TypeError(
-            f"weights must be a file path or a state_dict mapping; got {type(weights).__name__}."
-        )
-    state = _remap_keys(_find_state_dict(raw, where), key_map, target)
-    _load_weights(target, state, strict, where)
-
-
-def _weights_target(model: Any, model_key: str | None) -> nn.Module:
-    if isinstance(model, nn.Module) and not isinstance(model, nn.ModuleDict):
-        if model_key not in (None, "main"):
-            raise ValueError(f"model_key={model_key!r} needs a mapping of models.")
-        return model
-    if not isinstance(model, (Mapping, nn.ModuleDict)) or not model:
-        raise TypeError(
-            f"model must be an nn.Module or a mapping of them; got {type(model).__name__}."
-        )
-    if model_key is None:
-        if "main" in model:
-            model_key = "main"
-        elif len(model) == 1:
-            model_key = next(iter(model))
-        else:
-            raise ValueError(
-                f"model_key=... must name the model that receives the weights; models: "
-                f"{sorted(model)}."
-            )
-    if model_key not in model:
-        raise KeyError(f"model_key {model_key!r} is not in models {sorted(model)}.")
-    return model[model_key]
-
-
-def _find_state_dict(raw: Any, where: str) -> dict[str, torch.Tensor]:
-    def tensors(value: Any) -> bool:
-        return (
-            isinstance(value, Mapping)
-            and bool(value)
-            and all(isinstance(v, torch.Tensor) for v in value.values())
-        )
-
-    if isinstance(raw, Mapping):
-        for inner in (raw, *(raw.get(key) for key in _STATE_KEYS)):
-            if tensors(inner):
-                return dict(inner)
-        keys = sorted(map(str, raw))[:10]
-        raise ValueError(
-            f"{where} is not a state_dict: expected a mapping of parameter names to tensors (or "
-            f"one under {list(_STATE_KEYS)}); top-level keys: {keys}."
-        )
-    raise ValueError(f"{where} holds a {type(raw).__name__}, not a state_dict mapping.")
-
-
-def _remap_keys(
-    state: dict[str, torch.Tensor], key_map: Mapping[str, str] | None, target: nn.Module
-) -> dict[str, torch.Tensor]:
-    if key_map:
-        prefixes = sorted(key_map, key=len, reverse=True)
-        remapped = {}
-        for key, value in state.items():
-            for old in prefixes:
-                if key.startswith(old):
-                    key = key_map[old] + key[len(old) :]
-                    break
-            remapped[key] = value
-        state = remapped
-    own = target.state_dict()
-    if (
-        state
-        and all(k.startswith("module.") for k in state)
-        and not any(k.startswith("module.") for k in own)
-    ):
-        state = {k[len("module.") :]: v for k, v in state.items()}
-    return state
-
-
-def _load_weights(
-    target: nn.Module, state: dict[str, torch.Tensor], strict: bool, where: str
-) -> None:
-    own = target.state_dict()
-    mismatched = [
-        f"{k}: {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-        for k, v in state.items()
-        if k in own and tuple(v.shape) != tuple(own[k].shape)
-    ]
-    if mismatched:
-        raise ValueError(
-            f"Weights from {where} do not fit {type(target).__name__}: shape mismatch for "
-            f"{mismatched[:8]}. Build the model with the architecture the weights belong to."
-        )
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if strict and (missing or unexpected):
-        raise ValueError(
-            f"Weights from {where} do not match {type(target).__name__}: missing keys "
-            f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected keys "
-            f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. Rename prefixes with "
-            "key_map={'old.': 'new.'}, or pass strict=False to load the matching keys only."
-        )
-    if missing or unexpected:
-        warnings.warn(
-            f"Loaded weights from {where} with strict=False: {len(missing)} model keys kept "
-            f"their initial values (e.g. {missing[:3]}), {len(unexpected)} weights unused "
-            f"(e.g. {unexpected[:3]}).",
-            UserWarning,
-            stacklevel=4,
-        )
-    target.load_state_dict(state, strict=False)
