@@ -220,9 +220,10 @@ def _fine_tune(job: TrainingJobSpec) -> Iterator[JobWarning]:
         yield JobWarning(
             "warning",
             "MACE compile",
-            "compile_model=true is not supported by this build's MACEWrapper; it is ignored",
+            "compile_model=true: torch.compile makes a MACE model inference-only (its "
+            "parameters frozen), so a fine-tune trains the model uncompiled and ignores it",
             "source.compile_model",
-            "remove it",
+            "remove it (MACEWrapper.from_checkpoint(..., compile_model=True) is for inference)",
         )
     if not (freeze or trainable):
         yield JobWarning(
