@@ -46,6 +46,32 @@ class CandidateResult:
     loss_rel_error_mean: float
     grad_norm_rel_error_max: float
     grad_norm_rel_error_mean: float
+    nonfinite_grad_steps: int = 0
+    """Timed steps with inf/NaN gradients (fp16 loss scaling skips those updates)."""
+
+
+def candidate_note(candidate: CandidateResult, steps: int, device: str) -> str | None:
+    """Why a candidate's errors are ``nan`` or skewed (``None``: nothing to explain)."""
+    skipped = candidate.nonfinite_grad_steps
+    if not skipped:
+        return None
+    parts = [f"{candidate.name}: {skipped} of {steps} timed steps had inf/NaN gradients"]
+    if candidate.name == "fp16":
+        parts.append(
+            ": fp16 loss scaling (a GradScaler, starting at a scale of 65536) skips those "
+            "updates and halves its scale until the gradients fit in float16"
+        )
+    if skipped >= steps:
+        parts.append("; no step is left to compare, so the gradient-norm error is nan")
+    else:
+        parts.append(
+            "; they are left out of the gradient-norm error, and the losses after them "
+            "drift from float32's"
+        )
+    parts.append(". Give it more warm-up (--warmup 20) or compare bf16 (no loss scaling)")
+    if str(device).startswith("cpu") and candidate.name == "fp16":
+        parts.append("; on a CPU, fp16 autocast is slower than float32 (it is meant for GPUs)")
+    return "".join(parts) + "."
 
 
 @dataclass
@@ -224,6 +250,7 @@ def benchmark(
                 loss_rel_error_mean=loss_mean,
                 grad_norm_rel_error_max=grad_max,
                 grad_norm_rel_error_mean=grad_mean,
+                nonfinite_grad_steps=sum(not math.isfinite(n) for n in trial[1]),
             )
         )
     return result

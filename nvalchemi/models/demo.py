@@ -31,8 +31,10 @@ __all__ = ["DemoModel", "DemoModelWrapper"]
 class DemoModel(nn.Module):
     """Species + coordinate embeddings, a joint MLP and a linear energy projection.
 
-    Parameters live under ``species_embedding``, ``coord_embedding``, ``joint_mlp``
-    and ``projection`` (fine-tuning tests freeze or patch them by these names).
+    Parameters live under ``embedding`` (the species table), ``coord_embedding``,
+    ``joint_mlp`` and ``projection`` (fine-tuning tests freeze or patch them by these
+    names). Weights saved before the species table was named ``embedding`` (under
+    ``species_embedding``) still load: their keys are renamed on load.
 
     Args:
         num_atom_types: size of the species table (atomic numbers ``< num_atom_types``).
@@ -43,7 +45,7 @@ class DemoModel(nn.Module):
         super().__init__()
         self.num_atom_types = num_atom_types
         self.hidden_dim = hidden_dim
-        self.species_embedding = nn.Embedding(num_atom_types, hidden_dim, padding_idx=0)
+        self.embedding = nn.Embedding(num_atom_types, hidden_dim, padding_idx=0)
         self.coord_embedding = nn.Sequential(
             nn.Linear(3, hidden_dim, bias=False), nn.LayerNorm(hidden_dim), nn.SiLU()
         )
@@ -54,10 +56,11 @@ class DemoModel(nn.Module):
             nn.Linear(hidden_dim, hidden_dim),
         )
         self.projection = nn.Linear(hidden_dim, 1)
+        self.register_load_state_dict_pre_hook(_rename_species_table)
 
     def node_features(self, atomic_numbers: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-atom features ``[V, H]``."""
-        species = self.species_embedding(atomic_numbers)
+        species = self.embedding(atomic_numbers)
         coords = self.coord_embedding(positions)
         return species + coords + self.joint_mlp(torch.cat([species, coords], dim=-1))
 
@@ -92,6 +95,16 @@ class DemoModel(nn.Module):
             compute_forces=compute_forces,
             training=self.training,
         )
+
+
+_OLD_TABLE = "species_embedding."
+
+
+def _rename_species_table(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """Load weights saved under the table's former name (``species_embedding``)."""
+    old = prefix + _OLD_TABLE
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + "embedding." + key[len(old) :]] = state_dict.pop(key)
 
 
 class DemoModelWrapper(nn.Module, BaseModelMixin):

@@ -8,7 +8,8 @@ imported only when a wrapper is built. Three ways in:
   JSON-friendly arguments (irreps as strings, block names as strings) and records
   them, so training checkpoints can rebuild the model;
 * :meth:`MACEWrapper.from_checkpoint` loads a pickled mace-torch model file (trusted
-  files only) and records its path.
+  files only), optionally converted to cuEquivariance and ``torch.compile``d, and
+  records its path and options.
 
 Outputs: ``energy [B, 1]``, ``forces [V, 3]``, ``stress [B, 3, 3]`` (positive =
 tensile), ``hessian``, ``atomic_energies [V]``; active by default: energy and forces.
@@ -26,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import math
 import os
 import warnings
@@ -36,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nvalchemi._optional import OptionalDependency
+from nvalchemi._optional import OptionalDependency, OptionalDependencyError
 from nvalchemi._serialization import requires_trust, spec_factory
 from nvalchemi.models._utils import graph_layout
 from nvalchemi.models.base import BaseModelMixin, ModelConfig, NeighborConfig
@@ -86,8 +89,12 @@ def _float(value: Any) -> float:
 class MACEWrapper(nn.Module, BaseModelMixin):
     """A mace-torch ``MACE`` model that trains and runs through the nvalchemi contract.
 
+    Building one lets ``torch.compile`` trace e3nn's ``Irrep`` (its ``len()`` is made
+    to return the tuple's length, 2, instead of raising), so a compiled MACE model runs.
+
     Args:
-        model: a ``mace.modules.MACE`` (e.g. ``ScaleShiftMACE``) instance.
+        model: a ``mace.modules.MACE`` (e.g. ``ScaleShiftMACE``) instance, also one
+            converted to cuEquivariance or ``torch.compile``d.
         reconstruction_spec: a spec that rebuilds this wrapper (returned by
             :meth:`checkpoint_spec`); the factories record one themselves.
     """
@@ -95,6 +102,7 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def __init__(self, model: nn.Module, *, reconstruction_spec: Any = None) -> None:
         super().__init__()
         _require_mace()
+        _allow_e3nn_irreps_in_compile()
         self.model = model
         self.reconstruction_spec = reconstruction_spec
         self._spec_record: tuple[str, dict[str, Any]] | None = None
@@ -532,41 +540,80 @@ class MACEWrapper(nn.Module, BaseModelMixin):
     def from_checkpoint(
         cls,
         checkpoint_path: str | Path,
-        *,
-        map_location: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
+        enable_cueq: bool = False,
         dtype: str | torch.dtype | None = None,
+        compile_model: bool = False,
         atomic_energies: Mapping[int | str, float] | None = None,
+        atomic_energies_path: str | Path | None = None,
+        *,
+        map_location: str | torch.device | None = None,
+        **compile_kwargs: Any,
     ) -> MACEWrapper:
         """Load a pickled mace-torch model file (e.g. ``*.model`` from ``mace_run_train``).
 
         .. warning:: MACE model files are Python pickles: loading one runs code from
-           the file. Only load files you trust. Marked
+           the file. Only load trusted files. Marked
            :func:`~nvalchemi._serialization.requires_trust`: a spec or checkpoint names it,
            or reaches it while being built, only when loaded with ``trust=True``.
 
+        The steps, in order: load; cast to ``dtype``; convert to cuEquivariance
+        (``enable_cueq``, through mace-torch's own converter); move to ``device``; set
+        reference energies; ``torch.compile`` (``compile_model``).
+
         Args:
             checkpoint_path: a local file (named foundation models are not downloaded).
-            map_location: device to load onto.
-            dtype: cast the model (``"float32"``/``"float64"``).
+            device: device to load onto (default: the CPU); ``map_location`` is the same
+                (give one of the two).
+            enable_cueq: convert the model to cuEquivariance kernels (CUDA only; needs
+                the ``cuequivariance`` and ``cuequivariance_torch`` packages).
+            dtype: cast the model (``"float32"``/``"float64"`` or a torch dtype).
+            compile_model: ``torch.compile`` the MACE model with ``compile_kwargs``
+                (e.g. ``mode="max-autotune"``, ``backend=...``). The model is then
+                **inference-only**: eval mode, parameters frozen.
             atomic_energies: overrides of the reference energies, keyed by atomic
-                number or chemical symbol.
+                number or chemical symbol; or ``atomic_energies_path``, a JSON file of
+                such a mapping (not both).
 
         Returns:
-            The wrapper in eval mode; :meth:`checkpoint_spec` reloads the same file.
+            The wrapper in eval mode; :meth:`checkpoint_spec` reloads the same file with
+            the same options (the device is not recorded).
+
+        Raises:
+            FileNotFoundError: no such file (or no such ``atomic_energies_path``).
+            ValueError: contradicting options (``device`` and ``map_location``, both
+                energy sources, compile keywords without ``compile_model``,
+                ``enable_cueq`` on a device that is not CUDA), or energies of elements
+                the model lacks.
+            OptionalDependencyError: ``enable_cueq`` without the cuEquivariance packages.
+
+        Example:
+            >>> model = MACEWrapper.from_checkpoint(  # doctest: +SKIP
+            ...     "small.model", device="cuda", dtype="float32", enable_cueq=True,
+            ...     compile_model=True, mode="max-autotune")
         """
         _require_mace()
+        target = _one_device(device, map_location)
+        if compile_kwargs and not compile_model:
+            raise ValueError(
+                f"{sorted(compile_kwargs)} are torch.compile keywords (or misspelt arguments "
+                "of from_checkpoint); they apply only with compile_model=True."
+            )
+        if enable_cueq:
+            _require_cueq(target)
         path = Path(checkpoint_path)
         if not path.is_file():
             raise FileNotFoundError(
                 f"MACE model file {path} does not exist (only local files are supported)."
             )
+        energies = _energy_overrides(atomic_energies, atomic_energies_path)
         warnings.warn(
             f"Loading {path} with pickle (torch.load(weights_only=False)): this executes code "
-            "from the file. Only load MACE models you trust.",
+            "from the file. Only load trusted MACE model files.",
             UserWarning,
             stacklevel=2,
         )
-        model = torch.load(path, map_location=map_location, weights_only=False)
+        model = torch.load(path, map_location=target, weights_only=False)
         if not isinstance(model, nn.Module) or not hasattr(model, "atomic_numbers"):
             raise TypeError(
                 f"{path} holds a {type(model).__name__}, not a mace-torch model; save the model "
@@ -574,8 +621,16 @@ class MACEWrapper(nn.Module, BaseModelMixin):
             )
         if dtype is not None:
             model = model.to(getattr(torch, str(dtype).removeprefix("torch.")))
-        if atomic_energies:
-            _override_e0(model, atomic_energies)
+        if enable_cueq:
+            model = _to_cueq(model, target)
+        model = model.to(target)
+        if energies:
+            _override_e0(model, energies)
+        if compile_model:
+            model.eval()
+            for parameter in model.parameters():
+                parameter.requires_grad_(False)  # inference-only, as torch.compile'd MACE is
+            model = torch.compile(model, **compile_kwargs)
         from ase.data import chemical_symbols
 
         wrapper = cls(model)
@@ -583,12 +638,18 @@ class MACEWrapper(nn.Module, BaseModelMixin):
             "from_checkpoint",
             {
                 "checkpoint_path": str(path.resolve()),
+                "enable_cueq": bool(enable_cueq),
                 "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+                "compile_model": bool(compile_model),
                 "atomic_energies": None
                 if not atomic_energies
                 else {
                     chemical_symbols[atomic_number(z)]: float(e) for z, e in atomic_energies.items()
                 },
+                "atomic_energies_path": None
+                if atomic_energies_path is None
+                else str(Path(atomic_energies_path).resolve()),
+                **compile_kwargs,
             },
         )
         return wrapper.eval()
@@ -660,6 +721,96 @@ class _MACEAtomicEnergies(nn.Module):
         if energies is None:
             raise RuntimeError("The MACE model returned no node_energy.")
         return energies.to(positions.dtype)
+
+
+def _one_device(device: Any, map_location: Any) -> torch.device:
+    """``device`` or its older name ``map_location`` (default: the CPU)."""
+    both = device is not None and map_location is not None
+    if both and torch.device(device) != torch.device(map_location):
+        raise ValueError(f"device={device!r} and map_location={map_location!r} disagree; give one.")
+    return torch.device(device if device is not None else map_location or "cpu")
+
+
+_CUEQ_PACKAGES = ("cuequivariance", "cuequivariance_torch")
+
+
+def _require_cueq(device: torch.device) -> None:
+    """Refuse ``enable_cueq`` off CUDA, or without the cuEquivariance packages."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"enable_cueq=True converts the model to cuEquivariance's CUDA kernels; the "
+            f"device is {device}. Load it on a CUDA device (device='cuda') or leave "
+            "enable_cueq off."
+        )
+    missing = [name for name in _CUEQ_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise OptionalDependencyError(
+            f"enable_cueq=True needs the package(s) {missing}, which are not installed. "
+            "Install them with: pip install cuequivariance-torch cuequivariance-ops-torch-cu12 "
+            "(cu13 for CUDA 13)."
+        )
+
+
+def _to_cueq(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` converted by mace-torch's own e3nn -> cuEquivariance converter."""
+    from mace.cli.convert_e3nn_cueq import run as convert
+
+    previous = torch.get_default_dtype()
+    try:  # the converter sets the default dtype to the model's and leaves it there
+        return convert(model, return_model=True, device=device.type)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+_MAX_ENERGIES_BYTES = 1 << 20
+
+
+def _energy_overrides(
+    atomic_energies: Mapping[int | str, float] | None, path: str | Path | None
+) -> Mapping[int | str, float] | None:
+    """The ``E0`` overrides given as a mapping or as a JSON file of one (not both)."""
+    if path is None:
+        if atomic_energies is not None and not isinstance(atomic_energies, Mapping):
+            raise TypeError(
+                "atomic_energies must map elements (symbols or atomic numbers) to E0 in eV; "
+                f"got a {type(atomic_energies).__name__}."
+            )
+        return atomic_energies
+    if atomic_energies is not None:
+        raise ValueError("give atomic_energies or atomic_energies_path, not both.")
+    file = Path(path)
+    if not file.is_file() or file.stat().st_size > _MAX_ENERGIES_BYTES:
+        raise FileNotFoundError(
+            f"atomic_energies_path {file} is not a JSON file of at most 1 MiB "
+            '(e.g. {"Cu": -3.71, "Au": -3.2}).'
+        )
+    try:
+        values = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"atomic_energies_path {file} is not valid JSON: {exc}") from None
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            f"atomic_energies_path {file} holds a JSON {type(values).__name__}; it must map "
+            'elements to E0 in eV (e.g. {"Cu": -3.71}).'
+        )
+    return {key: float(value) for key, value in values.items()}
+
+
+def _allow_e3nn_irreps_in_compile() -> None:
+    """Let ``torch.compile`` guard on e3nn's ``Irrep`` (idempotent).
+
+    ``Irrep`` is a ``(l, p)`` tuple whose ``len()`` raises ``NotImplementedError``;
+    dynamo takes the length of the tuples it guards on, so a compiled MACE fails on
+    its first call. The length of the tuple (2) is what it asks for.
+    """
+    from e3nn.o3 import Irrep  # a dependency of mace-torch
+
+    if Irrep.__len__ is not _irrep_length:
+        Irrep.__len__ = _irrep_length
+
+
+def _irrep_length(_irrep: Any) -> int:
+    return 2
 
 
 def _grown_state(old: nn.Module, new: nn.Module, heads: int, source: int) -> dict[str, Any]:

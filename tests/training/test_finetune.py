@@ -31,7 +31,7 @@ from nvalchemi.training.hooks import GradientClipHook
 from nvalchemi.training.hooks.finetune import ModulePatchHook, TrainableParameterHook
 
 H = 8
-BODY = ("species_embedding", "coord_embedding", "joint_mlp")
+BODY = ("embedding", "coord_embedding", "joint_mlp")
 
 
 def demo(seed: int = 0, dtype: torch.dtype = torch.float32) -> DemoModelWrapper:
@@ -182,7 +182,7 @@ def test_freeze_patterns_freeze_during_the_run_and_restore_afterwards():
     strategy.run(make_batches(2))
     assert seen == [False, False]
     assert {n.split(".")[1] for n in changed(model, before)} == {
-        "species_embedding",
+        "embedding",
         "coord_embedding",
         "projection",
     }
@@ -277,7 +277,7 @@ def test_patterns_still_match_after_ddp_wraps_the_model_at_setup():
                 models["main"] = nn.parallel.DistributedDataParallel(models["main"])
 
         hook = TrainableParameterHook(
-            freeze_patterns=("main.model.joint_mlp.*", "main.model.species_*")
+            freeze_patterns=("main.model.joint_mlp.*", "main.model.embedding.*")
         )
         strategy = make(model, hooks=[hook, StageHook(TrainingStage.SETUP, wrap)], num_steps=3)
         strategy.run(make_batches(3))

@@ -165,7 +165,7 @@ def bench(
     share of the step, and the loss / gradient-norm error of precision and compile candidates."""
     import torch
 
-    from nvalchemi.app.bench import STARVED_SHARE, benchmark
+    from nvalchemi.app.bench import STARVED_SHARE, benchmark, candidate_note
     from nvalchemi.app.devices import check_device, resolve_device
 
     torch.set_num_threads(threads)
@@ -225,5 +225,9 @@ def bench(
                 for c in result.candidates
             ],
         )
+    for candidate in result.candidates:
+        note = candidate_note(candidate, result.steps, result.device)
+        if note:
+            console.print(f"note: {note}")
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))

@@ -8,10 +8,12 @@ without ``--out``) that ``spec report`` explains and ``spec run`` trains.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from nvalchemi.app.cli._app import (
     MINUTES,
@@ -22,6 +24,7 @@ from nvalchemi.app.cli._app import (
     parse_checkpoint_index,
 )
 from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.jobs.finetune import finetune_loss, loss_terms
 from nvalchemi.app.jobs.recipe import QUICKSTART
 from nvalchemi.app.jobs.spec import TrainingJobSpec, dump_job
 
@@ -202,7 +205,7 @@ def _describe(job: TrainingJobSpec) -> str:
         and job.strategy.num_epochs is None
         else _fixed_length(job)
     )
-    stress = " with stress" if "stress" in (spec.get("active_outputs") or []) else ""
+    stress = " with stress" if "stress" in loss_terms(job.strategy.loss_fn_spec) else ""
     return f"{what}{stress}, {length}"
 
 
@@ -417,8 +420,15 @@ _finetune_options = option_group(
         show_default=True,
         help="Replay held out to measure forgetting.",
     ),
+    click.option(
+        "--stress/--no-stress",
+        default=None,
+        help="Train on stress: the stress loss and the model's stress output. Default: "
+        "when the training data has stress labels (a checkpoint's own loss terms and "
+        "weights are kept otherwise).",
+    ),
 )
-"""What a fine-tune keeps of its source: the job's ``finetune`` block."""
+"""What a fine-tune keeps of its source: the job's ``finetune`` block, and its loss."""
 
 
 _FINETUNE_OPTIONS = (
@@ -450,9 +460,17 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
         raise CLIError("--e0 fixed needs the values", fix="add --e0-value Cu=-3.71 per element")
     if values["scale_shift"] != "keep":
         block["scale_shift"] = values["scale_shift"]
+    if values["head"] and "." in values["head"]:
+        raise CLIError(
+            f"--head {values['head']!r}: head names have no dots (a dot separates a model key "
+            "from its head, as in 'main.ft')",
+            fix="name the new head without dots, e.g. --head ft",
+        )
     for key in ("head", "source_head"):
         if values[key]:
             block[key] = values[key]
+    if values["replay"] and not values["pseudo_label"]:
+        _check_replay_labels(values["replay"])
     if values["replay"]:
         replay: dict[str, Any] = {"paths": list(values["replay"])}
         if values["replay_ratio"] is not None:
@@ -470,36 +488,92 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
     return block or None
 
 
+def _check_replay_labels(paths: tuple[str, ...]) -> None:
+    """``--replay-labels`` trains on the replay's own labels: a file without any is refused."""
+    for path in paths:
+        counts = _data_labels((path,))
+        if counts is None:
+            continue  # not readable yet: spec run checks it
+        missing = [
+            label for label in ("energy", "forces") if counts["scanned"] and not counts[label]
+        ]
+        if missing:
+            raise CLIError(
+                f"--replay {path}: none of its first {counts['scanned']:,} structures has "
+                f"{' or '.join(missing)} labels, and --replay-labels trains on the replay's "
+                "own labels",
+                fix="drop --replay-labels (the source model labels the replay), or give "
+                "labelled replay files",
+            )
+
+
 def _e0_values(items: tuple[str, ...]) -> dict[str, float]:
+    from nvalchemi.models.statistics import atomic_number
+
     out = {}
     for item in items:
         element, sep, value = item.partition("=")
         try:
             if not sep:
                 raise ValueError
-            out[element.strip()] = float(value)
+            energy = float(value)
         except ValueError:
             raise CLIError(
                 f"--e0-value {item!r} is not ELEMENT=EV", fix="write e.g. --e0-value Cu=-3.71"
             ) from None
+        if not math.isfinite(energy):
+            raise CLIError(
+                f"--e0-value {item!r}: a reference energy must be a finite number of eV",
+                fix="write e.g. --e0-value Cu=-3.71",
+            )
+        try:
+            atomic_number(element.strip())
+        except ValueError:
+            raise CLIError(
+                f"--e0-value {item!r}: {element.strip()!r} is not a chemical symbol",
+                fix="write e.g. --e0-value Cu=-3.71",
+            ) from None
+        out[element.strip()] = energy
     return out
 
 
+def _finetune_loss(
+    model: str, source: dict[str, Any], stress: bool | None, options: dict[str, Any]
+) -> Any:
+    """The fine-tune's loss (the source's terms, stress as the data says); printed."""
+    given = click.get_current_context().get_parameter_source("dtype_policy")
+    policy = None if given in (None, ParameterSource.DEFAULT) else options["dtype_policy"]
+    counts = _data_labels(options["datasets"])
+    plan = finetune_loss(model, source, stress=stress, counts=counts, dtype_policy=policy)
+    for note in plan.notes:
+        click.echo(note, err=True)
+    return plan
+
+
 def _finetune_job(model: str, options: dict[str, Any], source: dict[str, Any]) -> TrainingJobSpec:
-    """A fine-tuning job: the common scaffold plus the ``finetune`` block and head lr."""
-    extra: dict[str, Any] = {"source": source}
+    """A fine-tuning job: the common scaffold plus the ``finetune`` block, head lr and loss."""
+    stress = options.pop("stress")
     if model == "mace" and not options["trainable_patterns"]:
         options["trainable_patterns"] = ("main.model.readouts.*",)  # the readouts train
     if model == "native-checkpoint":
         source["optimizer_lr"] = options["lr"]
     block = _finetune_block(options)
+    loss = _finetune_loss(model, source, stress, options)
+    if loss.active_outputs is not None:
+        source["active_outputs"] = loss.active_outputs
+    extra: dict[str, Any] = {"source": source, "stress": loss.stress}
     trunk = options.pop("_trunk_lr_scale")
     head = (block or {}).get("head")
     if trunk is not None:
         extra["trunk_lr"] = (trunk, head)
     if block is not None:
         extra["finetune"] = block
-    return _scaffold("finetune", model, options, **extra)
+    job = _scaffold("finetune", model, options, **extra)
+    if loss.loss_fn_spec is None:
+        return job
+    data = job.model_dump(mode="json", exclude_none=True, exclude_unset=True)
+    data["strategy"]["loss_fn_spec"] = loss.loss_fn_spec
+    return TrainingJobSpec.model_validate(data)
 
 
 def _source_kind(source: str) -> tuple[str, dict[str, Any]]:

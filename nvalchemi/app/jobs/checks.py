@@ -220,9 +220,10 @@ def _fine_tune(job: TrainingJobSpec) -> Iterator[JobWarning]:
         yield JobWarning(
             "warning",
             "MACE compile",
-            "compile_model=true is not supported by this build's MACEWrapper; it is ignored",
+            "compile_model=true: torch.compile makes a MACE model inference-only (its "
+            "parameters frozen), so a fine-tune trains the model uncompiled and ignores it",
             "source.compile_model",
-            "remove it",
+            "remove it (MACEWrapper.from_checkpoint(..., compile_model=True) is for inference)",
         )
     if not (freeze or trainable):
         yield JobWarning(
@@ -258,6 +259,7 @@ def _fine_tune(job: TrainingJobSpec) -> Iterator[JobWarning]:
             f"{source.checkpoint_path} (a state dict, loaded without pickle)",
             "source.checkpoint_path",
         )
+    yield from _dropped_outputs(job)
     if source.model == "mace":
         yield JobWarning(
             "warning",
@@ -265,6 +267,41 @@ def _fine_tune(job: TrainingJobSpec) -> Iterator[JobWarning]:
             "MACE model files are Python pickles: spec run needs --trust to load them",
             "source.checkpoint_path",
             "pass --trust",
+        )
+
+
+def _dropped_outputs(job: TrainingJobSpec) -> Iterator[JobWarning]:
+    """Outputs the source checkpoint was trained on that the fine-tune's loss leaves out."""
+    from nvalchemi.app.jobs.finetune import loss_terms, read_source_recipe
+
+    source = job.source
+    path = source.checkpoint_path
+    if source.model != "native-checkpoint" or source.use_original_loss or not path:
+        return
+    if "://" in path or not Path(path).is_dir():
+        return  # "Missing local path" says so
+    try:
+        recipe = read_source_recipe(path, source.checkpoint_index)
+    except (OSError, ValueError):
+        return  # spec run names what is wrong with the checkpoint
+    kept = loss_terms(job.strategy.loss_fn_spec)
+    for output, (term, weight) in loss_terms(recipe.loss_fn_spec).items():
+        if output in kept:
+            continue
+        how = f"weight {weight:g}" if isinstance(weight, (int, float)) else str(weight)
+        yield JobWarning(
+            "warning",
+            "Dropped output",
+            f"the source checkpoint was trained on {output} ({term}, {how}) but this "
+            f"fine-tune's loss has no {output} term: its {output} predictions are no longer "
+            "trained and may drift",
+            "strategy.loss_fn_spec",
+            f"add a {term} term back to the loss"
+            + (
+                " (finetune init checkpoint --stress writes it; the data needs stress labels)"
+                if output == "stress"
+                else ""
+            ),
         )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -562,20 +563,95 @@ class TrainingJobSpec(_Block):
         return self
 
     @classmethod
-    def template(cls, workflow: str = "train", model: str = "custom") -> dict[str, Any]:
-        """A complete, valid job as a dict (placeholder paths): what ``train init`` writes, or
-        for ``workflow="finetune"`` what ``finetune init`` writes for that source ``model``.
+    def template(
+        cls,
+        workflow: str = "train",
+        model: str = "custom",
+        *,
+        dataset: str | Sequence[str] | None = None,
+        output_dir: str | None = None,
+        source_path: str | None = None,
+        model_id: str | None = None,
+        lr: float = 1e-5,
+        num_steps: int | None = 1000,
+        num_epochs: int | None = None,
+        device: str = "auto",
+        trainable_patterns: Sequence[str] = (),
+        compile_model: bool | None = None,
+        hooks: Sequence[Mapping[str, Any]] = (),
+    ) -> Any:
+        """A complete, valid job.
+
+        Called bare (no ``dataset``/``output_dir``): a dict with placeholder paths, what
+        ``train init`` writes, or for ``workflow="finetune"`` what ``finetune init`` writes
+        for that source ``model`` (``schema template`` prints it).
+
+        With ``dataset`` and ``output_dir`` (the reference's keywords): a
+        :class:`TrainingJobSpec` for that data, from ``source_path`` (a checkpoint
+        directory or model file) or ``model_id``, with AdamW at ``lr``, ``num_steps``
+        (or ``num_epochs``), ``trainable_patterns``, ``source.compile_model`` and extra
+        ``source.hooks`` (spec dicts) besides the checkpoint hook; a ``train`` job
+        leaves ``strategy.model_specs`` for you to fill. ``device`` ``"auto"``: cuda when
+        available.
 
         Example:
             >>> job = TrainingJobSpec.template()
             >>> job["workflow"], job["minutes"], sorted(job["strategy"]["model_specs"])
             ('train', 10.0, ['main'])
+            >>> spec = TrainingJobSpec.template(workflow="finetune", model="native-checkpoint",
+            ...     dataset="data/new.extxyz", output_dir="runs/ft", source_path="runs/pre/ckpt")
+            >>> spec.name, spec.source.checkpoint_path, spec.strategy.num_steps
+            ('native-checkpoint-fine-tune', 'runs/pre/ckpt', 1000)
         """
-        from nvalchemi.app.jobs.scaffold import template_job
+        if dataset is None and output_dir is None:
+            given = {
+                "source_path": source_path,
+                "model_id": model_id,
+                "num_epochs": num_epochs,
+                "compile_model": compile_model,
+                "trainable_patterns": tuple(trainable_patterns) or None,
+                "hooks": tuple(hooks) or None,
+            }
+            extra = sorted(k for k, v in given.items() if v is not None)
+            if extra:
+                raise TypeError(
+                    f"TrainingJobSpec.template() got {extra} without dataset= and output_dir=; "
+                    "give both for a job of your data, or call it bare for the placeholder job."
+                )
+            from nvalchemi.app.jobs.scaffold import template_job
 
-        return cls.model_validate(template_job(workflow, model)).model_dump(
-            mode="json", exclude_none=True
+            return cls.model_validate(template_job(workflow, model)).model_dump(
+                mode="json", exclude_none=True
+            )
+        if dataset is None or output_dir is None:
+            raise TypeError("TrainingJobSpec.template() needs both dataset= and output_dir=.")
+        from nvalchemi.app.devices import resolve_device
+        from nvalchemi.app.jobs.scaffold import scaffold_job
+
+        source = {
+            key: value
+            for key, value in (
+                ("checkpoint_path", source_path),
+                ("model_id", model_id),
+                ("compile_model", compile_model),
+            )
+            if value is not None
+        }
+        data = scaffold_job(
+            workflow,
+            model,
+            datasets=[dataset] if isinstance(dataset, str) else list(dataset),
+            output_dir=str(output_dir),
+            source=source,
+            name=f"{model}-fine-tune" if workflow == "finetune" else "train-from-scratch",
+            lr=lr,
+            num_steps=None if num_epochs is not None else num_steps,
+            num_epochs=num_epochs,
+            device=resolve_device(device),
+            trainable_patterns=tuple(trainable_patterns),
         )
+        data["source"]["hooks"] += [dict(hook) for hook in hooks]
+        return cls.model_validate(data)
 
     @property
     def patterns(self) -> tuple[list[str], list[str]]:
