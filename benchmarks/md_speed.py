@@ -18,6 +18,9 @@ whole batch per second) and ``atom_steps_per_s`` (atoms x systems x steps per se
 the fastest of ``--repeats`` runs of up to ``--steps`` steps after 2 warm-up steps (fewer
 steps when a step is slow: about ``--seconds`` per run, at least 2, one run only when
 that is much longer; the fastest run is the one least disturbed by other processes).
+On the CPU a run is timed by the process's CPU time (``time.process_time``: with one
+torch thread it is what the steps cost, whatever else the machine runs); on a GPU by the
+wall clock after a synchronisation.
 The package's neighbour lists are rebuilt every step (part of the cost); LAMMPS's own
 (``lammps-nl``) when atoms moved more than half its skin. A part that is missing (the export module,
 torch-sim's adapter, the ``lammps`` package, mace) is skipped with a line saying so.
@@ -39,8 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ase.calculators.calculator import Calculator, all_changes
-from ase.stress import full_3x3_to_voigt_6_stress
 
 ENGINES = (
     "ase-calculator",
@@ -118,8 +119,8 @@ def build_model(name: str, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
-def exported(model, dtype: torch.dtype, folder: Path):
-    """The model written by the export and loaded back with ``torch.jit.load`` only."""
+def export_path(model, dtype: torch.dtype, folder: Path) -> Path:
+    """The file the export writes for ``model`` in ``dtype`` (written once per run)."""
     try:
         export = importlib.import_module("nvalchemi.models.export")
         export_model = export.export_model
@@ -128,26 +129,27 @@ def exported(model, dtype: torch.dtype, folder: Path):
     path = folder / f"{type(model).__name__}-{dtype}.pt"
     if not path.exists():
         export_model(model, path, dtype=dtype)
-    return torch.jit.load(str(path))
+    return path
 
 
 def timed(step, args, sync) -> tuple[int, float]:
     """Warm up with ``step(k)`` (k steps), then time ``--repeats`` runs of n steps, n about
     ``--seconds`` worth (2 to ``--steps``; one run when even 2 steps take longer): (n,
-    seconds of the fastest run)."""
+    seconds of the fastest run; CPU seconds of this process on the CPU)."""
+    clock = time.perf_counter if args.device.startswith("cuda") else time.process_time
     step(WARMUP_STEPS)
     sync()
-    start = time.perf_counter()
+    start = clock()
     step(1)
     sync()
-    one = time.perf_counter() - start
+    one = clock() - start
     n = max(2, min(args.steps, int(args.seconds / max(one, 1e-9))))
     best = float("inf")
     for _ in range(args.repeats if one * n < 2 * args.seconds else 1):
-        start = time.perf_counter()
+        start = clock()
         step(n)
         sync()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return n, best
 
 
@@ -159,35 +161,6 @@ def ase_engine(calc, atoms, args, sync):
     atoms.calc = calc
     dyn = VelocityVerlet(atoms, timestep=TIMESTEP_FS * units.fs)
     return timed(dyn.run, args, sync)
-
-
-class ExportCalculator(Calculator):
-    """ASE calculator around a contract-following potential (neighbours: ``neighbor_inputs``)."""
-
-    implemented_properties = ["energy", "forces", "stress"]
-
-    def __init__(self, potential, device: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.potential, self.device, self.dtype = potential, device, dtype
-
-    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
-        from nvalchemi.models.export import neighbor_inputs
-
-        super().calculate(atoms, properties, system_changes)
-        inputs = {
-            "positions": torch.tensor(self.atoms.positions, dtype=self.dtype, device=self.device),
-            "atomic_numbers": torch.tensor(self.atoms.numbers, device=self.device),
-            "cell": torch.tensor(self.atoms.cell.array, dtype=self.dtype, device=self.device),
-            "pbc": torch.tensor(self.atoms.pbc, device=self.device),
-        }
-        inputs.update(neighbor_inputs(**inputs, cutoff=self.potential.cutoff))
-        out = self.potential(inputs)
-        stress = out["stress"].detach().double().cpu().numpy()
-        self.results = {
-            "energy": float(out["energy"]),
-            "forces": out["forces"].detach().double().cpu().numpy(),
-            "stress": full_3x3_to_voigt_6_stress(stress),
-        }
 
 
 def lammps_engine(potential, atoms, neighbors: str, args, sync):
@@ -263,10 +236,10 @@ def run_case(engine: str, model_name: str, n_atoms: int, dtype: torch.dtype, arg
     if engine == "ase-calculator":
         n, seconds = ase_engine(NvalchemiCalculator(model), atoms, args, sync)
     elif engine == "ase-export":
-        potential = exported(model, dtype, folder)
-        n, seconds = ase_engine(ExportCalculator(potential, args.device, dtype), atoms, args, sync)
+        calc = NvalchemiCalculator.from_export(export_path(model, dtype, folder), device=args.device)
+        n, seconds = ase_engine(calc, atoms, args, sync)
     elif engine in ("lammps", "lammps-nl"):
-        potential = exported(model, dtype, folder)
+        potential = torch.jit.load(str(export_path(model, dtype, folder)))
         neighbors = "own" if engine == "lammps" else "lammps"
         n, seconds = lammps_engine(potential, atoms, neighbors, args, sync)
     else:
