@@ -7,8 +7,6 @@ message and exit status 1 (``--debug``: the traceback); warnings print as ``warn
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import sys
 import traceback
 import warnings
@@ -26,15 +24,7 @@ from nvalchemi.app.cli._errors import (
     user_message,
 )
 
-__all__ = [
-    "MINUTES",
-    "batch_size_value",
-    "debug_option",
-    "main",
-    "option_group",
-    "parse_checkpoint_index",
-    "threads_value",
-]
+__all__ = ["debug_option", "main"]
 
 _EPILOG = """\b
 Examples:
@@ -66,76 +56,6 @@ def debug_option(fn: Any) -> Any:
         callback=_set_debug,
         help="Show full tracebacks instead of one-line error messages.",
     )(fn)
-
-
-def option_group(*options: Any) -> Any:
-    """One decorator applying ``options`` in the order they are listed (as in ``--help``)."""
-
-    def decorate(fn: Any) -> Any:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return decorate
-
-
-def batch_size_value(ctx: Any, param: Any, value: str | None) -> int | str | None:
-    """A ``--batch-size`` value: an int >= 1 or ``"auto"`` (click callback)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise click.BadParameter(f"{value!r} is neither an int >= 1 nor 'auto'")
-    return number
-
-
-class _Minutes(click.ParamType):
-    """A time budget in minutes: a finite number > 0 (``inf`` and ``nan`` are refused)."""
-
-    name = "minutes"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of minutes", param, ctx)
-        if not math.isfinite(number) or number <= 0:
-            self.fail(f"{value!r} is not a finite number of minutes > 0, e.g. 10", param, ctx)
-        return number
-
-
-MINUTES = _Minutes()
-"""The type of every ``--minutes`` option."""
-
-
-def threads_value(ctx: Any, param: Any, value: int | None) -> int | None:
-    """A ``--threads`` value capped at the CPU cores this process may use, with a warning
-    (far more threads than cores only slows a run down, and thousands crash OpenMP)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if value is None or cores is None or value <= cores:
-        return value
-    warnings.warn(
-        f"--threads {value} is more than the {cores} CPU core(s) this process may use; "
-        f"using {cores}",
-        UserWarning,
-        stacklevel=2,
-    )
-    return cores
-
-
-def parse_checkpoint_index(text: str) -> int | str:
-    """A ``--checkpoint-index`` value: ``"latest"``, ``"best"`` or an int."""
-    if text in ("latest", "best"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise CLIError(
-            f"--checkpoint-index must be an int, 'latest' or 'best'; got {text!r}"
-        ) from None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -7,8 +7,14 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import debug_option, main, threads_value
+from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
+from nvalchemi.app.cli._options import (
+    json_option,
+    max_structures_option,
+    threads_option,
+    trust_options,
+)
 
 __all__ = ["bench"]
 
@@ -53,7 +59,9 @@ def _named_model(
     return make, loader
 
 
-def _job(path: str, device: str | None, trust: bool) -> tuple[Any, Any]:
+def _job(
+    path: str, device: str | None, trust: bool, allow_imports: tuple[str, ...]
+) -> tuple[Any, Any]:
     """``(make_strategy, loader)`` for a job file (its checkpoint hooks left out)."""
     from nvalchemi.app.jobs.build import build_strategy
     from nvalchemi.app.jobs.resolve import build_hooks, load_job
@@ -61,7 +69,7 @@ def _job(path: str, device: str | None, trust: bool) -> tuple[Any, Any]:
     from nvalchemi.data.sources import make_dataset, make_loader, neighbor_config_of
     from nvalchemi.training.hooks.checkpoint import CheckpointHook
 
-    job, _ = load_job(path, trust=trust)
+    job, _ = load_job(path, trust=trust, allow_imports=allow_imports)
     sources = job.dataset.open_sources()
 
     def make(hooks: list[Any]) -> Any:
@@ -105,13 +113,7 @@ Examples:
     multiple=True,
     help="Data for --model (default: the bundled EMT training split).",
 )
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Structures read for --model.",
-)
+@max_structures_option("Structures read for --model [512].")
 @click.option(
     "--batch-size",
     type=click.IntRange(min=1),
@@ -135,22 +137,15 @@ Examples:
     is_flag=True,
     help="A compiled candidate: TrainingStrategy(compile=True); its warm-up compiles.",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    callback=threads_value,
-    default=1,
-    show_default=True,
-    help="torch CPU threads.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-@click.option("--trust", is_flag=True, help="Trust the job file (dotted paths, pickles).")
+@threads_option()
+@json_option()
+@trust_options
 @debug_option
 def bench(
     job: str | None,
     model: str,
     datasets: tuple[str, ...],
-    max_structures: int,
+    max_structures: int | None,
     batch_size: int,
     steps: int,
     warmup: int,
@@ -160,6 +155,7 @@ def bench(
     threads: int,
     as_json: bool,
     trust: bool,
+    allow_imports: tuple[str, ...],
 ) -> None:
     """Measure training on this machine: structures/s, steps/s, peak memory, the loader's
     share of the step, and the loss / gradient-norm error of precision and compile candidates."""
@@ -172,11 +168,11 @@ def bench(
     if device is not None:
         check_device(device, field="--device", fix="use --device cpu (or a GPU present here)")
     if job is not None:
-        make, loader = _job(job, device, trust)
+        make, loader = _job(job, device, trust, allow_imports)
         name = job
     else:
         make, loader = _named_model(
-            model, datasets, batch_size, resolve_device(device or "auto"), max_structures
+            model, datasets, batch_size, resolve_device(device or "auto"), max_structures or 512
         )
         name = f"{model} (batch {batch_size})"
     candidates = [*precisions, *(["compile"] if compile_ else [])]

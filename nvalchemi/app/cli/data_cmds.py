@@ -14,6 +14,7 @@ import click
 from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
 from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.cli._options import json_option, max_structures_option
 
 __all__ = ["data"]
 
@@ -143,11 +144,7 @@ Examples:
     "virials are always stored in float64.",
 )
 @_label_key_option("Where a label lives in the input, e.g. energy=REF_energy (repeatable).")
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Convert only the first N structures of each input.",
-)
+@max_structures_option("Convert only the first N structures of each input.")
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it is a zarr store.")
 @debug_option
 def convert(inputs: tuple[str, ...], output: str, **options: Any) -> None:
@@ -228,7 +225,7 @@ Examples:
 )
 @click.argument("paths", nargs=-1, required=True)
 @_label_key_option("Where a label lives in an extxyz/db input, e.g. energy=REF_energy.")
-@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON on stdout.")
+@json_option("the reports")
 @debug_option
 def check(paths: tuple[str, ...], label_keys: dict[str, str], as_json: bool) -> None:
     """Verify data end to end (run it after copying a store).
@@ -290,13 +287,9 @@ Examples:
 """,
 )
 @click.argument("paths", nargs=-1, required=True)
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Read only the first N structures of each file.",
-)
+@max_structures_option()
 @_label_key_option("Where a label lives in an extxyz/db input, e.g. energy=REF_energy.")
-@click.option("--json", "as_json", is_flag=True, help="Print the statistics as JSON on stdout.")
+@json_option("the statistics")
 @debug_option
 def stats(
     paths: tuple[str, ...], max_structures: int | None, label_keys: dict[str, str], as_json: bool

@@ -12,8 +12,15 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import debug_option, main, parse_checkpoint_index
+from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
+from nvalchemi.app.cli._options import (
+    checkpoint_options,
+    json_option,
+    max_structures_option,
+    threads_option,
+    trust_options,
+)
 
 __all__ = ["evaluate", "md_settings_from_options", "print_evaluation", "print_md_check"]
 
@@ -242,15 +249,7 @@ Examples:
     required=True,
     help="Data to evaluate on (extxyz / ASE db / zarr; repeatable).",
 )
-@click.option(
-    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
-)
-@click.option(
-    "--ema/--no-ema",
-    default=True,
-    show_default=True,
-    help="Use the EMA weights when the checkpoint has them.",
-)
+@checkpoint_options
 @click.option(
     "--group-by",
     metavar="KEY",
@@ -259,29 +258,15 @@ Examples:
 )
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="torch CPU threads. Small models gain little from more, and extra threads slow "
-    "MD steps down a lot when other processes share the CPU.",
-)
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Evaluate only the first N structures of each file.",
-)
+@threads_option()
+@max_structures_option("Evaluate only the first N structures of each file.")
 @click.option(
     "--out-dir",
     type=click.Path(file_okay=False),
     help="Where parity PNGs go (default: <checkpoint_dir>/../evaluation).",
 )
 @click.option("--plots/--no-plots", default=True, show_default=True)
-@click.option("--head", help="Readout head of a multi-head model (default: its default head).")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the report as JSON on stdout (eV units)."
-)
+@json_option("the report (eV units)")
 @click.option(
     "--md",
     "run_md",
@@ -303,20 +288,15 @@ Examples:
     type=click.Choice(["auto", "torch-sim", "ase"]),
     help="auto: torch-sim (batched) when installed, else ASE [auto].",
 )
-@click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
-@click.option(
-    "--allow-import",
-    "allow_imports",
-    multiple=True,
-    metavar="PKG",
-    help="Let the checkpoint name classes of this module of yours (repeatable).",
-)
+@trust_options
 @debug_option
 def evaluate(
     checkpoint_dir: str,
     datasets: tuple[str, ...],
-    checkpoint_index: str,
+    checkpoint_index: int | str,
     ema: bool,
+    head: str | None,
+    model_key: str,
     group_by: str | None,
     batch_size: int,
     device: str,
@@ -324,7 +304,6 @@ def evaluate(
     max_structures: int | None,
     out_dir: str | None,
     plots: bool,
-    head: str | None,
     as_json: bool,
     run_md: bool,
     md_temperatures: str | None,
@@ -359,9 +338,10 @@ def evaluate(
     model = load_model_from_checkpoint(
         root,
         map_location=device,
+        model_key=model_key,
         use_ema=ema,
         trust=trust,
-        checkpoint_index=parse_checkpoint_index(checkpoint_index),
+        checkpoint_index=checkpoint_index,
     )
     names = getattr(model, "head_names", None)
     if head is not None and (names is None or head not in names):

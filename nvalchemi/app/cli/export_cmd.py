@@ -6,9 +6,10 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import debug_option, main, parse_checkpoint_index
+from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, format_number
 from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.cli._options import checkpoint_options, trust_options
 
 __all__ = ["export"]
 
@@ -26,12 +27,6 @@ Examples:
 )
 @click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option(
-    "--ema/--live",
-    default=True,
-    show_default=True,
-    help="The EMA (averaged) weights when the checkpoint has them, or the trained weights.",
-)
 @click.option(
     "--dtype",
     type=click.Choice(["float64", "float32"]),
@@ -51,19 +46,8 @@ Examples:
     type=click.Path(dir_okay=True),
     help="Structures to check the export on (default: a few of the run's data).",
 )
-@click.option(
-    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
-)
-@click.option("--head", help="Readout head of a multi-head model (default: its default head).")
-@click.option("--model-key", default="main", show_default=True, help="Which saved model.")
-@click.option("--trust", is_flag=True, help="Allow specs outside the import allow-list.")
-@click.option(
-    "--allow-import",
-    "allow_imports",
-    multiple=True,
-    metavar="PKG",
-    help="Let the checkpoint name classes of this module of yours (repeatable).",
-)
+@checkpoint_options
+@trust_options
 @debug_option
 def export(
     checkpoint: str,
@@ -72,7 +56,7 @@ def export(
     dtype: str | None,
     export_format: str,
     check_file: str | None,
-    checkpoint_index: str,
+    checkpoint_index: int | str,
     head: str | None,
     model_key: str,
     trust: bool,
@@ -102,7 +86,7 @@ def export(
             dtype=dtype,
             format=export_format,
             check_file=check_file,
-            checkpoint_index=parse_checkpoint_index(checkpoint_index),
+            checkpoint_index=checkpoint_index,
             model_key=model_key,
             head=head,
             trust=trust,

@@ -15,15 +15,14 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from nvalchemi.app.cli._app import (
+from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._errors import CLIError
+from nvalchemi.app.cli._options import (
     MINUTES,
     batch_size_value,
-    debug_option,
-    main,
     option_group,
     parse_checkpoint_index,
 )
-from nvalchemi.app.cli._errors import CLIError
 from nvalchemi.app.jobs.finetune import finetune_loss, loss_terms
 from nvalchemi.app.jobs.recipe import QUICKSTART
 from nvalchemi.app.jobs.spec import TrainingJobSpec, dump_job

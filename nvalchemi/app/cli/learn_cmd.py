@@ -9,6 +9,7 @@ import click
 
 from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console, print_table
+from nvalchemi.app.cli._options import json_option
 
 __all__ = ["learn", "print_learning"]
 
@@ -71,7 +72,7 @@ Examples:
     type=click.IntRange(min=1),
     help="Run up to this many iterations (default: the job's); a later call continues.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the reports as JSON on stdout.")
+@json_option("the reports")
 @debug_option
 def learn(job_file: str, iterations: int | None, as_json: bool) -> None:
     """Active learning: explore with the committee (MD), select the structures it is unsure

@@ -18,8 +18,9 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import MINUTES, debug_option, main, threads_value
+from nvalchemi.app.cli._app import debug_option, main
 from nvalchemi.app.cli._console import err_console
+from nvalchemi.app.cli._options import MINUTES, threads_option
 
 __all__ = ["calculator_snippet", "next_steps", "quickstart"]
 
@@ -108,15 +109,7 @@ Examples:
     type=click.Choice(["tensorboard", "wandb", "mlflow"]),
     help="Log to this experiment tracker (repeatable; default: TensorBoard when installed).",
 )
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    callback=threads_value,
-    default=1,
-    show_default=True,
-    help="torch CPU threads. This small model gains little from more, and extra "
-    "threads slow it down a lot when other processes share the CPU.",
-)
+@threads_option("This small model gains little from more.")
 @debug_option
 def quickstart(threads: int, **options: Any) -> None:
     """Train PaiNN on the bundled EMT data set, evaluate it, and use it from ASE."""

@@ -6,34 +6,20 @@ from typing import Any
 
 import click
 
-from nvalchemi.app.cli._app import (
+from nvalchemi.app.cli._app import debug_option, main
+from nvalchemi.app.cli._console import err_console, print_table
+from nvalchemi.app.cli._options import (
     MINUTES,
     batch_size_value,
-    debug_option,
-    main,
+    checkpoint_index_option,
+    json_option,
+    max_structures_option,
     option_group,
-    parse_checkpoint_index,
-    threads_value,
+    threads_option,
+    trust_options,
 )
-from nvalchemi.app.cli._console import err_console, print_table
 
 __all__ = ["spec"]
-
-DEFAULT_THREADS = 1
-"""torch and neighbour-list threads of ``spec run`` on the CPU, as for ``quickstart``."""
-
-_TRUST_HELP = (
-    "Trust the job file: let its `imports:` name any module, resolve dotted paths outside "
-    "the import allow-list and load pickled model files. Only for files you wrote or trust."
-)
-_ALLOW_HELP = (
-    "Let the job and its checkpoints name classes and functions of this module or package "
-    "(repeatable; any package, since you name it; a job file's `imports:` names only modules "
-    "of yours beside it), e.g. --allow-import common."
-)
-allow_import_option = click.option(
-    "--allow-import", "allow_imports", multiple=True, metavar="PKG", help=_ALLOW_HELP
-)
 
 
 @main.group()
@@ -96,16 +82,7 @@ _run_options = option_group(
         help="Time budget (override the job's minutes): the run's length and "
         "schedule are fitted to it; with a fixed num_steps/num_epochs it caps.",
     ),
-    click.option(
-        "--threads",
-        type=click.IntRange(min=1),
-        callback=threads_value,
-        default=DEFAULT_THREADS,
-        show_default=True,
-        help="torch CPU threads and neighbour-list threads. Small models gain "
-        "little from more, and extra threads slow a run down a lot when other "
-        "processes share the CPU; raise it on a dedicated machine.",
-    ),
+    threads_option("Also the neighbour lists' threads."),
     click.option(
         "--group-by",
         metavar="KEY",
@@ -121,8 +98,7 @@ _run_options = option_group(
         "wandb and mlflow need the trackers extra and read their usual environment "
         "(WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...).",
     ),
-    click.option("--trust", is_flag=True, help=_TRUST_HELP),
-    allow_import_option,
+    trust_options,
     debug_option,
 )
 
@@ -204,11 +180,8 @@ Examples:
 """,
 )
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option(
-    "--json", "as_json", is_flag=True, help="Also print the normalized job as JSON on stdout."
-)
-@click.option("--trust", is_flag=True, help=_TRUST_HELP)
-@allow_import_option
+@json_option("the normalized job too")
+@trust_options
 @debug_option
 def spec_report(path: str, as_json: bool, trust: bool, allow_imports: tuple[str, ...]) -> None:
     """Render a job as tables and warnings (loads no model weights; reads atom counts only
@@ -238,11 +211,7 @@ Examples:
     type=click.IntRange(min=1),
     help="Train this many steps instead of the job's duration (e.g. a smoke test).",
 )
-@click.option(
-    "--max-structures",
-    type=click.IntRange(min=1),
-    help="Use only the first N structures of each data file.",
-)
+@max_structures_option("Use only the first N structures of each data file.")
 @click.option(
     "--report/--no-report",
     default=True,
@@ -300,9 +269,7 @@ Examples:
     type=click.Path(dir_okay=False),
     help="The job spec the run was started with.",
 )
-@click.option(
-    "--checkpoint-index", default="latest", show_default=True, help="An index, 'latest' or 'best'."
-)
+@checkpoint_index_option
 @_run_options
 @click.option(
     "--num-steps",
@@ -319,7 +286,7 @@ Examples:
 def spec_resume(
     checkpoint_dir: str,
     spec_path: str,
-    checkpoint_index: str,
+    checkpoint_index: int | str,
     **kwargs: Any,
 ) -> None:
     """Continue a run exactly from one of its checkpoints (extend it with --num-steps,
@@ -332,14 +299,13 @@ def spec_resume(
 
 
 def _spec_resume(
-    checkpoint_dir: str, spec_path: str, checkpoint_index: str, signals: Any, **kwargs: Any
+    checkpoint_dir: str, spec_path: str, index: int | str, signals: Any, **kwargs: Any
 ) -> None:
     from nvalchemi.app.cli._errors import CLIError
     from nvalchemi.app.jobs.checks import check_horizons
     from nvalchemi.app.jobs.resolve import load_job
     from nvalchemi.app.jobs.run import distributed_enabled, launch_env, run_job, saved_progress
 
-    index = parse_checkpoint_index(checkpoint_index)
     options = _options(kwargs)
     num_steps = options.num_steps
     job, resolved = load_job(
