@@ -13,6 +13,7 @@ dotted path a file names is checked).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -342,7 +343,7 @@ def _load_components(files, map_location, model_names, validators, trust) -> Che
     if unknown:
         raise KeyError(f"Unknown model(s) {unknown}. Available: {sorted(entry.models)}")
     associations = files.manifest.associations
-    if files.associations().is_file():
+    if os.path.lexists(files.associations()):
         associations = read_json(files.associations(), "associations.json")
     models = {}
     for name in names:

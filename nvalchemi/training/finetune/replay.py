@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from nvalchemi._fileio import replace_dir
+from nvalchemi.checkpoint_files import read_json
 
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
@@ -179,7 +180,7 @@ def _atomic_data_list(structures: Iterable[Any]) -> list[Any]:
 def _recorded_inputs(cache: Path) -> dict[str, Any] | None:
     """The inputs recorded in the store at ``cache`` (``None``: no record)."""
     try:
-        recorded = json.loads((cache / _INPUTS_FILE).read_text())
+        recorded = read_json(cache / _INPUTS_FILE, "replay label record")
     except (OSError, ValueError):
         return None
     return recorded if isinstance(recorded, dict) else None
