@@ -644,7 +644,7 @@ def test_the_mace_adapter_warns_that_the_file_must_be_trusted(tmp_path):
     pytest.importorskip("mace")
     bogus = tmp_path / "model.model"
     bogus.write_bytes(b"not a pickle")
-    trusted = pytest.warns(UserWarning, match="pickle loader.*load only MACE model files you trust")
+    trusted = pytest.warns(UserWarning, match="pickle loader.*load only trusted MACE model files")
     with trusted, pytest.raises(Exception):  # whatever mace's loader raises on junk
         load_checkpoint(bogus, adapter="mace")
 

@@ -482,14 +482,19 @@ def _load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_locati
         raise FileNotFoundError(f"MACE model file {file} does not exist.")
     warnings.warn(
         f"load_checkpoint(adapter='mace') reads {file} with mace-torch's pickle loader, which "
-        "runs code stored in the file: load only MACE model files you trust.",
+        "runs code stored in the file: load only trusted MACE model files.",
         UserWarning,
         stacklevel=3,
     )
     from nvalchemi.models.mace import MACEWrapper  # optional
 
     model = MACEWrapper.from_checkpoint(
-        file, map_location=map_location or "cpu", dtype=options["dtype"]
+        file,
+        device=map_location or "cpu",
+        dtype=options["dtype"],
+        enable_cueq=options["enable_cueq"],
+        compile_model=options["compile_model"],
+        **options["compile_kwargs"],
     )
     return {
         "strategy": None,
