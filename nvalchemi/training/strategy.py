@@ -429,15 +429,14 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     def iter_checkpointable_hooks(self) -> Iterator[tuple[str, Any]]:
         """``(key, hook)`` for hooks with ``state_dict``/``load_state_dict``.
 
-        Keys are class names (``#1``, ``#2`` ... for repeats); the update orchestrator
-        appears once (key ``"TrainingUpdateOrchestrator"``) carrying its children's state.
+        Keys are class names (``#1``, ``#2`` ... for repeats). A hook holding others (the
+        update orchestrator, the reporting orchestrator) appears once carrying its
+        children's state, and not at all when none of its children has state.
         """
         counts: dict[str, int] = {}
         for hook in self.hooks:
-            if isinstance(hook, TrainingUpdateOrchestrator):
-                if not hook.checkpointable_children():
-                    continue
-            elif not protocol.is_checkpointable(hook):
+            children = protocol.member(hook, "checkpointable_children")
+            if not protocol.is_checkpointable(hook) or (children is not None and not children()):
                 continue
             name = type(hook).__name__
             n = counts.get(name, 0)

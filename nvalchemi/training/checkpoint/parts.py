@@ -421,7 +421,7 @@ def _restore_hooks(r: _Restore) -> None:
             dropped += _load_hook(live[key], state)
         elif key in children:
             children[key].load_state_dict(state)
-        else:
+        elif not (isinstance(state, Mapping) and not state):  # an empty state loses nothing
             dropped.append(key)
     if dropped:
         warnings.warn(
