@@ -25,9 +25,11 @@ Version 1 (the reference layout) kept one file per index inside each component d
 :meth:`CheckpointManifest.read` upgrades old manifests in memory through the ordered list
 :data:`UPGRADES`; the next save writes version 2.
 
-Reads are safe: tensors with ``torch.load(weights_only=True)`` only, every dotted path of a
-``spec.json`` through the trust rule of :mod:`nvalchemi.spec`, every path a manifest names
-checked to stay inside the root.
+Reads are safe: every file through :func:`open_checkpoint_file` (regular files within a
+size bound only: a FIFO or ``/dev/zero`` named ``spec.json`` is refused, not read),
+tensors with ``torch.load(weights_only=True)`` only, every dotted path of a ``spec.json``
+through the trust rule of :mod:`nvalchemi.spec`, every path a manifest names checked to
+stay inside the root.
 
 Example:
     >>> model = load_model_from_checkpoint("runs/x/checkpoints", map_location="cpu")  # doctest: +SKIP
@@ -38,11 +40,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
@@ -63,6 +66,7 @@ __all__ = [
     "load_model_from_checkpoint",
     "load_models_from_checkpoint",
     "load_spec",
+    "open_checkpoint_file",
     "open_entry",
     "read_json",
     "read_models",
@@ -286,9 +290,9 @@ def _v1_to_v2(data: dict[str, Any], root: Path) -> dict[str, Any]:
             **names,
         }
         meta = root / "strategy" / "checkpoints" / f"{index}.json"
-        if not meta.is_file() and index == latest:
+        if not os.path.lexists(meta) and index == latest:
             meta = root / "strategy.json"  # the reference kept only the latest one here
-        if meta.is_file():
+        if os.path.lexists(meta):
             entry["kind"] = "strategy"
             entry["metadata_path"] = meta.relative_to(root).as_posix()
             state = read_json(meta, "strategy metadata").get("runtime_state") or {}
@@ -335,40 +339,98 @@ def upgrade(data: dict[str, Any], root: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- safe reads
-def read_json(path: Path, what: str = "checkpoint file") -> Any:
-    """Parse JSON at ``path`` (``FileNotFoundError``/``ValueError`` naming the file)."""
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON file (manifest, ``spec.json``, ``strategy.json``, ...) that is read."""
+MAX_TENSOR_FILE_BYTES = 1 << 40
+"""The largest tensor file (weights, optimizer state, ...) that is read: 1 TiB."""
+
+
+def open_checkpoint_file(path: Path, what: str, limit: int) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file of at most ``limit`` bytes.
+
+    The one door of every checkpoint read: a FIFO, a device (``/dev/zero``, also through a
+    symbolic link), a socket or a directory is refused before anything is read (a FIFO
+    would block, a device never end), and so is a file larger than ``limit``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (or a link to nothing).
+        ValueError: not a regular file, too large, or unreadable; naming the file.
+    """
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} not found: {path}") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise ValueError(f"Cannot read {what} {path}: {exc.strerror or exc}.") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a plain file")
+            raise ValueError(
+                f"Refusing to read {what} {path}: it is {kind}, not a regular file. Checkpoints "
+                "hold regular files only; replace it with the file that was saved there."
+            )
+        if info.st_size > limit:
+            raise ValueError(
+                f"Refusing to read {what} {path}: it holds {info.st_size} bytes, more than "
+                f"{limit} (the largest {what} read). It is not a file this package wrote."
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_FILE_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def read_json(path: Path, what: str = "checkpoint file") -> Any:
+    """Parse JSON at ``path`` (a regular file of at most :data:`MAX_JSON_BYTES`).
+
+    Raises ``FileNotFoundError``/``ValueError`` naming the file.
+    """
+    with open_checkpoint_file(path, what, MAX_JSON_BYTES) as handle:
+        raw = handle.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"Refusing to read {what} {path}: it grew beyond {MAX_JSON_BYTES} bytes.")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise ValueError(f"{what} {path} is not valid JSON: {exc}") from None
 
 
 def safe_torch_load(path: Path, map_location: Any = None) -> Any:
     """``torch.load(path, map_location, weights_only=True)`` with errors that name the file.
 
+    Only a regular file of at most :data:`MAX_TENSOR_FILE_BYTES` is read.
+
     Raises:
         FileNotFoundError: the file is missing.
         UnsafeCheckpointError: the file holds anything but tensors and plain containers
             (e.g. a pickled object whose unpickling would run code); nothing is executed.
+        ValueError: not a regular file, too large, or not a tensor file.
     """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"checkpoint file not found: {path}")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        text = str(exc)
-        if "Weights only load failed" in text or "weights_only" in text:
-            first = text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
-            raise UnsafeCheckpointError(
-                f"Refusing to load {path}: it contains objects other than tensors and plain "
-                f"containers, which could run code when unpickled ({first}). Checkpoints are "
-                "read with torch.load(weights_only=True) only; re-save the state with "
-                "tensors, numbers and strings, or load the file yourself if you trust it."
-            ) from None
-        raise ValueError(f"Cannot read checkpoint file {path}: {exc}") from exc
+    with open_checkpoint_file(path, "checkpoint file", MAX_TENSOR_FILE_BYTES) as handle:
+        try:
+            return torch.load(handle, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            text = str(exc)
+            if "Weights only load failed" in text or "weights_only" in text:
+                first = text.strip().splitlines()[-1] if text.strip() else type(exc).__name__
+                raise UnsafeCheckpointError(
+                    f"Refusing to load {path}: it contains objects other than tensors and "
+                    f"plain containers, which could run code when unpickled ({first}). "
+                    "Checkpoints are read with torch.load(weights_only=True) only; re-save the "
+                    "state with tensors, numbers and strings, or load the file yourself if you "
+                    "trust it."
+                ) from None
+            raise ValueError(f"Cannot read checkpoint file {path}: {exc}") from exc
 
 
 def safe_component_name(name: Any, what: str) -> str:
@@ -473,13 +535,13 @@ class EntryFiles:
         """Strategy metadata JSON, or ``None`` for a component-only checkpoint."""
         if self.entry.layout == 2:
             path = self.base / "strategy.json"
-            return path if path.is_file() else None
+            return path if os.path.lexists(path) else None
         if self.entry.kind == "components":
             return None
         relative = (self.entry.model_extra or {}).get("metadata_path")
         relative = relative or f"strategy/checkpoints/{self.entry.index}.json"
         path = _safe_relative(self.root, relative, "manifest metadata_path")
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(
                 f"strategy metadata {path} of checkpoint {self.entry.index} is missing."
             )
@@ -583,7 +645,7 @@ def read_models(
         raise KeyError(f"Unknown model(s) {unknown}. Available: {sorted(entry.models)}")
     hook_states = (
         safe_torch_load(files.hooks(), map_location)
-        if use_ema and files.hooks().is_file()
+        if use_ema and os.path.lexists(files.hooks())
         else None
     )
     out = {}

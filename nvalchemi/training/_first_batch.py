@@ -18,15 +18,23 @@ Example:
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from nvalchemi.models.base import BaseModelMixin
 from nvalchemi.training.runtime import unwrap_model
 
-__all__ = ["check_dataloader", "check_first_batch", "describe_loader", "loader_error"]
+__all__ = [
+    "check_dataloader",
+    "check_first_batch",
+    "describe_loader",
+    "dtype_error",
+    "loader_error",
+]
 
 _LOADER_FIX = (
     "pass a loader of Batch objects: nvalchemi.data.DataLoader(dataset, batch_size=8), or "
@@ -109,31 +117,65 @@ def _structures_in(batch: Any) -> str | None:
 
 
 def _check_dtype(batch: Any, models: Any, source: str) -> None:
+    found = _dtype_mismatch(batch, models)
+    if found is not None and not isinstance(found[2], BaseModelMixin):  # those cast inputs
+        raise TypeError(
+            _dtype_message(source, *found, "its first forward would fail on mixed dtypes")
+        )
 
+
+_DTYPE_FAILURE = re.compile(r"dtype|scalar type|type \(\w+\) and")
+
+
+def dtype_error(exc: BaseException, batch: Any, models: Any, stage: str) -> TypeError | None:
+    """A clearer error for a step that failed on data of another dtype than a model (or ``None``).
+
+    Custom training functions and models that do not cast their inputs fail in torch
+    ("mat1 and mat2 must have the same dtype"); nvalchemi models cast them, and a loss
+    then finds predictions and labels in two dtypes. Either way the batch's dtype and
+    the model's are what to change.
+    """
+    if not isinstance(exc, (RuntimeError, ValueError)) or not _DTYPE_FAILURE.search(str(exc)):
+        return None
+    found = _dtype_mismatch(batch, models)
+    if found is None:
+        return None
+    text = " ".join(str(exc).split())
+    return TypeError(_dtype_message("the dataloader", *found, f"{stage} failed: {text}"))
+
+
+def _dtype_mismatch(batch: Any, models: Any) -> tuple[Any, str, nn.Module, Any] | None:
+    """``(positions dtype, model name, model, parameter dtype)`` if they differ, else ``None``."""
     positions = getattr(batch, "positions", None)
-    if positions is None or not positions.dtype.is_floating_point:
-        return
+    if not isinstance(positions, torch.Tensor) or not positions.dtype.is_floating_point:
+        return None
     if isinstance(models, Mapping):
         name = "main" if "main" in models or len(models) != 1 else next(iter(models))
         model = models.get(name)
     else:
         name, model = "main", models
     model = unwrap_model(model) if model is not None else None
-    if not isinstance(model, nn.Module) or isinstance(model, BaseModelMixin):
-        return
+    if not isinstance(model, nn.Module):
+        return None
     dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), None)
     if dtype is None or dtype == positions.dtype:
-        return
-    wanted = str(dtype).removeprefix("torch.")
+        return None
+    return positions.dtype, name, model, dtype
+
+
+def _dtype_message(
+    source: str, data: Any, name: str, model: nn.Module, dtype: Any, consequence: str
+) -> str:
+    wanted, given = str(dtype).removeprefix("torch."), str(data).removeprefix("torch.")
     convert = {"float64": "model.double()", "float32": "model.float()"}.get(
-        str(positions.dtype).removeprefix("torch."), f"model.to({positions.dtype})"
+        given, f"model.to({data})"
     )
-    raise TypeError(
-        f"{source} yielded a batch of {str(positions.dtype).removeprefix('torch.')} positions "
-        f"but model {name!r} ({type(model).__name__}) has {wanted} parameters; its first "
-        f"forward would fail on mixed dtypes. Fix: read the data as {wanted} (dtype={dtype} "
-        f"of the reader or dataset, e.g. ASEReader(..., dtype={dtype}); dataset.dtype: "
-        f"{wanted} in a job file), or convert the model: {convert} before building the strategy."
+    return (
+        f"{source} yielded a batch of {given} positions but model {name!r} "
+        f"({type(model).__name__}) has {wanted} parameters; {consequence}. Fix: read the data "
+        f"as {wanted} (dtype={dtype} of the reader or dataset, e.g. ASEReader(..., "
+        f"dtype={dtype}); dataset.dtype: {wanted} in a job file), or convert the model: "
+        f"{convert} before building the strategy."
     )
 
 

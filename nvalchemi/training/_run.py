@@ -47,7 +47,7 @@ from nvalchemi.hooks import protocol
 from nvalchemi.training import _memory_split as split
 from nvalchemi.training import loader_position
 from nvalchemi.training._compiled import CompiledModels, compiled_graph_count
-from nvalchemi.training._first_batch import check_first_batch, loader_error
+from nvalchemi.training._first_batch import check_first_batch, dtype_error, loader_error
 from nvalchemi.training._memory_split import DistributedVote, MemoryBudget
 from nvalchemi.training.errors import NonFiniteLossError, TrainingStalledError, add_note
 from nvalchemi.training.losses.composition import compute_supervised_loss, loss_target_keys
@@ -464,6 +464,7 @@ class _Run:
         except Exception as exc:
             self.annotate(exc, self.stage)
             self._explain_compile(exc)
+            self._explain_dtype(exc, batch)
             raise
         else:
             if backpropagated is None:  # a skipped non-finite batch
@@ -818,6 +819,13 @@ class _Run:
         if compiled is not None:
             clearer = compiled.explain(exc)
             if clearer is not None:
+                raise clearer from exc
+
+    def _explain_dtype(self, exc: BaseException, batch: Any) -> None:
+        if self.stage in ("the forward pass (training_fn)", "the loss computation"):
+            clearer = dtype_error(exc, batch, self.strategy.models, self.stage)
+            if clearer is not None:
+                self.annotate(clearer, self.stage)
                 raise clearer from exc
 
     def _skip_batch(self, out: Mapping[str, Any]) -> bool:

@@ -43,7 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
-from nvalchemi._serialization import UnsafeImportError, import_path
+from nvalchemi._serialization import import_path
 from nvalchemi.distributed.runtime import get_rank, get_world_size
 from nvalchemi.hooks import protocol
 from nvalchemi.hooks.context import TrainContext
@@ -429,15 +429,14 @@ class TrainingStrategy(HookRegistryMixin, BaseModel):
     def iter_checkpointable_hooks(self) -> Iterator[tuple[str, Any]]:
         """``(key, hook)`` for hooks with ``state_dict``/``load_state_dict``.
 
-        Keys are class names (``#1``, ``#2`` ... for repeats); the update orchestrator
-        appears once (key ``"TrainingUpdateOrchestrator"``) carrying its children's state.
+        Keys are class names (``#1``, ``#2`` ... for repeats). A hook holding others (the
+        update orchestrator, the reporting orchestrator) appears once carrying its
+        children's state, and not at all when none of its children has state.
         """
         counts: dict[str, int] = {}
         for hook in self.hooks:
-            if isinstance(hook, TrainingUpdateOrchestrator):
-                if not hook.checkpointable_children():
-                    continue
-            elif not protocol.is_checkpointable(hook):
+            children = protocol.member(hook, "checkpointable_children")
+            if not protocol.is_checkpointable(hook) or (children is not None and not children()):
                 continue
             name = type(hook).__name__
             n = counts.get(name, 0)
@@ -1067,16 +1066,18 @@ def _normalize_configs(configs: Any, single: bool) -> Any:
 
 
 def _resolve_dotted(path: str) -> Any:
+    """A ``training_fn`` string given in Python: the caller's own code, imported as named.
 
+    Strings read from files (job files, ``strategy.json``) are resolved under the trust
+    rule by :mod:`~nvalchemi.training.strategy_payload` before they reach the constructor.
+    """
     if "." not in path:
         raise ValueError(f"training_fn {path!r}: expected 'module.attribute'.")
     top = path.split(".")[0]
     if top not in sys.modules and importlib.util.find_spec(top) is None:
         raise ValueError(f"training_fn {path!r}: module {top!r} not found.")
     try:
-        return import_path(path)  # the trust rule: a string never imports a new module
-    except UnsafeImportError as exc:
-        raise ValueError(f"training_fn {path!r}: {exc} Or pass the function itself.") from None
+        return import_path(path, trust=True)
     except (AttributeError, ImportError, ValueError) as exc:
         raise ValueError(
             f"training_fn {path!r} has no attribute or cannot be imported: {exc}"

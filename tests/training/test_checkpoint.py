@@ -591,7 +591,12 @@ def test_validators_are_called_with_the_model_name_its_entry_and_everything_load
     calls = []
 
     def record(name, entry, loaded):
-        calls.append((name, sorted(entry), sorted(loaded), entry is loaded[name]))
+        calls.append(
+            (name, sorted(entry), sorted(loaded["models"]), entry is loaded["models"][name])
+        )
+        assert loaded["strategy"] is None and loaded["checkpoint_index"] == 0
+        assert loaded["source"] == {"format": "native", "path": str(tmp_path)}
+        assert loaded["manifest"].checkpoint_index == 0
 
     load_checkpoint(tmp_path, validators=[record])
     assert calls == [
@@ -610,11 +615,36 @@ def test_validators_are_called_with_the_model_name_its_entry_and_everything_load
     ]
 
 
+def test_a_strategy_load_gives_validators_the_whole_result_with_optimizers_and_schedulers(
+    tmp_path,
+):
+    saved = C.strategy(num_steps=2)
+    saved.run(C.batches(2))
+    saved.save_checkpoint(tmp_path)
+    seen = {}
+
+    def record(name, entry, loaded):
+        seen.update(name=name, entry=entry, loaded=loaded)
+
+    result = load_checkpoint(tmp_path, validators=[record])
+    loaded, entry = seen["loaded"], seen["entry"]
+    assert loaded is result and entry is result["models"]["main"]
+    assert loaded["strategy"] is result["strategy"] and loaded["manifest"] is not None
+    assert loaded["source"] == {"format": "native", "path": str(tmp_path)}
+    (optimizer,) = entry["optimizers"].values()
+    (scheduler,) = entry["schedulers"].values()
+    live_optimizer = result["strategy"].ensure_optimizers()[0][0]
+    assert optimizer["optimizer"] is live_optimizer
+    assert optimizer["spec"].cls_path == "torch.optim.adam.Adam"
+    assert scheduler["scheduler"].optimizer is live_optimizer
+    assert scheduler["scheduler"].last_epoch == 2  # the restored state
+
+
 def test_the_mace_adapter_warns_that_the_file_must_be_trusted(tmp_path):
     pytest.importorskip("mace")
     bogus = tmp_path / "model.model"
     bogus.write_bytes(b"not a pickle")
-    trusted = pytest.warns(UserWarning, match="pickle loader.*load only MACE model files you trust")
+    trusted = pytest.warns(UserWarning, match="pickle loader.*load only trusted MACE model files")
     with trusted, pytest.raises(Exception):  # whatever mace's loader raises on junk
         load_checkpoint(bogus, adapter="mace")
 

@@ -12,12 +12,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import _checkpoint_support as C
 import pytest
-import torch
 
 from nvalchemi.training.checkpoint import (
     CheckpointLockError,
@@ -192,32 +190,3 @@ def test_a_failing_write_names_the_checkpoint_and_path_and_keeps_the_previous_on
     assert "Could not write checkpoint 1 to" in out["error"] and str(root) in out["error"]
     assert "checkpoint 0 is still the latest loadable one" in out["error"]
     assert [p.name for p in (root / "checkpoints").iterdir()] == ["0"]  # no partial folder
-
-
-def test_from_pretrained_weights_never_imports_a_training_fn_module_named_by_a_string(
-    tmp_path, monkeypatch
-):
-    from nvalchemi.training import EnergyMSELoss, FineTuningStrategy, OptimizerConfig
-
-    marker = tmp_path / "imported"
-    (tmp_path / "nv_fn_module.py").write_text(
-        textwrap.dedent(
-            f"""
-            open({str(marker)!r}, "w").close()
-            def training_fn(model, batch):
-                return {{}}
-            """
-        )
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    model = C.demo_model()
-    with pytest.raises(ValueError, match=r"nv_fn_module.*import your module"):
-        FineTuningStrategy.from_pretrained_weights(
-            model,
-            model.state_dict(),
-            training_fn="nv_fn_module.training_fn",
-            loss_fn=EnergyMSELoss(),
-            num_steps=1,
-            optimizer_configs=OptimizerConfig(torch.optim.Adam, {"lr": 1e-3}),
-        )
-    assert not marker.exists() and "nv_fn_module" not in sys.modules

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _training_support import TinyModel, make_batch, make_batches, strategy
@@ -83,6 +85,29 @@ def test_nvalchemi_models_cast_their_inputs_and_are_not_refused():
     with pytest.raises(TypeError, match="float64 positions"):
         check_first_batch(batch, {"main": TinyModel()}, default_training_fn=True)
     check_first_batch(batch, {"main": TinyModel()}, default_training_fn=False)  # a custom one
+
+
+def _own_training_fn(model, batch):  # nothing is checked before a custom one runs
+    return {f"predicted_{k}": v for k, v in model(batch).items()}
+
+
+@pytest.mark.parametrize(
+    ("model", "where"),
+    [
+        (TinyModel(), r"the forward pass \(training_fn\) failed: .*same dtype"),
+        (DemoModelWrapper(DemoModel(hidden_dim=8)), "the loss computation failed: .*mismatch"),
+    ],
+    ids=["plain module, own training_fn", "nvalchemi model"],
+)
+def test_a_float64_data_set_into_a_float32_model_fails_at_the_first_batch_naming_both(model, where):
+    batches = [b.to(dtype=torch.float64) for b in make_batches(2)]
+    trainer = strategy(model, num_steps=2, training_fn=_own_training_fn)
+    with pytest.raises(TypeError, match=r"float64 positions but model 'main'") as caught:
+        trainer.run(batches)
+    text = str(caught.value)
+    assert "has float32 parameters" in text and re.search(where, text)
+    assert "Fix: read the data as float32" in text and "model.double()" in text
+    assert trainer.step_count == 0
 
 
 def test_a_loader_of_batches_passes_unchanged():

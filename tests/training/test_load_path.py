@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import collections
+import os
 import subprocess
 import sys
 
@@ -22,20 +23,27 @@ def test_a_strategy_load_reads_every_file_once_and_restores_the_counters_once(
     saved.save_checkpoint(tmp_path)
     root = str(tmp_path)
     reads: collections.Counter = collections.Counter()
-    real_open, real_load = builtins.open, torch.load
+    real_open, real_os_open, real_load = builtins.open, os.open, torch.load
 
     def counting_open(path, *args, **kwargs):
         if str(path).startswith(root):
             reads[str(path)] += 1
         return real_open(path, *args, **kwargs)
 
-    def counting_load(path, *args, **kwargs):
-        reads[f"torch.load {path}"] += 1
-        return real_load(path, *args, **kwargs)
+    def counting_os_open(path, *args, **kwargs):  # the safe reads open files this way
+        if str(path).startswith(root):
+            reads[str(path)] += 1
+        return real_os_open(path, *args, **kwargs)
+
+    def counting_load(source, *args, **kwargs):
+        if isinstance(source, (str, os.PathLike)):  # an open file was counted when opened
+            reads[f"torch.load {source}"] += 1
+        return real_load(source, *args, **kwargs)
 
     restored = []
     real_restore = TrainingStrategy.load_runtime_state
     monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
     monkeypatch.setattr(torch, "load", counting_load)
     monkeypatch.setattr(
         TrainingStrategy,

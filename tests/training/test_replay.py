@@ -13,7 +13,12 @@ from nvalchemi.data.neighbors import NeighborListTransform
 from nvalchemi.training import EnergyMSELoss, ForceMSELoss, OptimizerConfig, ValidationConfig
 from nvalchemi.training.finetune import FineTuningStrategy
 from nvalchemi.training.hooks import ForgettingHook
-from nvalchemi.training.replay import mix_replay, pseudo_label, split_holdout
+from nvalchemi.training.replay import (
+    mix_replay,
+    pseudo_label,
+    read_pseudo_labels,
+    split_holdout,
+)
 
 
 def _dataset(data):
@@ -29,10 +34,47 @@ def test_pseudo_labels_are_the_source_predictions_and_are_cached_once(tmp_path):
     assert energies == pytest.approx(predicted_energies(source, data), abs=1e-12)
     assert all("stress" in labelled[i] for i in range(5))  # periodic cells with volume
     assert not torch.equal(labelled[0]["energy"], data[0]["energy"])  # EMT labels replaced
-    # A second call (another model, e.g. the fine-tuned one on resume) reads the cache.
-    again = pseudo_label(painn(seed=3), data, cache=tmp_path / "labels.zarr")
+    # A second call with the same inputs reads the cache (a model that would fail proves it).
+    source.forward = None
+    again = pseudo_label(source, data, batch_size=2, cache=tmp_path / "labels.zarr")
     assert [float(again[i]["energy"]) for i in range(5)] == pytest.approx(energies, abs=1e-12)
     assert not (tmp_path / "labels.zarr.partial").exists()
+
+
+def _energies(dataset) -> list[float]:
+    return [float(dataset[i]["energy"]) for i in range(len(dataset))]
+
+
+def test_cached_pseudo_labels_are_made_again_when_the_structures_or_the_model_change(tmp_path):
+    cache = tmp_path / "labels.zarr"
+    source, data = painn(), structures(4)
+    pseudo_label(source, data, cache=cache)
+    moved = [d.clone() for d in data]
+    moved[2]["positions"] = moved[2]["positions"] + 0.01  # a replay file edited in place
+    with pytest.warns(UserWarning, match=r"\(the structures changed\); labelling"):
+        labelled = pseudo_label(source, moved, cache=cache)
+    assert _energies(labelled) == pytest.approx(predicted_energies(source, moved), abs=1e-12)
+    retrained = painn()
+    with torch.no_grad():
+        next(retrained.parameters()).add_(0.1)  # the source checkpoint was trained on
+    with pytest.warns(UserWarning, match=r"\(the model.s weights or settings changed\)"):
+        labelled = pseudo_label(retrained, moved, cache=cache)
+    expected = predicted_energies(retrained, moved)
+    assert _energies(labelled) == pytest.approx(expected, abs=1e-12)
+    assert _energies(read_pseudo_labels(cache)) == pytest.approx(expected, abs=1e-12)
+
+
+def test_stale_or_unrecorded_replay_labels_are_refused_when_read(tmp_path):
+    cache = tmp_path / "labels.zarr"
+    data = structures(3)
+    pseudo_label(painn(), data, cache=cache)
+    assert len(read_pseudo_labels(cache, structures=data)) == 3
+    with pytest.raises(ValueError, match="made from other structures"):
+        read_pseudo_labels(cache, structures=structures(3, seed=7))
+    (cache / "nvalchemi_replay_inputs.json").unlink()  # a store of an older version
+    with pytest.raises(ValueError, match="does not record what its labels were made from"):
+        pseudo_label(painn(), data, cache=cache)
+    assert cache.is_dir()  # refused, not deleted
 
 
 def test_split_holdout_is_seeded_and_disjoint():

@@ -13,6 +13,7 @@ dotted path a file names is checked).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from nvalchemi.training.checkpoint.parts import (
     checkpoint_record,
     history_event,
     hook_types,
+    optimizer_names,
     restore_strategy,
 )
 from nvalchemi.training.strategy_payload import strategy_class
@@ -43,6 +45,8 @@ __all__ = [
     "CheckpointValidator",
     "check_finite_weights",
     "load_checkpoint",
+    "load_result",
+    "model_entry",
     "read_strategy_metadata",
     "run_validators",
     "strategy_load_checkpoint",
@@ -60,8 +64,11 @@ SCHEDULER_BASES: tuple[type, ...] = (
 class CheckpointValidator(Protocol):
     """Checks a model right after it was loaded: ``validator(model_name, entry, loaded)``.
 
-    ``entry`` is ``{"model", "spec", "optimizers", "schedulers", "metadata"}`` of that model,
-    ``loaded`` the mapping of every loaded model's entry. Raise to reject the checkpoint;
+    ``entry`` is ``{"model", "spec", "optimizers", "schedulers", "metadata"}`` of that model
+    (``optimizers``: ``{name: {"optimizer", "spec"}}``, ``schedulers``: ``{name:
+    {"scheduler", "spec"}}``), ``loaded`` the whole load result: ``{"strategy", "models",
+    "manifest", "checkpoint_index", "source", ...}`` (``strategy`` is ``None`` for
+    components; ``entry is loaded["models"][model_name]``). Raise to reject the checkpoint;
     the loader re-raises as ``ValueError`` naming the validator, the model and the path.
     Pass validators as a list or as ``{name: validator}``.
 
@@ -93,7 +100,8 @@ def check_finite_weights(
 
 
 def run_validators(validators: Any, loaded: Mapping[str, Any], root: Path) -> None:
-    """Call each validator on each loaded model entry; re-raise failures as ``ValueError``."""
+    """Call each validator on each model entry of the load result ``loaded`` (see
+    :class:`CheckpointValidator`); re-raise failures as ``ValueError``."""
     if not validators:
         return
     items = (
@@ -101,7 +109,7 @@ def run_validators(validators: Any, loaded: Mapping[str, Any], root: Path) -> No
         if isinstance(validators, Mapping)
         else [(getattr(v, "__name__", type(v).__name__), v) for v in validators]
     )
-    for model_name, entry in loaded.items():
+    for model_name, entry in loaded["models"].items():
         for label, validator in items:
             try:
                 validator(model_name, entry, loaded)
@@ -112,7 +120,8 @@ def run_validators(validators: Any, loaded: Mapping[str, Any], root: Path) -> No
                 ) from exc
 
 
-def _entry(model: nn.Module, spec: Any, assoc: Any) -> dict[str, Any]:
+def model_entry(model: nn.Module, spec: Any, assoc: Any) -> dict[str, Any]:
+    """One model's entry of a load result (its optimizers and schedulers filled in later)."""
     return {
         "model": model,
         "spec": spec,
@@ -120,6 +129,24 @@ def _entry(model: nn.Module, spec: Any, assoc: Any) -> dict[str, Any]:
         "schedulers": {},
         "metadata": {"associations": assoc},
     }
+
+
+def load_result(files: Any, models: dict[str, Any], strategy: Any = None) -> dict[str, Any]:
+    """What a native load returns (and validators receive as ``loaded``)."""
+    return {
+        "strategy": strategy,
+        "models": models,
+        "manifest": files.manifest,
+        "checkpoint_index": files.entry.index,
+        "source": {"format": "native", "path": str(files.root)},
+    }
+
+
+def _saved_spec(files: Any, kind: str, name: str, trust: bool) -> Any:
+    try:
+        return files.load_spec(kind, name, trust=trust)
+    except ValueError:  # e.g. a class outside the trust rule restored in place: the JSON
+        return dict(files.spec_data(kind, name))
 
 
 # ---------------------------------------------------------------------------- the loader
@@ -264,23 +291,27 @@ def _restore(strategy, files, map_location, validators, patterns, trust) -> dict
     )
     models = strategy.unwrapped_models()
     assoc = files.manifest.associations if files.manifest is not None else {}
-    loaded = {}
-    for name in files.entry.models:
-        try:
-            spec: Any = files.load_spec("models", name, trust=trust)
-        except ValueError:  # e.g. a model outside the trust rule restored in place: report the JSON
-            spec = dict(files.spec_data("models", name))
-        loaded[name] = _entry(models[name], spec, assoc.get(name, {}))
-    run_validators(validators, loaded, files.root)
-    return {
-        "strategy": strategy,
-        "models": loaded,
-        "manifest": files.manifest,
-        "checkpoint_index": files.entry.index,
-        "source": {"format": "native", "path": str(files.root)},
-        "strategy_metadata": info["metadata"],
-        "spec_changes": info["spec_changes"],
+    loaded = {
+        name: model_entry(
+            models[name], _saved_spec(files, "models", name, trust), assoc.get(name, {})
+        )
+        for name in files.entry.models
     }
+    optimizers, schedulers = strategy.ensure_optimizers()
+    saved = set(files.entry.optimizers) | set(files.entry.schedulers)
+    for (opt, sched, key, _), optimizer, scheduler in zip(
+        optimizer_names(strategy), optimizers, schedulers
+    ):
+        if key in loaded and opt in saved:
+            spec = _saved_spec(files, "optimizers", opt, trust)
+            loaded[key]["optimizers"][opt] = {"optimizer": optimizer, "spec": spec}
+        if key in loaded and sched in saved:
+            spec = _saved_spec(files, "schedulers", sched, trust)
+            loaded[key]["schedulers"][sched] = {"scheduler": scheduler, "spec": spec}
+    result = load_result(files, loaded, strategy)
+    result.update(strategy_metadata=info["metadata"], spec_changes=info["spec_changes"])
+    run_validators(validators, result, files.root)
+    return result
 
 
 def _warn_missing_runtime_parts(meta: Mapping[str, Any], strategy: Any) -> None:
@@ -342,7 +373,7 @@ def _load_components(files, map_location, model_names, validators, trust) -> Che
     if unknown:
         raise KeyError(f"Unknown model(s) {unknown}. Available: {sorted(entry.models)}")
     associations = files.manifest.associations
-    if files.associations().is_file():
+    if os.path.lexists(files.associations()):
         associations = read_json(files.associations(), "associations.json")
     models = {}
     for name in names:
@@ -369,7 +400,7 @@ def _load_components(files, map_location, model_names, validators, trust) -> Che
     loaded = {}
     for name, (model, spec) in models.items():
         assoc = associations.get(name, {})
-        loaded[name] = _entry(model, spec, assoc)
+        loaded[name] = model_entry(model, spec, assoc)
         loaded[name]["optimizers"] = {
             o: {"optimizer": optimizers[o][0], "spec": optimizers[o][1]}
             for o in assoc.get("optimizers", [])
@@ -380,7 +411,7 @@ def _load_components(files, map_location, model_names, validators, trust) -> Che
             for s in assoc.get("schedulers", [])
             if s in schedulers
         }
-    run_validators(validators, loaded, files.root)
+    run_validators(validators, load_result(files, loaded), files.root)
     return files.manifest.model_copy(
         update={"models": models, "optimizers": optimizers, "schedulers": schedulers}
     )
@@ -451,18 +482,23 @@ def _load_adapter(path: Any, adapter: str, kwargs: Mapping[str, Any], map_locati
         raise FileNotFoundError(f"MACE model file {file} does not exist.")
     warnings.warn(
         f"load_checkpoint(adapter='mace') reads {file} with mace-torch's pickle loader, which "
-        "runs code stored in the file: load only MACE model files you trust.",
+        "runs code stored in the file: load only trusted MACE model files.",
         UserWarning,
         stacklevel=3,
     )
     from nvalchemi.models.mace import MACEWrapper  # optional
 
     model = MACEWrapper.from_checkpoint(
-        file, map_location=map_location or "cpu", dtype=options["dtype"]
+        file,
+        device=map_location or "cpu",
+        dtype=options["dtype"],
+        enable_cueq=options["enable_cueq"],
+        compile_model=options["compile_model"],
+        **options["compile_kwargs"],
     )
     return {
         "strategy": None,
-        "models": {options["model_name"]: _entry(model, None, {})},
+        "models": {options["model_name"]: model_entry(model, None, {})},
         "manifest": None,
         "checkpoint_index": None,
         "source": {"format": "mace", "path": str(file)},

@@ -24,6 +24,7 @@ suffixes when a model has several optimizer configs).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -403,7 +404,7 @@ def _capture_hooks(c: _Capture) -> None:
 
 def _restore_hooks(r: _Restore) -> None:
     path = r.files.hooks()
-    if not path.is_file():
+    if not os.path.lexists(path):  # a crafted non-file is refused by the read, not skipped
         return
     saved = safe_torch_load(path, r.map_location)
     if r.files.entry.layout == 1:
@@ -420,7 +421,7 @@ def _restore_hooks(r: _Restore) -> None:
             dropped += _load_hook(live[key], state)
         elif key in children:
             children[key].load_state_dict(state)
-        else:
+        elif not (isinstance(state, Mapping) and not state):  # an empty state loses nothing
             dropped.append(key)
     if dropped:
         warnings.warn(
@@ -463,7 +464,7 @@ def _capture_rng(c: _Capture) -> None:
 
 def _restore_rng(r: _Restore) -> None:
     path = r.files.rng(r.rank)
-    if r.files.entry.layout == 2 and path.is_file():
+    if r.files.entry.layout == 2 and os.path.lexists(path):
         restore_rng(safe_torch_load(path, "cpu"))
 
 

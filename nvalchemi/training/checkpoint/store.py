@@ -13,9 +13,11 @@ Guarantees of :meth:`CheckpointStore.write`:
   a full disk or a permission error at any moment leaves the previous manifest and every
   checkpoint it lists intact (errors raise :class:`CheckpointWriteError` naming the
   checkpoint and the path).
-* **One writer**: an inter-process lock (a POSIX record lock, which data-loader worker
-  processes forked from the writer do not inherit) per root; a second writer gets
-  :class:`CheckpointLockError` naming the holder. A lock left by a dead process is free.
+* **One writer**: an inter-process lock (``flock`` on ``.nvalchemi.lock``, which copying
+  the root does not drop and which forked data-loader workers let go of) per root; a second
+  writer gets :class:`CheckpointLockError` naming the holder. A lock left by a dead process
+  is free. The lock file is never followed through a link, and a file there that this
+  package did not write is refused, never truncated.
 * **Nothing deleted that is not ours**: a root without a manifest but with content is
   refused (:class:`CheckpointRootError`); retention deletes only folders that resolve
   exactly to ``<root>/checkpoints/<name>`` with no symlinked component (reference-layout
@@ -32,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import threading
 import uuid
 import warnings
@@ -124,10 +127,13 @@ _GUARD = threading.Lock()
 
 @contextlib.contextmanager
 def root_lock(root: Path) -> Iterator[None]:
-    """Hold the writer lock of ``root`` between processes (``lockf``; re-entrant in-process).
+    """Hold the writer lock of ``root`` between processes (``flock``; re-entrant in-process).
 
     Raises:
         CheckpointLockError: a live process holds it; the message names pid, host and since.
+        CheckpointRootError: ``<root>/.nvalchemi.lock`` is not a lock file of this package
+            (a symbolic link, another user's file, a file with other content); nothing is
+            written into it.
     """
     _refuse_foreign(root)  # before the lock file is created in it
     root.mkdir(parents=True, exist_ok=True)
@@ -142,10 +148,10 @@ def root_lock(root: Path) -> Iterator[None]:
     finally:
         with _GUARD:
             held[1] -= 1
-            if held[1] == 0:
+            if held[1] == 0 and _HELD.get(key) is held:
                 del _HELD[key]
                 with contextlib.suppress(OSError):
-                    fcntl.lockf(held[0], fcntl.LOCK_UN)
+                    fcntl.flock(held[0], fcntl.LOCK_UN)
                 os.close(held[0])
 
 
@@ -159,17 +165,38 @@ def _writing(root: Path) -> Iterator[None]:
             yield
 
 
+def _forget_locks_after_fork() -> None:
+    """In a forked child (e.g. a DataLoader worker): let go of the parent's lock files.
+
+    An ``flock`` belongs to the open file, which a fork shares: a worker outliving a killed
+    writer would keep the root locked. Closing (not unlocking) the child's copies leaves the
+    parent's lock as it is. (``flock`` rather than a POSIX record lock, which any close of
+    the file in the writer's process drops, e.g. a hook copying the root.)
+    """
+    global _GUARD
+    for held in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(held[0])
+    _HELD.clear()
+    _WRITING.clear()
+    _GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_locks_after_fork)
+
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_RECORD_LIMIT = 4096  # bytes: a holder record is about 100
+
+
 def _acquire(root: Path) -> int:
-    path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(root / LOCK_FILE)
     try:
-        # A POSIX lock: released when this process dies, never inherited by forked children
-        # (DataLoader workers outliving a killed writer would otherwise keep it).
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             warnings.warn(
-                f"Cannot lock {path} ({exc}); make sure only one process writes {root}.",
+                f"Cannot lock {root / LOCK_FILE} ({exc}); make sure only one process writes "
+                f"{root}.",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -187,9 +214,62 @@ def _acquire(root: Path) -> int:
     return fd
 
 
+def _open_lock_file(path: Path) -> int:
+    """Create the lock file, or open one this package wrote; never follow a link into data."""
+    for _ in range(3):  # another process may create or remove it in between
+        try:
+            return os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # ELOOP: a symbolic link; ENXIO: a socket or a FIFO
+            raise _foreign_lock(
+                path, f"it cannot be opened as a plain file ({exc.strerror})"
+            ) from None
+        problem = _not_a_lock_record(fd)
+        if problem is None:
+            return fd
+        os.close(fd)
+        raise _foreign_lock(path, problem)
+    raise CheckpointLockError(f"{path} keeps appearing and disappearing; is another run starting?")
+
+
+def _not_a_lock_record(fd: int) -> str | None:
+    """Why the open file ``fd`` is not a lock file this package wrote (``None`` if it is)."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"it belongs to another user (uid {info.st_uid})"
+    if info.st_nlink != 1:
+        return f"it has {info.st_nlink} hard links, so it is also another file"
+    if info.st_size == 0:
+        return None  # created, then the writer died before recording itself
+    if info.st_size > _RECORD_LIMIT:
+        return f"it holds {info.st_size} bytes, not a lock record"
+    try:
+        record = json.loads(os.pread(fd, _RECORD_LIMIT, 0))
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and {"pid", "host", "since"} <= set(record)):
+        return "its content is not a lock record (pid, host, since)"
+    return None
+
+
+def _foreign_lock(path: Path, problem: str) -> CheckpointRootError:
+    return CheckpointRootError(
+        f"Refusing to use {path} as the writer lock: {problem}. nvalchemi writes its lock "
+        "record into that file, and it does not look like one it created. Nothing was "
+        "written; remove it if it is not yours to keep, or choose another directory."
+    )
+
+
 def _holder(fd: int) -> str:
     try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        info = json.loads(os.pread(fd, _RECORD_LIMIT, 0) or b"{}")
         return f"pid {info['pid']} on {info['host']}, since {info['since']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"

@@ -45,7 +45,7 @@ from torch import nn
 
 from nvalchemi._serialization import requires_trust
 from nvalchemi.checkpoint_files import open_entry, read_models
-from nvalchemi.training.checkpoint.load import run_validators
+from nvalchemi.training.checkpoint.load import load_result, model_entry, run_validators
 from nvalchemi.training.finetune.hooks import (
     AddHeadHook,
     ForgettingHook,
@@ -211,16 +211,10 @@ class FineTuningStrategy(TrainingStrategy):
         if validators:
             assoc = files.manifest.associations
             entries = {
-                name: {
-                    "model": model,
-                    "spec": spec,
-                    "optimizers": {},
-                    "schedulers": {},
-                    "metadata": {"associations": assoc.get(name, {})},
-                }
+                name: model_entry(model, spec, assoc.get(name, {}))
                 for name, (model, spec) in read.items()
             }
-            run_validators(validators, entries, root)
+            run_validators(validators, load_result(files, entries), root)
         for model in loaded.values():
             model.train()
         single = names == ["main"] and bool((meta or {}).get("single_model_input", True))

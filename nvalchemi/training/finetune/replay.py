@@ -26,8 +26,11 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import shutil
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from nvalchemi._fileio import replace_dir
+from nvalchemi.checkpoint_files import read_json
 
 __all__ = ["ReplayMix", "mix_replay", "pseudo_label", "read_pseudo_labels", "split_holdout"]
 
@@ -51,6 +55,7 @@ from nvalchemi.data.neighbors import NeighborListTransform, compute_neighbors
 from nvalchemi.training.runtime import evaluating
 
 _LABELS = ("energy", "forces", "stress")
+_INPUTS_FILE = "nvalchemi_replay_inputs.json"  # what the labels of a cache were made from
 
 
 def pseudo_label(
@@ -70,33 +75,130 @@ def pseudo_label(
             volume when the model can compute it.
         head: the source head that labels (multi-head models; default: the first).
         batch_size: structures per forward pass.
-        cache: a zarr store path. When it exists, its labels are returned and the
-            model is not run (delete it to relabel); otherwise the labels are
-            written there (atomically) and returned.
+        cache: a zarr store path. The store records what it was made from (a digest of
+            the structures, of the model's class, settings and weights, and the head):
+            when those match, its labels are returned and the model is not run; when
+            they do not, the structures are labelled again (with a warning) and the
+            store replaced. A store there without that record is refused.
 
     Labels take each structure's float dtype; the structures carry neighbour lists
     for the model's cutoff.
     """
-    if cache is not None and Path(cache).exists():
-        return read_pseudo_labels(cache, model.model_config.neighbor_config)
-    labelled = []
-    for batch in iter_batches(structures, batch_size):
-        labelled.extend(_label_batch(model, batch, head))
-    if not labelled:
+    items = _atomic_data_list(structures)
+    if not items:
         raise ValueError("pseudo_label got no structures to label.")
+    inputs = None
     if cache is not None:
-        _write_store(labelled, Path(cache))
+        inputs = {
+            "structures": _structures_digest(items),
+            "model": _model_digest(model),
+            "head": head,
+        }
+        changed = _cache_changes(Path(cache), inputs)
+        if changed == []:
+            return read_pseudo_labels(cache, model.model_config.neighbor_config)
+        if changed:
+            warnings.warn(
+                f"The replay labels cached at {cache} were made from other inputs "
+                f"({', '.join(changed)} changed); labelling the structures again.",
+                UserWarning,
+                stacklevel=2,
+            )
+    labelled = []
+    for batch in iter_batches(items, batch_size):
+        labelled.extend(_label_batch(model, batch, head))
+    if cache is not None:
+        _write_store(labelled, Path(cache), inputs)
     return InMemoryDataset(data_list=labelled)
 
 
-def read_pseudo_labels(cache: str | Path, neighbor_config: Any = None) -> Any:
+def read_pseudo_labels(
+    cache: str | Path, neighbor_config: Any = None, *, structures: Iterable[Any] | None = None
+) -> Any:
     """The labelled structures :func:`pseudo_label` cached at ``cache`` (an ``InMemoryDataset``).
 
     ``neighbor_config`` (a model's ``NeighborConfig``): neighbour lists to build.
+    ``structures``: the structures the labels should be of (e.g. the replay files read
+    again on resume); ``ValueError`` if the store was made from others.
     """
-
+    if structures is not None:
+        recorded = _recorded_inputs(Path(cache)) or {}
+        if recorded.get("structures") != _structures_digest(_atomic_data_list(structures)):
+            raise ValueError(
+                f"The replay labels at {cache} were made from other structures than the "
+                "replay files hold now (they changed since the labels were made). Restore the "
+                f"files, or delete {cache} and label them again with the source model."
+            )
     transforms = None if neighbor_config is None else [NeighborListTransform(neighbor_config)]
     return InMemoryDataset(reader=AtomicDataZarrReader(str(cache)), transforms=transforms)
+
+
+def _structures_digest(structures: Iterable[Any]) -> str:
+    """A SHA-256 of the structures' inputs in order (every field but labels and edges)."""
+    digest = hashlib.sha256()
+    for data in structures:
+        for name in sorted(data.keys()):
+            if name not in _LABELS and data.level_of(name) != "edge":
+                _hash_tensor(digest, name, data[name])
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def _model_digest(model: Any) -> str:
+    """A SHA-256 of the model's class, settings (``model_config``) and every weight."""
+    digest = hashlib.sha256(f"{type(model).__module__}.{type(model).__qualname__}".encode())
+    config = getattr(model, "model_config", None)
+    dump = config.model_dump(exclude={"active_outputs", "gradient_keys"}) if config else {}
+    digest.update(json.dumps(_sorted_sets(dump), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        _hash_tensor(digest, name, tensor)
+    return digest.hexdigest()
+
+
+def _hash_tensor(digest: Any, name: str, tensor: torch.Tensor) -> None:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)}:".encode())
+    digest.update(flat.view(torch.uint8).numpy().tobytes())
+
+
+def _sorted_sets(value: Any) -> Any:
+    if isinstance(value, (set, frozenset)):
+        return sorted(map(str, value))
+    if isinstance(value, dict):
+        return {k: _sorted_sets(v) for k, v in value.items()}
+    return value
+
+
+def _atomic_data_list(structures: Iterable[Any]) -> list[Any]:
+    """``structures`` as a list of ``AtomicData`` (``Batch`` items split, ASE converted)."""
+    items: list[Any] = []
+    for batch in iter_batches(structures, batch_size=64):
+        items.extend(batch.to_data_list())
+    return items
+
+
+def _recorded_inputs(cache: Path) -> dict[str, Any] | None:
+    """The inputs recorded in the store at ``cache`` (``None``: no record)."""
+    try:
+        recorded = read_json(cache / _INPUTS_FILE, "replay label record")
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def _cache_changes(cache: Path, inputs: dict[str, Any]) -> list[str] | None:
+    """``None``: no store; else the names of the inputs that differ from its record."""
+    if not cache.exists():
+        return None
+    recorded = _recorded_inputs(cache)
+    if recorded is None:
+        raise ValueError(
+            f"{cache} exists but does not record what its labels were made from (made by an "
+            "older nvalchemi, or not a replay label store), so it can be neither trusted nor "
+            "replaced. Delete it to label the structures again, or choose another cache path."
+        )
+    names = {"structures": "the structures", "model": "the model's weights or settings"}
+    return [names.get(k, f"the {k}") for k in inputs if recorded.get(k) != inputs[k]]
 
 
 def split_holdout(dataset: Any, fraction: float, seed: int = 0) -> tuple[Any, Any]:
@@ -246,13 +348,14 @@ def _label_batch(model: Any, batch: Any, head: str | None) -> list[Any]:
     return labelled
 
 
-def _write_store(structures: list[Any], path: Path) -> None:
-    """Write the labelled structures to a new zarr store at ``path`` (atomically)."""
+def _write_store(structures: list[Any], path: Path, inputs: dict[str, Any]) -> None:
+    """Write the labelled structures and their ``inputs`` record to ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     if tmp.exists():  # our own half-written store of an interrupted run
         shutil.rmtree(tmp)
     AtomicDataZarrWriter(str(tmp)).write([_without_edges(d) for d in structures])
+    (tmp / _INPUTS_FILE).write_text(json.dumps(inputs))
     replace_dir(tmp, path)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from nvalchemi._fileio import write_atomic
+from nvalchemi.checkpoint_files import read_json
 
 __all__ = [
     "STATISTICS_FILENAME",
@@ -188,10 +190,10 @@ def prepare_finetune_model(
 def read_finetune_statistics(run_dir: str | Path) -> FineTuneStatistics | None:
     """The statistics a run wrote to ``run_dir`` (``None`` when there are none)."""
     path = Path(run_dir) / STATISTICS_FILENAME
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     try:
-        return FineTuneStatistics.from_dict(json.loads(path.read_text()))
+        return FineTuneStatistics.from_dict(read_json(path, "fine-tune statistics file"))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path} is not a fine-tune statistics file: {exc}") from None
 
