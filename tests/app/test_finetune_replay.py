@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
+from nvalchemi.data.io.zarr import AtomicDataZarrReader
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
 
@@ -114,6 +116,19 @@ def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, tr
     assert resumed.exit_code == 0, resumed.output
     assert labels.stat().st_mtime_ns == stamp
     assert read_strategy_metadata(run_dir / "checkpoints")["runtime_state"]["step_count"] == 4
+
+    # Another run in a folder holding labels of other replay structures labels them again.
+    (tmp_path / "other").mkdir()
+    other_path, other = _job(tmp_path / "other", trained_run, "--replay", TRAIN)
+    other["finetune"]["replay"]["max_structures"] = 6
+    write_job(other_path, other)
+    other_dir = tmp_path / "other" / "ft"
+    other_dir.mkdir(parents=True)
+    shutil.copytree(run_dir / "replay_labels.zarr", other_dir / "replay_labels.zarr")
+    fresh = invoke("spec", "run", other_path, "--no-report")
+    assert fresh.exit_code == 0, fresh.output
+    assert "labelling the structures again" in fresh.stderr, fresh.stderr
+    assert len(AtomicDataZarrReader(str(other_dir / "replay_labels.zarr"))) == 6
 
 
 def test_finetune_check_prints_the_zero_step_differences(tmp_path, trained_run):

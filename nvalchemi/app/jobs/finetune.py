@@ -229,13 +229,17 @@ def _labelled_replay(
             field="finetune.replay.pseudo_label",
             fix="restore the file, or start a new fine-tune from the source checkpoint",
         )
-    if get_rank(manager) == 0 and not cache.exists():
+    if get_rank(manager) == 0 and source is not None:
+        # reuses the store when it was made from these structures and this model, else
+        # labels them again (a changed replay file or source checkpoint)
         pseudo_label(
             source, _replay_source(job, None, source), head=_source_head(job.finetune), cache=cache
         )
     if get_world_size(manager) > 1:
         barrier(manager)  # rank 0 wrote the labels; every rank reads the same store
-    return read_pseudo_labels(cache, neighbors)
+    # without the source (a resume) the labels must be of the replay files as they are now
+    structures = None if source is not None else _replay_source(job, None, None)
+    return read_pseudo_labels(cache, neighbors, structures=structures)
 
 
 def prepare_finetune_run(
