@@ -210,6 +210,10 @@ def _is_editable(dist: Any) -> bool:
 
 def _top_level_names(dist: Any) -> set[str]:
     names = set((dist.read_text("top_level.txt") or "").split())
+    if dist.read_text("RECORD") is None:
+        # An egg-info's file list is its SOURCES.txt: the whole source tree (tests, scripts),
+        # not what the install makes importable; top_level.txt says that.
+        return names
     for file in dist.files or ():
         if file.parts and file.parts[0] != ".." and not file.parts[0].endswith("-info"):
             names.add(file.parts[0].partition(".")[0])

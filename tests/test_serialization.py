@@ -282,6 +282,8 @@ def test_an_editable_install_is_not_your_code_even_in_the_working_directory(
         info.mkdir()
         (info / "PKG-INFO").write_text(metadata)
         (info / "top_level.txt").write_text("nv_far_installed\n")
+        # The source tree's files (pip -e writes this beside the code): not importable names.
+        (info / "SOURCES.txt").write_text("nv_far_installed/__init__.py\nnv_far_tests/t.py\n")
     else:
         site_dir = tmp_path / "lib" / "site-packages"  # where installers put metadata
         info = site_dir / "nv_far_installed-1.0.dist-info"
@@ -304,6 +306,8 @@ def test_an_editable_install_is_not_your_code_even_in_the_working_directory(
     ) as info_:
         import_path("nv_far_installed.Thing")
     assert "allow_import_path('nv_far_installed')" in str(info_.value)
+    if kind == "develop_egg_info":  # the project's other folders stay the user's own code
+        assert "nv_far_tests" not in ser._editable_names(tuple(sys.path))
     allow_import_path("nv_far_installed")  # what the hint says: an explicit allowance
     try:
         assert import_path("nv_far_installed.Thing") is nv_far_installed.Thing
