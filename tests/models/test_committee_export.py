@@ -207,3 +207,31 @@ def test_the_committee_export_runs_with_torch_only(helpers, committee_export, tm
     eager = Potential(committee)(inputs)
     for key in eager:
         np.testing.assert_allclose(out[key].numpy(), eager[key].numpy(), **TIGHT)
+
+
+def test_torch_sim_passes_the_spread_on_from_the_committee_and_its_export(
+    helpers, committee_export
+):
+    """The explorer of ``learn`` reads the deviation from ``TorchSimModel``'s output."""
+    pytest.importorskip("torch_sim")
+    from nvalchemi.models import TorchSimModel
+
+    committee, path, _ = committee_export
+    atoms_list = [helpers.triclinic_cu_au(), helpers.au_slab()]
+    inputs = _batched_inputs(atoms_list)
+    expected = Potential(committee)(inputs)
+    state = {
+        "positions": inputs["positions"],
+        "cell": inputs["cell"].mT,  # torch-sim: lattice vectors as columns
+        "pbc": inputs["pbc"],
+        "atomic_numbers": inputs["atomic_numbers"],
+        "system_idx": inputs["batch"],
+    }
+    for model in (TorchSimModel(committee), TorchSimModel.from_export(path)):
+        out = model(state)
+        assert set(SPREAD_NAMES) <= set(out)
+        assert out["max_force_deviation"].shape == out["energy_std"].shape == (2,)
+        for key in ("energy", "forces", "stress", *SPREAD_NAMES):
+            np.testing.assert_allclose(out[key].numpy(), expected[key].numpy(), **TIGHT)
+    out = TorchSimModel(committee, compute_stress=False)(state)
+    assert "stress_std" not in out and "max_force_deviation" in out

@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nvalchemi.app.md_check import MDCheckSettings
+
 __all__ = [
     "ExploreSpec",
     "LabelSpec",
@@ -107,7 +109,11 @@ class ExploreSpec(_Block):
         description="end a trajectory at a frame whose max force deviation exceeds this "
         "(eV/Å; default: twice select.trust_hi): it has left what the model knows",
     )
-    engine: Literal["ase"] = "ase"
+    engine: Literal["auto", "torch-sim", "ase"] = Field(
+        default="auto",
+        description="auto: torch-sim (every trajectory in one batch) when installed, else "
+        "ASE (one trajectory at a time)",
+    )
 
     @field_validator("structures", mode="before")
     @classmethod
@@ -197,6 +203,12 @@ class LearnJob(_Block):
     select: SelectSpec
     label: LabelSpec
     train: LearnTrainSpec = Field(default_factory=LearnTrainSpec)
+    md_check: MDCheckSettings | None = Field(
+        default_factory=lambda: MDCheckSettings().short(),
+        description="a short MD check of every iteration's committee (nvalchemi.app.md_check) "
+        "on the test data (else the validation, else the training data), in the report; "
+        "default: 0.2 ps NVT at 900 K then 0.1 ps NVE, one structure per group; null: none",
+    )
 
     def resolve_paths(self, base: str | Path) -> LearnJob:
         """A copy whose relative paths are relative to ``base`` (the job file's folder)."""
