@@ -22,8 +22,8 @@ from _ranks import clean_env
 from nvalchemi._errors import FieldError
 from nvalchemi.app.learn.explore import engine_of, explore
 from nvalchemi.app.learn.label import check_labeller, label_structures, labelled_structures
-from nvalchemi.app.learn.select import bands, select
-from nvalchemi.app.learn.spec import ExploreSpec, LabelSpec, SelectSpec
+from nvalchemi.app.learn.select import bands, select, uncertainty
+from nvalchemi.app.learn.spec import ExploreSpec, LabelSpec, LearnTrainSpec, SelectSpec
 from nvalchemi.app.learn.store import LearnStore
 
 from ._support import TEST, TINY_PAINN, TRAIN, VAL, invoke, is_png, tiny_job, write_job
@@ -109,7 +109,8 @@ def _from_checkpoint(trained) -> dict:
 
 # --------------------------------------------------------------------------- selection
 class _Select:
-    trust_lo, trust_hi, max_structures, min_distance, method = 0.1, 0.5, 2, 0.05, "deviation"
+    trust_lo, trust_hi, max_structures, min_distance = 0.1, 0.5, 2, 0.05
+    method, score = "deviation", "forces"
 
 
 def _frames(deviations, rattle=True):
@@ -144,6 +145,58 @@ def test_select_skips_near_duplicates_and_random_draws_from_every_frame():
     chosen, _ = select(frames, settings, seed=3)
     assert sorted(chosen) == [0, 1, 2, 3] and chosen == select(frames, settings, seed=3)[0]
     assert chosen != select(frames, settings, seed=4)[0]
+
+
+def _copper(a=3.6, seed=0, deviation=0.3, energy_std=0.0):
+    from ase.build import bulk
+
+    atoms = bulk("Cu", "fcc", a=a, cubic=True)
+    atoms.rattle(0.02, seed=seed)
+    atoms.info.update(max_force_deviation=deviation, energy_std=energy_std)
+    return atoms
+
+
+def test_diverse_selection_spreads_its_picks_weighted_by_uncertainty():
+    # three frames of one structure (0.009-0.023 apart) and an expanded cell (1.16 away)
+    frames = [
+        _copper(seed=0, deviation=0.40),
+        _copper(seed=1, deviation=0.39),
+        _copper(seed=2, deviation=0.38),
+        _copper(a=3.9, seed=3, deviation=0.2),
+    ]
+    settings = _Select()
+    settings.min_distance = 0.01
+    settings.method = "deviation"
+    assert select(frames, settings, seed=0)[0] == [0, 1]  # the two most uncertain
+    settings.method = "diverse"
+    assert select(frames, settings, seed=0)[0] == [0, 3]  # the most uncertain, then far
+    settings.max_structures = 4
+    # then the farther of the two left (0.023 x 0.38 > 0.013 x 0.39); frame 1 is within
+    # min_distance of frame 2, a near-duplicate
+    assert select(frames, settings, seed=0)[0] == [0, 3, 2]
+    frames[3].info["max_force_deviation"] = 0.6  # above trust_hi: not a candidate
+    assert select(frames, settings, seed=0)[0] == [0, 2]
+
+
+def test_the_energy_spread_joins_the_score_over_its_median():
+    frames = [
+        _copper(seed=0, deviation=0.4, energy_std=0.04),
+        _copper(a=3.7, seed=1, deviation=0.2, energy_std=0.4),
+        _copper(a=3.8, seed=2, deviation=0.3, energy_std=0.08),
+    ]
+    np.testing.assert_allclose(uncertainty(frames), [0.4, 0.2, 0.3])
+    # medians: forces 0.3, energy per atom 0.08 / 4 = 0.02
+    np.testing.assert_allclose(
+        uncertainty(frames, "forces+energy"), [0.4 / 0.3 + 0.5, 0.2 / 0.3 + 5.0, 1.0 + 1.0]
+    )
+    settings = _Select()
+    settings.max_structures = 1
+    assert select(frames, settings, seed=0)[0] == [0]
+    settings.score = "forces+energy"
+    assert select(frames, settings, seed=0)[0] == [1]
+    del frames[2].info["energy_std"]
+    with pytest.raises(ValueError, match="frame 2 has no info\\['energy_std'\\]"):
+        select(frames, settings, seed=0)
 
 
 def test_trust_levels_must_be_ordered():
@@ -211,6 +264,8 @@ def test_explore_keeps_frames_with_the_committees_deviation_at_them(engine):
         atoms.calc = CommitteeCalculator(committee)
         expected = atoms.calc.get_property("max_force_deviation", atoms)
         assert frame.info["max_force_deviation"] == pytest.approx(expected, rel=1e-9)
+        expected = atoms.calc.get_property("energy_std", atoms)
+        assert frame.info["energy_std"] == pytest.approx(expected, rel=1e-6, abs=1e-12)
     again, _ = explore(committee, starts, settings, select_settings, seed=1, iteration=2)
     assert all(np.array_equal(a.positions, b.positions) for a, b in zip(frames, again))
     other, _ = explore(committee, starts, settings, select_settings, seed=1, iteration=3)
@@ -234,12 +289,61 @@ def test_explore_ends_a_trajectory_at_a_high_deviation_or_a_model_error(engine):
     assert "Ag" in runs[2]["ended"] and runs[2]["steps"] == 0
 
 
+def test_each_iteration_explores_the_next_start_structures_of_every_file(tmp_path):
+    from types import SimpleNamespace
+
+    from ase.build import bulk
+    from ase.io import write
+
+    from nvalchemi.app.learn.loop import start_structures
+
+    files = []
+    for name, count in (("a", 5), ("b", 2)):
+        files.append(tmp_path / f"{name}.extxyz")
+        structures = [bulk("Cu", "fcc", a=3.5 + 0.01 * k) for k in range(count)]
+        for k, atoms in enumerate(structures):
+            atoms.info["which"] = f"{name}{k}"
+        write(files[-1], structures)
+
+    def explored(iteration, per_file):
+        explore = SimpleNamespace(structures=[str(f) for f in files], max_structures=per_file)
+        job = SimpleNamespace(explore=explore)
+        return [a.info["which"] for a in start_structures(job, iteration)]
+
+    assert explored(0, 2) == ["a0", "a1", "b0", "b1"]
+    assert explored(1, 2) == ["a2", "a3", "b0", "b1"]
+    assert explored(2, 2) == ["a4", "a0", "b0", "b1"]  # in turn, wrapping around
+    assert explored(3, None) == ["a0", "a1", "a2", "a3", "a4", "b0", "b1"]  # every one
+
+
 def test_explore_engine_auto_is_torch_sim_when_installed():
     from nvalchemi._optional import OptionalDependency
 
     auto = engine_of(ExploreSpec(structures=[]))
     assert auto == ("torch-sim" if OptionalDependency.TORCH_SIM.is_available() else "ase")
     assert engine_of(ExploreSpec(structures=[], engine="ase")) == "ase"
+
+
+# ---------------------------------------------------------------------------- training
+def _learning_rates(settings: LearnTrainSpec) -> list[float]:
+    from nvalchemi.app.learn.train import _optimizer
+
+    optimizer, schedule = _optimizer(settings).build([torch.nn.Parameter(torch.zeros(1))])
+    rates = []
+    for _ in range(settings.steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_the_fine_tune_warms_up_over_its_share_of_the_steps_then_decays():
+    cold = _learning_rates(LearnTrainSpec(steps=10, lr=1e-3))
+    assert cold[0] == pytest.approx(1e-3) and cold == sorted(cold, reverse=True)
+    warm = _learning_rates(LearnTrainSpec(steps=10, lr=1e-3, warmup=0.2))
+    assert warm[0] == pytest.approx(5e-5)  # 5 % of lr
+    assert max(warm) == pytest.approx(1e-3) and warm.index(max(warm)) == 2  # 0.2 x 10 steps
+    assert warm[2:] == sorted(warm[2:], reverse=True) and warm[-1] < 1e-4
 
 
 # --------------------------------------------------------------------------- labelling

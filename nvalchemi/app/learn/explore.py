@@ -3,9 +3,10 @@
 For every start structure, temperature and isotropic strain (a trajectory), Langevin NVT
 with the committee as the potential: velocities drawn at the temperature, a frame kept
 every ``every`` steps with its committee max force deviation
-(``info["max_force_deviation"]``, eV/Å, calibrated). A trajectory ends early at a frame
-above ``stop_deviation`` (or a non-finite one) or when the model fails on it (atoms
-collapsed): its frames so far are kept.
+(``info["max_force_deviation"]``, eV/Å, calibrated) and energy spread
+(``info["energy_std"]``, eV). A trajectory ends early at a frame above ``stop_deviation``
+(or a non-finite one) or when the model fails on it (atoms collapsed): its frames so far
+are kept.
 
 Two engines (``explore.engine``; ``auto``: torch-sim when installed):
 
@@ -70,16 +71,23 @@ def _strained(atoms: Any, strain: float) -> Any:
 
 
 def _frame(
-    atoms: Any, positions: Any, deviation: float, number: int, step: int, plan: tuple
+    atoms: Any,
+    positions: Any,
+    spread: tuple[float, float],
+    number: int,
+    step: int,
+    plan: tuple,
 ) -> Any:
-    """A copy of ``atoms`` at ``positions``, its deviation and origin in ``info``."""
+    """A copy of ``atoms`` at ``positions``; its spread ``(max force deviation, energy
+    std)`` and origin in ``info``."""
     frame = atoms.copy()
     frame.calc = None
     frame.set_constraint()
     frame.positions = np.asarray(positions, dtype=float)
     _, temperature, strain = plan
     frame.info.update(
-        max_force_deviation=deviation,
+        max_force_deviation=spread[0],
+        energy_std=spread[1],
         learn_run=number,
         learn_step=step,
         temperature_K=temperature,
@@ -105,10 +113,10 @@ def explore(
     """Run every trajectory; returns ``(frames, runs)``.
 
     ``frames``: ``Atoms`` without labels, trajectory by trajectory, ``info`` holding
-    ``max_force_deviation``, ``learn_run``, ``learn_step``, ``temperature_K``, ``strain``
-    (and the start structure's own info, e.g. ``config_type``). ``runs``: per trajectory
-    its settings, frames kept and how it ended (``"steps"``, ``"deviation"`` or the
-    model's error). ``progress(done, total)`` is called as the trajectories advance.
+    ``max_force_deviation``, ``energy_std``, ``learn_run``, ``learn_step``,
+    ``temperature_K``, ``strain`` (and the start structure's own info, e.g.
+    ``config_type``). ``runs``: per trajectory its settings, frames kept and how it
+    ended (``"steps"``, ``"deviation"`` or the model's error). ``progress(done, total)`` is called as the trajectories advance.
     """
     plan = trajectories(starts, settings)
     systems = [_strained(starts[index], strain) for index, _, strain in plan]
@@ -167,8 +175,9 @@ def _explore_ase(
                 dynamics.run(chunk)
                 step += chunk
                 deviation = float(atoms.calc.get_property("max_force_deviation", atoms))
+                spread = (deviation, float(atoms.calc.get_property("energy_std", atoms)))
                 frames[number].append(
-                    _frame(atoms, atoms.positions, deviation, number, step, plan[number])
+                    _frame(atoms, atoms.positions, spread, number, step, plan[number])
                 )
                 run["frames"] += 1
                 if not np.isfinite(deviation) or deviation > stop:
@@ -319,7 +328,8 @@ class _Walk:
         out = self.last.get("out")
         if out is None or out["max_force_deviation"].shape[0] != len(alive):
             out = self.adapter(md)
-        deviations = out["max_force_deviation"].detach().double().cpu().numpy()
+        deviations = out["max_force_deviation"].detach().double().cpu().numpy().reshape(-1)
+        energy_stds = out["energy_std"].detach().double().cpu().numpy().reshape(-1)
         positions = md.positions.detach().double().cpu().numpy()
         counts = [len(self.boxed[self.members[k]]) for k in alive]
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -328,8 +338,9 @@ class _Walk:
             number = self.members[k]
             deviation = float(deviations[position])
             here = positions[starts[position] : starts[position + 1]]
+            spread = (deviation, float(energy_stds[position]))
             self.frames[number].append(
-                _frame(self.systems[number], here, deviation, number, step, self.plan[number])
+                _frame(self.systems[number], here, spread, number, step, self.plan[number])
             )
             self.runs[number]["frames"] += 1
             if not np.isfinite(deviation) or deviation > stop:

@@ -37,7 +37,14 @@ from typing import Any
 from nvalchemi.app.learn.spec import LearnJob, read_learn_job
 from nvalchemi.app.learn.store import PHASES, LearnStore
 
-__all__ = ["LearnResult", "Progress", "learning_curve", "run_learning", "test_errors"]
+__all__ = [
+    "LearnResult",
+    "Progress",
+    "learning_curve",
+    "run_learning",
+    "start_structures",
+    "test_errors",
+]
 
 Progress = Callable[[int, str, int, int], None]
 """``progress(iteration, phase, done, total)``: called as a phase advances."""
@@ -150,13 +157,21 @@ def _committee(root: Path, device: str) -> Any:
     return model.eval()
 
 
-def _starts(job: LearnJob) -> list[Any]:
+def start_structures(job: LearnJob, iteration: int) -> list[Any]:
+    """The structures iteration ``iteration`` explores from: every structure of every
+    file of ``explore.structures``, or with ``explore.max_structures`` (n) that many
+    per file, in turn: iteration i takes structures ``i*n`` to ``i*n + n - 1`` of each
+    file, wrapping around, so the iterations cover every structure before any twice."""
     from ase.io import read
 
     starts = []
     for path in job.explore.structures:
         found = read(path, index=":")
-        starts += found[: job.explore.max_structures]
+        n = job.explore.max_structures
+        if n is None or n >= len(found):
+            starts += found
+        else:
+            starts += [found[(iteration * n + k) % len(found)] for k in range(n)]
     return starts
 
 
@@ -182,7 +197,7 @@ class _Loop:
         model = _committee(_model_root(self.store, self.data, i - 1), self.job.train.device)
         frames, runs = explore(
             model,
-            _starts(self.job),
+            start_structures(self.job, i),
             self.job.explore,
             self.job.select,
             seed=self.job.seed,
