@@ -122,10 +122,13 @@ def make_data(out: Path, args: Any) -> dict[str, Path]:
             [md_snapshot(bulk_cell(rng, 0.0), rng) for _ in range(args.test)]
             + [md_snapshot(slab(rng, 0.0), rng) for _ in range(args.test)],
         ),
-        ("starts", [bulk_cell(rng, 0.02) for _ in range(6)] + [slab(rng, 0.02) for _ in range(6)]),
+        ("starts_bulk", [bulk_cell(rng, 0.02) for _ in range(args.starts)]),
+        ("starts_slab", [slab(rng, 0.02) for _ in range(args.starts)]),
     ):
         files[name] = out / f"{name}.extxyz"
-        write(files[name], structures)
+        partial = out / f"{name}.partial.extxyz"  # runs with other tags may read the file
+        write(partial, structures)
+        partial.replace(files[name])
     return files
 
 
@@ -157,18 +160,19 @@ def start_job(out: Path, files: dict[str, Path], args: Any) -> Path:
     return path
 
 
-def learn_job(out: Path, files: dict[str, Path], args: Any) -> Path:
+def learn_job(out: Path, runs: Path, files: dict[str, Path], args: Any) -> Path:
     import yaml
 
     job = {
         "name": "bench-al",
-        "work_dir": str(out / "loop"),
+        "work_dir": str(runs / "loop"),
         "iterations": args.iterations,
         "seed": args.seed,
         "imports": ["ase.calculators.emt"],
         "start": {"job": str(out / "start.yaml"), "test": [str(files["test"])]},
         "explore": {
-            "structures": [str(files["starts"])],
+            "structures": [str(files["starts_bulk"]), str(files["starts_slab"])],
+            "max_structures": args.starts_per_iteration,
             "temperatures": [400.0, 900.0],
             "steps": args.md_steps,
             "every": 10,
@@ -177,17 +181,21 @@ def learn_job(out: Path, files: dict[str, Path], args: Any) -> Path:
             "trust_lo": args.trust_lo,
             "trust_hi": args.trust_hi,
             "max_structures": args.per_iteration,
+            "method": args.method,
+            "score": args.score,
         },
         "label": {"calculator": "ase.calculators.emt.EMT", "workers": 2, "stress": False},
+        "md_check": None,  # the benchmark counts labels; the MD check is the report's
         "train": {
             "steps": args.finetune_steps,
-            "lr": 1e-3,
+            "lr": args.finetune_lr,
+            "warmup": args.warmup,
             "batch_size": 8,
             "replay_ratio": 0.5,
             "checkpoint_every": args.finetune_steps,
         },
     }
-    path = out / "learn.yaml"
+    path = runs / "learn.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
@@ -206,7 +214,7 @@ def _row(method: str, iteration: int, labels: int, errors: dict[str, Any]) -> di
 
 
 def random_baseline(
-    out: Path, files: dict[str, Path], loop_dir: Path, job: Any, args: Any
+    out: Path, runs: Path, files: dict[str, Path], loop_dir: Path, job: Any, args: Any
 ) -> list[dict[str, Any]]:
     """The loop's label and training budgets, frames drawn at random from the loop's own
     candidate pool of each iteration."""
@@ -230,7 +238,7 @@ def random_baseline(
         budget = json.loads((iteration / "label.json").read_text())["labelled"]
         settings = job.select.model_copy(update={"method": "random", "max_structures": budget})
         chosen, _ = select(pool, settings, seed=args.seed * 7919 + i)
-        folder = out / "random" / f"{i:04d}"
+        folder = runs / "random" / f"{i:04d}"
         new = folder / "labelled.extxyz"
         folder.mkdir(parents=True, exist_ok=True)
         if not chosen:  # the loop labelled nothing this iteration: neither does random
@@ -325,11 +333,31 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--per-iteration", type=int, default=20)
     parser.add_argument("--md-steps", type=int, default=60)
+    parser.add_argument(
+        "--starts",
+        type=int,
+        default=6,
+        help="MD start structures per family; each iteration explores the next "
+        "--starts-per-iteration of each",
+    )
+    parser.add_argument("--starts-per-iteration", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=24)
     parser.add_argument("--start-steps", type=int, default=800)
     parser.add_argument("--finetune-steps", type=int, default=200)
+    parser.add_argument("--finetune-lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=float, default=0.0, help="share of fine-tune steps")
     parser.add_argument("--trust-lo", type=float, default=0.05)
     parser.add_argument("--trust-hi", type=float, default=1.0)
+    parser.add_argument(
+        "--method", default="deviation", choices=["diverse", "deviation"], help="the loop's"
+    )
+    parser.add_argument("--score", default="forces", choices=["forces", "forces+energy"])
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="write the two methods' runs under OUT/TAG (the data and the start committee "
+        "in OUT are reused by every tag)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -350,11 +378,12 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    runs = out / args.tag if args.tag else out
+    runs.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     files = make_data(out, args)
     start_job(out, files, args)
-    job = read_learn_job(learn_job(out, files, args))
+    job = read_learn_job(learn_job(out, runs, files, args))
     result = run_learning(job)
     start = test_errors(out / "start" / "checkpoints", [open_reader(str(files["test"]))])
     rows = [_row("start", -1, args.start, start)]
@@ -362,12 +391,13 @@ def main() -> None:
     for report in result.reports:
         rows.append(_row("loop", report["iteration"], report["labels"], report))
         print(json.dumps({**rows[-1], "bands": report["bands"]}), flush=True)
-    rows += random_baseline(out, files, result.work_dir, job, args)
+    rows += random_baseline(out, runs, files, result.work_dir, job, args)
     found = summary(rows, args.start)
     found["minutes"] = round((time.perf_counter() - began) / 60, 1)
+    found["settings"] = vars(args)
     print(json.dumps(found), flush=True)
-    (out / "rows.json").write_text(json.dumps({"rows": rows, "summary": found}, indent=1))
-    plot(rows, out / "curves.png")
+    (runs / "rows.json").write_text(json.dumps({"rows": rows, "summary": found}, indent=1))
+    plot(rows, runs / "curves.png")
 
 
 if __name__ == "__main__":

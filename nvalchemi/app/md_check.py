@@ -58,6 +58,7 @@ __all__ = [
     "MDCheckSettings",
     "MDRun",
     "MDStructures",
+    "as_fully_periodic",
     "draw_structures",
     "iter_table_rows",
     "md_check",
@@ -432,7 +433,7 @@ def _run_one_with_ase(
         run.fail("error", f"{type(exc).__name__}: {exc}", step * settings.timestep_ps)
 
 
-def _as_fully_periodic(atoms: Any, cutoff: float) -> Any:
+def as_fully_periodic(atoms: Any, cutoff: float) -> Any:
     """``atoms`` periodic along all three vectors, for torch-sim's one pbc flag.
 
     Each open direction of a mixed structure (a slab: pbc T, T, F) gets a cell vector
@@ -487,7 +488,7 @@ def _run_torch_sim(
     periodic: list[tuple[MDRun, Any]] = []
     open_boundary: list[tuple[MDRun, Any]] = []
     for run in runs:
-        atoms = _as_fully_periodic(structures.atoms[run.structure], vacuum)
+        atoms = as_fully_periodic(structures.atoms[run.structure], vacuum)
         (periodic if atoms.pbc.all() else open_boundary).append((run, atoms))
     for members in (periodic, open_boundary):
         if members:

@@ -1,7 +1,10 @@
 """``NvalchemiCalculator``: an nvalchemi model, checkpoint or exported file as an ASE calculator.
 
 Computes ``energy``, ``free_energy`` (equal to the energy), ``forces`` and, for
-periodic systems, ``stress`` (Voigt, eV/Å³, ASE's sign). Every call goes through the
+periodic systems, ``stress`` (Voigt, eV/Å³, ASE's sign); for a committee (a model or an
+export of one) also its calibrated spread: ``energy_std`` (eV), ``forces_std``
+(``(N, 3)``, eV/Å), ``max_force_deviation`` (eV/Å) and ``stress_std`` (Voigt, eV/Å³),
+read with ``atoms.calc.get_property("max_force_deviation", atoms)``. Every call goes through the
 export contract (:mod:`nvalchemi.models.export`): the neighbour inputs are built by
 :func:`~nvalchemi.models.export.neighbor_inputs` and handed to a model behind
 :class:`~nvalchemi.models.export.Potential`, to an exported file
@@ -30,6 +33,7 @@ from ase.calculators.calculator import Calculator, PropertyNotImplementedError, 
 from ase.stress import full_3x3_to_voigt_6_stress
 
 from nvalchemi import checkpoint_files
+from nvalchemi.models.committee import SPREAD_NAMES
 from nvalchemi.models.export import Potential, check_head, neighbor_inputs, quiet_torchscript
 
 __all__ = ["NvalchemiCalculator"]
@@ -102,6 +106,8 @@ class NvalchemiCalculator(Calculator):
             super().__init__(**kwargs)
             self.head, self.model, self.potential = None, None, model
             self.device = torch.device(device) if device is not None else _device_of(model)
+            if int(getattr(model, "committee_size", 1)) > 1:  # an exported committee
+                self.implemented_properties = [*_PROPERTIES, *SPREAD_NAMES]
             return
         check_head(model, head)
         self.head = head
@@ -115,7 +121,7 @@ class NvalchemiCalculator(Calculator):
         self.model = model
         self.potential = Potential(model, head)
         outputs = set(model.model_config.outputs) | {"free_energy"}
-        self.implemented_properties = [p for p in _PROPERTIES if p in outputs]
+        self.implemented_properties = [p for p in (*_PROPERTIES, *SPREAD_NAMES) if p in outputs]
 
     @classmethod
     def from_export(
@@ -251,6 +257,21 @@ class NvalchemiCalculator(Calculator):
         if periodic and has_volume and out.get("stress") is not None:
             stress = out["stress"].detach().double().cpu().numpy().reshape(3, 3)
             self.results["stress"] = full_3x3_to_voigt_6_stress(stress)
+        self._spread_results(out, periodic and has_volume)
+
+    def _spread_results(self, out: dict[str, Any], with_stress: bool) -> None:
+        """A committee's spread (any contract module that returns it) into the results."""
+        for name in SPREAD_NAMES:
+            value = out.get(name)
+            if value is None or (name == "stress_std" and not with_stress):
+                continue
+            value = value.detach().double().cpu().numpy()
+            if name == "forces_std":
+                self.results[name] = value.reshape(-1, 3)
+            elif name == "stress_std":
+                self.results[name] = full_3x3_to_voigt_6_stress(value.reshape(3, 3))
+            else:
+                self.results[name] = float(value.reshape(-1)[0])
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

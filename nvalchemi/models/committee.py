@@ -14,6 +14,7 @@ Calling it returns the committee mean and its spread for every quantity it compu
 * ``max_force_deviation`` ``[B, 1]`` (eV/Å): DP-GEN's model deviation, the largest over
   the atoms of a structure of ``sqrt(mean_m |F_m,i - mean F_i|^2)``;
 * ``stress`` ``[B, 3, 3]`` and ``stress_std`` ``[B, 3, 3]`` (eV/Å³);
+* ``atomic_energies`` ``[V]`` (eV), the members' mean, when every member computes them;
 * every member's own prediction under :func:`member_key` (``energy_m0``, ``forces_m2``,
   ...), which the training loss reads (``nvalchemi.app.committee.committee_loss``).
 
@@ -21,6 +22,10 @@ Spreads are population standard deviations over the members (``ddof=0``), multip
 the model's calibration factors (:attr:`Committee.uncertainty_scale`, one per quantity,
 1 until fitted, e.g. by ``nvalchemi.app.uncertainty.calibrate``); they are computed
 whenever their quantity is and carry no gradient.
+
+A committee of exportable members exports (``nvalchemi.models.export.export_model``,
+``nvalchemi-training export``): the file computes every member and returns the mean and
+the calibrated spreads as extra output keys (:meth:`Committee.atomic_energy_module`).
 
 With ``bootstrap=True`` each member weights every training structure by its own
 Poisson(1) count (an online bootstrap of the training set): the count scales the
@@ -60,10 +65,21 @@ from nvalchemi.models._utils import graph_layout
 from nvalchemi.models.base import BaseModelMixin, ModelConfig
 from nvalchemi.spec import BaseSpec
 
-__all__ = ["QUANTITIES", "SPREADS", "Committee", "bootstrap_counts", "member_key"]
+__all__ = [
+    "QUANTITIES",
+    "SPREADS",
+    "SPREAD_NAMES",
+    "Committee",
+    "bootstrap_counts",
+    "member_key",
+]
 
 QUANTITIES = ("energy", "forces", "stress")
-"""The quantities a committee averages, in the order of :attr:`Committee.uncertainty_scale`."""
+"""The quantities whose spread a committee reports, in the order of
+:attr:`Committee.uncertainty_scale`."""
+
+_AVERAGED = (*QUANTITIES, "atomic_energies")
+"""What a committee averages over its members (per-atom energies get no spread)."""
 
 SPREADS = {
     "energy": ("energy_std",),
@@ -71,6 +87,9 @@ SPREADS = {
     "stress": ("stress_std",),
 }
 """The spread outputs of each quantity."""
+
+SPREAD_NAMES = tuple(name for names in SPREADS.values() for name in names)
+"""Every spread output: ``energy_std``, ``forces_std``, ``max_force_deviation``, ``stress_std``."""
 
 _SPREAD_OF = {name: quantity for quantity, names in SPREADS.items() for name in names}
 
@@ -170,6 +189,14 @@ class Committee(nn.Module, BaseModelMixin):
         return None if config is None else config.cutoff
 
     @property
+    def elements(self) -> list[int] | None:
+        """The atomic numbers every member knows (``None`` when a member does not say)."""
+        known = [getattr(member, "elements", None) for member in self.members]
+        if any(found is None for found in known):
+            return None
+        return sorted(set.intersection(*({int(z) for z in found} for found in known)))
+
+    @property
     def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
         """The members' embeddings concatenated along the feature axis."""
         shapes: dict[str, tuple[int, ...]] = {}
@@ -186,7 +213,7 @@ class Committee(nn.Module, BaseModelMixin):
         if key == "active_outputs":
             wanted = {_SPREAD_OF.get(k, k) for k in self.model_config.active_outputs}
             for member in self.members:
-                member.set_config(key, wanted & set(QUANTITIES) & set(member.model_config.outputs))
+                member.set_config(key, wanted & set(_AVERAGED) & set(member.model_config.outputs))
 
     def set_uncertainty_scale(self, **factors: float) -> None:
         """Set calibration factors, e.g. ``set_uncertainty_scale(forces=1.8, energy=2.5)``."""
@@ -206,7 +233,7 @@ class Committee(nn.Module, BaseModelMixin):
         ``kwargs`` (e.g. ``head=``) go to every member.
         """
         active = self.output_data()
-        wanted = {_SPREAD_OF.get(key, key) for key in active} & set(QUANTITIES)
+        wanted = {_SPREAD_OF.get(key, key) for key in active} & set(_AVERAGED)
         outputs = []
         for member in self.members:
             # For this call only: the members' own setting is what their specs record.
@@ -222,13 +249,17 @@ class Committee(nn.Module, BaseModelMixin):
         layout = None
         result: OrderedDict[str, torch.Tensor | None] = OrderedDict()
         members: dict[str, torch.Tensor] = {}
-        for position, key in enumerate(QUANTITIES):
+        for key in _AVERAGED:
             if key not in wanted:
                 continue
             values = [out.get(key) for out in outputs]
             if any(value is None for value in values):
                 result[key] = None
                 continue
+            if key == "atomic_energies":
+                result[key] = torch.stack(values).mean(0)
+                continue
+            position = QUANTITIES.index(key)
             if key == "energy":
                 values = [value.reshape(-1, 1) for value in values]
             if layout is None and (key == "forces" or weights is not None):
@@ -261,6 +292,21 @@ class Committee(nn.Module, BaseModelMixin):
         for name, parts in found.items():
             data[name] = torch.cat(parts, dim=-1)
         return data
+
+    def atomic_energy_module(self, head: str | None = None) -> nn.Module:
+        """Every member's per-atom energies as one TorchScript-compatible module (the export).
+
+        ``forward(positions, atomic_numbers, edge_index, shifts, batch, num_systems)``
+        returns ``[M, N]`` energies (eV), one row per member, from the export contract's
+        inputs; the export (:func:`nvalchemi.models.export.export_model`) derives each
+        member's forces and stress and returns their mean and spread. Attributes:
+        ``cutoff`` (the largest member's), ``atomic_numbers`` (the elements every member
+        knows) and the buffer ``uncertainty_scale`` (the calibration factors).
+
+        Raises:
+            TypeError: a member without ``atomic_energy_module`` (it cannot be exported).
+        """
+        return _CommitteeAtomicEnergies(self, head)
 
     # ------------------------------------------------------------ data fitting
     @classmethod
@@ -312,6 +358,43 @@ class Committee(nn.Module, BaseModelMixin):
         return cls(built, size=size, seed=seed, bootstrap=bootstrap)
 
 
+class _CommitteeAtomicEnergies(nn.Module):
+    """The members' per-atom energy modules side by side: ``[M, N]`` (scriptable)."""
+
+    def __init__(self, committee: Committee, head: str | None) -> None:
+        super().__init__()
+        modules = []
+        for index, member in enumerate(committee.members):
+            make = getattr(member, "atomic_energy_module", None)
+            if not callable(make):
+                raise TypeError(
+                    f"committee member {index} ({type(member).__name__}) has no "
+                    "atomic_energy_module(head), so the committee cannot be exported"
+                )
+            modules.append(make(head))
+        self.members = nn.ModuleList(modules)
+        self.cutoff = max(float(module.cutoff) for module in modules)
+        known = [{int(z) for z in module.atomic_numbers} for module in modules]
+        self.atomic_numbers = sorted(set.intersection(*known))
+        self.register_buffer("uncertainty_scale", committee.uncertainty_scale.detach().clone())
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        atomic_numbers: torch.Tensor,
+        edge_index: torch.Tensor,
+        shifts: torch.Tensor,
+        batch: torch.Tensor,
+        num_systems: int,
+    ) -> torch.Tensor:
+        energies: list[torch.Tensor] = []
+        for member in self.members:
+            energies.append(
+                member(positions, atomic_numbers, edge_index, shifts, batch, num_systems)
+            )
+        return torch.stack(energies)
+
+
 # -------------------------------------------------------------------- helpers
 def _committee_config(configs: list[ModelConfig]) -> ModelConfig:
     """The committee's contract: what every member computes, plus the spreads."""
@@ -334,6 +417,8 @@ def _committee_config(configs: list[ModelConfig]) -> ModelConfig:
         neighbor = max(found, key=lambda c: c.cutoff + c.skin).model_copy()
     spreads = {name for quantity in common for name in SPREADS[quantity]}
     active = set(configs[0].active_outputs or common) & common
+    if all("atomic_energies" in config.outputs for config in configs):
+        common.add("atomic_energies")
     return ModelConfig(
         outputs=common | spreads,
         autograd_outputs=set().union(*(c.autograd_outputs for c in configs)) & common,

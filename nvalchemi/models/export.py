@@ -23,6 +23,14 @@ positive = tensile) and ``virial (3, 3)`` (eV, ``-stress * volume``), ``(B, 3, 3
 batched with zero rows for systems that are not periodic (or whose cell has no volume).
 Attributes: ``cutoff`` (float, Å) and ``atomic_numbers`` (the elements it knows).
 
+A committee (:class:`~nvalchemi.models.committee.Committee`) follows the same contract with
+the members' mean as ``energy``, ``atomic_energies``, ``forces`` and ``stress``, and adds its
+calibrated spread as extra keys: ``energy_std`` (eV, shaped like ``energy``),
+``forces_std (N, 3)`` (eV/Å), ``max_force_deviation`` (eV/Å, DP-GEN's model deviation, shaped
+like ``energy``) and, with ``stress``, ``stress_std`` (eV/Å³, shaped like ``stress``). An
+exported committee has the attribute ``committee_size`` (its number of members; 1 for a
+single model).
+
 :func:`neighbor_inputs` builds ``edge_index`` and ``shifts`` (vesin, full list) for one
 system or a batch, so every engine builds them the same way.
 
@@ -276,9 +284,9 @@ class Potential(nn.Module):
         images = _lattice_images(inputs, cells, counts)
         data = _model_input(inputs, images, counts, any_periodic, batched)
         outputs = set(self.model.model_config.outputs)
-        wanted = outputs & {"energy", "forces", "atomic_energies"}
+        wanted = outputs & {"energy", "forces", "atomic_energies", *_SPREADS[:3]}
         if any_periodic and "stress" in outputs:
-            wanted.add("stress")
+            wanted |= outputs & {"stress", "stress_std"}
         raw = self._call(data, wanted)
         return _contract_outputs(raw, cells, periodic, any_periodic, batched)
 
@@ -379,9 +387,13 @@ def _contract_outputs(
     if energy is not None:
         energy = energy.detach().reshape(-1)
         out["energy"] = energy if batched else energy.reshape(())
-    for key in ("atomic_energies", "forces"):
+    for key in ("atomic_energies", "forces", "forces_std"):
         if raw.get(key) is not None:
             out[key] = raw[key].detach()
+    for key in ("energy_std", "max_force_deviation"):  # per system, as the energy
+        if raw.get(key) is not None:
+            value = raw[key].detach().reshape(-1)
+            out[key] = value if batched else value.reshape(())
     stress = raw.get("stress")
     if any_periodic and stress is not None:
         stress = stress.detach().reshape(-1, 3, 3)
@@ -390,6 +402,9 @@ def _contract_outputs(
         stress = stress * keep
         virial = -stress * volume.view(-1, 1, 1)
         out["stress"], out["virial"] = (stress, virial) if batched else (stress[0], virial[0])
+        if raw.get("stress_std") is not None:
+            spread = raw["stress_std"].detach().reshape(-1, 3, 3) * keep
+            out["stress_std"] = spread if batched else spread[0]
     return out
 
 
@@ -397,15 +412,22 @@ def _contract_outputs(
 _MAX_Z = 118
 
 
+_SPREADS = ("energy_std", "forces_std", "max_force_deviation", "stress_std")
+
+
 class _ExportedPotential(nn.Module):
     """The contract around a model's per-atom energy module: what ``export_model`` scripts.
 
     ``energies`` (from ``model.atomic_energy_module(head)``) maps
     ``(positions, atomic_numbers, edge_index, shifts, batch, num_systems)`` to per-atom
-    energies; this module checks the inputs and elements, sums the energies per system
-    and takes forces and, for periodic systems, the virial and stress by one
-    ``autograd.grad`` through a symmetric strain of positions and shifts. Every method
-    compiles with TorchScript; eager, it computes what the scripted module does.
+    energies ``[N]``, or a committee's ``[M, N]`` (one row per member); this module checks
+    the inputs and elements, sums the energies per system and takes forces and, for
+    periodic systems, the virial and stress by one ``autograd.grad`` per member through a
+    symmetric strain of positions and shifts. A committee's outputs are the members' mean
+    plus their spread (population standard deviations times ``uncertainty_scale``, the
+    committee's calibration factors of energy, forces and stress), as
+    :class:`~nvalchemi.models.committee.Committee` computes them. Every method compiles
+    with TorchScript; eager, it computes what the scripted module does.
     """
 
     def __init__(self, energies: nn.Module, dtype: torch.dtype) -> None:
@@ -415,6 +437,11 @@ class _ExportedPotential(nn.Module):
         self.energies = energies
         self.cutoff = float(energies.cutoff)
         self.atomic_numbers = [int(z) for z in energies.atomic_numbers]
+        members = getattr(energies, "members", None)
+        self.committee_size = len(members) if isinstance(members, nn.ModuleList) else 1
+        scale = getattr(energies, "uncertainty_scale", None)
+        scale = torch.ones(3) if scale is None else scale.detach().clone()
+        self.register_buffer("uncertainty_scale", scale.to(dtype))
         self.symbols = list(chemical_symbols[: _MAX_Z + 1])
         known = torch.zeros(_MAX_Z + 1, dtype=torch.bool)
         known[torch.tensor(self.atomic_numbers, dtype=torch.long)] = True
@@ -468,31 +495,75 @@ class _ExportedPotential(nn.Module):
                 edge_strain = atom_strain.index_select(0, edge_index[0])
                 strained_shifts = shifts + torch.bmm(shifts.unsqueeze(1), edge_strain).squeeze(1)
         atomic = self.energies(strained, numbers, edge_index, strained_shifts, batch, num_systems)
-        energy = torch.zeros([num_systems], dtype=atomic.dtype, device=atomic.device)
-        energy = energy.index_add(0, batch, atomic)
+        # [M, N]: one row per committee member (M = 1 for a single model)
+        per_member = atomic if atomic.dim() == 2 else atomic.unsqueeze(0)
+        size = per_member.shape[0]
+        energies = torch.zeros([size, num_systems], dtype=atomic.dtype, device=atomic.device)
+        energies = energies.index_add(1, batch, per_member)
         wrt = [leaf, displacement] if with_stress else [leaf]
-        grads = torch.autograd.grad([energy.sum()], wrt, allow_unused=True)
+        forces_of: list[torch.Tensor] = []
+        strain_of: list[torch.Tensor] = []
+        for m in range(size):
+            grads = torch.autograd.grad(
+                [energies[m].sum()], wrt, retain_graph=m + 1 < size, allow_unused=True
+            )
+            grad_positions = grads[0]
+            if grad_positions is None:
+                forces_of.append(torch.zeros_like(positions))
+            else:
+                forces_of.append(-grad_positions.detach())
+            if with_stress:
+                grad_strain = grads[1]
+                if grad_strain is None:
+                    grad_strain = torch.zeros_like(displacement)
+                strain_of.append(grad_strain.detach())
         torch.set_grad_enabled(grad_was_enabled)
-        grad_positions = grads[0]
-        forces = torch.zeros_like(positions) if grad_positions is None else -grad_positions
+        energies = energies.detach()
+        forces = torch.stack(forces_of)
         out: dict[str, torch.Tensor] = {
-            "energy": energy.detach() if batched else energy.detach()[0],
-            "atomic_energies": atomic.detach(),
-            "forces": forces.detach(),
+            "energy": self._one(self._mean(energies), batched),
+            "atomic_energies": self._mean(per_member.detach()),
+            "forces": self._mean(forces),
         }
+        if size > 1:
+            energy_std = self._std(energies, 0)
+            forces_variance = self._variance(forces)
+            per_atom = forces_variance.sum(-1).sqrt() * self.uncertainty_scale[1]
+            deviation = torch.zeros([num_systems], dtype=per_atom.dtype, device=per_atom.device)
+            deviation = deviation.scatter_reduce(0, batch, per_atom, "amax", include_self=False)
+            out["energy_std"] = self._one(energy_std, batched)
+            out["forces_std"] = forces_variance.sqrt() * self.uncertainty_scale[1]
+            out["max_force_deviation"] = self._one(deviation, batched)
         if with_stress:
-            grad_strain = grads[1]
-            if grad_strain is None:
-                grad_strain = torch.zeros_like(displacement)
             volume = torch.linalg.det(cells).abs()
             keep = periodic & (volume > 0)
             safe_volume = torch.where(keep, volume, torch.ones_like(volume))
-            stress = grad_strain.detach() / safe_volume.view(-1, 1, 1)
-            stress = stress * keep.to(dtype).view(-1, 1, 1)
+            stresses = torch.stack(strain_of) / safe_volume.view(1, -1, 1, 1)
+            stresses = stresses * keep.to(dtype).view(1, -1, 1, 1)
+            stress = self._mean(stresses)
             virial = -stress * volume.view(-1, 1, 1)
             out["stress"] = stress if batched else stress[0]
             out["virial"] = virial if batched else virial[0]
+            if size > 1:
+                stress_std = self._std(stresses, 2)
+                out["stress_std"] = stress_std if batched else stress_std[0]
         return out
+
+    def _mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over the members (dimension 0); a single model's own values."""
+        return values[0] if values.shape[0] == 1 else values.mean(0)
+
+    def _variance(self, values: torch.Tensor) -> torch.Tensor:
+        """The members' population variance (as the eager committee computes it)."""
+        return (values - values.mean(0)).pow(2).mean(0)
+
+    def _std(self, values: torch.Tensor, quantity: int) -> torch.Tensor:
+        """The calibrated spread of quantity ``quantity`` (0 energy, 1 forces, 2 stress)."""
+        return self._variance(values).sqrt() * self.uncertainty_scale[quantity]
+
+    def _one(self, per_system: torch.Tensor, batched: bool) -> torch.Tensor:
+        """``(B,)`` for a batch, a scalar for one system."""
+        return per_system if batched else per_system[0]
 
     def _check_elements(self, numbers: torch.Tensor) -> None:
         largest = self.known.shape[0] - 1
@@ -537,6 +608,10 @@ _UNITS = {
     "forces": "eV/Å",
     "stress": "eV/Å³ (positive = tensile, ASE's sign)",
     "virial": "eV (-stress * volume)",
+    "energy_std": "eV",
+    "forces_std": "eV/Å",
+    "max_force_deviation": "eV/Å",
+    "stress_std": "eV/Å³",
 }
 
 
@@ -888,6 +963,15 @@ def _metadata(
         "versions": _versions(),
         "self_check": report,
     }
+    size = int(loaded.committee_size)
+    if size > 1:
+        info["outputs"] += list(_SPREADS)
+        factors = loaded.uncertainty_scale.tolist()
+        info["committee"] = {
+            "size": size,
+            "calibration_factors": dict(zip(("energy", "forces", "stress"), factors)),
+            "spreads": "population standard deviations over the members times the factors",
+        }
     for key, value in (extra or {}).items():
         if isinstance(value, Mapping) and isinstance(info.get(key), Mapping):
             info[key] = {**info[key], **value}

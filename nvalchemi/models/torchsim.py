@@ -18,7 +18,10 @@
 Conventions: torch-sim stores cells as columns (``state.cell[b]`` has the lattice vectors
 as columns), nvalchemi as rows; this adapter transposes. Energies are eV ``[B]``, forces
 eV/Å ``[N, 3]``, stress eV/Å³ ``[B, 3, 3]`` with ASE's sign (positive = tensile), which is
-torch-sim's (``1/V dE/dε``). torch-sim 0.3 has one ``pbc`` flag for a whole state: ``True``
+torch-sim's (``1/V dE/dε``). A committee (or its export) also returns its calibrated
+spread: ``energy_std`` and ``max_force_deviation`` ``[B]``, ``forces_std`` ``[N, 3]`` and,
+with stress, ``stress_std`` ``[B, 3, 3]`` (torch-sim's integrators ignore them; read them
+from the output, e.g. with a forward hook, to watch the model deviation along a run). torch-sim 0.3 has one ``pbc`` flag for a whole state: ``True``
 makes every system periodic along all three cell vectors, so batch a slab or a molecule
 with crystals by giving it a cell with at least the model's cutoff of vacuum (its results
 then equal the open-boundary ones); a state given as a dict may also carry ``pbc`` per
@@ -48,6 +51,7 @@ from nvalchemi import checkpoint_files
 from nvalchemi._optional import OptionalDependency
 from nvalchemi.data import AtomicData, Batch
 from nvalchemi.data.neighbors import compute_neighbors
+from nvalchemi.models.committee import SPREAD_NAMES
 from nvalchemi.models.export import neighbor_inputs
 
 try:
@@ -243,14 +247,24 @@ class TorchSimModel(ModelInterface):
                 wanted.add("stress")
             out = self._run_model(batch, wanted)
         result = {"energy": out["energy"].detach().reshape(num_systems)}
+        keep = periodic.to(result["energy"].dtype).reshape(-1, 1, 1)
         if self._compute_forces:
             result["forces"] = out["forces"].detach()
         if self._compute_stress:
             stress = out.get("stress")
             if stress is None:
                 stress = positions.new_zeros(num_systems, 3, 3)
-            stress = stress.detach().reshape(num_systems, 3, 3)
-            result["stress"] = stress * periodic.to(stress.dtype).reshape(-1, 1, 1)
+            result["stress"] = stress.detach().reshape(num_systems, 3, 3) * keep
+        for name in SPREAD_NAMES:  # a committee's spread, for whoever watches the outputs
+            spread = out.get(name)
+            if spread is None or (name == "stress_std" and not self._compute_stress):
+                continue
+            if name == "forces_std":
+                result[name] = spread.detach()
+            elif name == "stress_std":
+                result[name] = spread.detach().reshape(num_systems, 3, 3) * keep
+            else:
+                result[name] = spread.detach().reshape(num_systems)
         return result
 
     # ------------------------------------------------------------------ internals

@@ -131,11 +131,11 @@ def test_structures_are_drawn_per_group_with_a_seed(small_data):
 
 
 def test_torch_sim_gets_slabs_as_periodic_cells_with_vacuum_and_the_same_energy():
-    from nvalchemi.app.md_check import _as_fully_periodic
+    from nvalchemi.app.md_check import as_fully_periodic
 
     slab = fcc100("Cu", (2, 2, 3), vacuum=None)  # pbc T, T, F and no third cell vector
     slab.rattle(0.05, seed=3)
-    periodic = _as_fully_periodic(slab, cutoff=5.0)
+    periodic = as_fully_periodic(slab, cutoff=5.0)
     assert periodic.pbc.all() and periodic.cell[2] @ [0, 0, 1] > 5.0 + 6.0
     np.testing.assert_allclose(periodic.cell[:2], slab.cell[:2])
     slab.calc, periodic.calc = EMT(), EMT()

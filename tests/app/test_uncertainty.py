@@ -146,17 +146,26 @@ def helpers_models():
     return Committee([member], size=2), data
 
 
-def test_a_committee_job_calibrates_on_validation_stores_it_and_evaluate_applies_it(tmp_path):
-    from nvalchemi.training.checkpoint import load_model_from_checkpoint
-
-    job = tiny_job(tmp_path, "--committee", "2", num_steps=4)
+@pytest.fixture(scope="module")
+def committee_run(tmp_path_factory):
+    """A tiny committee job (2 members, 4 steps) run by ``spec run`` (read only)."""
+    tmp = tmp_path_factory.mktemp("committee-run")
+    job = tiny_job(tmp, "--committee", "2", num_steps=4)
     main = job["strategy"]["model_specs"]["main"]
     for key in TINY_PAINN:  # tiny_job shrinks a plain PaiNN: shrink the members instead
         main.pop(key)
     main["members"][0].update(TINY_PAINN)
-    result = invoke("spec", "run", write_job(tmp_path / "job.json", job), "--no-report")
+    result = invoke("spec", "run", write_job(tmp / "job.json", job), "--no-report")
     assert result.exit_code == 0, result.output
-    run = tmp_path / "run"
+    return tmp / "run"
+
+
+def test_a_committee_job_calibrates_on_validation_stores_it_and_evaluate_applies_it(
+    committee_run,
+):
+    from nvalchemi.training.checkpoint import load_model_from_checkpoint
+
+    run = committee_run
     final = json.loads((run / "final_evaluation.json").read_text())
     factors = final["uncertainty"]["calibration_factors"]
     assert set(final["uncertainty"]["overall"]) >= {"energy", "forces"}
@@ -177,3 +186,42 @@ def test_a_committee_job_calibrates_on_validation_stores_it_and_evaluate_applies
     assert "within_1_sigma" in report["uncertainty"]["overall"]["forces"]
     assert any(p.endswith("calibration.png") for p in report["plots"])
     assert "Uncertainty (committee spread vs error)" in result.stderr
+
+
+def test_the_export_of_a_committee_checkpoint_carries_its_calibrated_spread(
+    committee_run, tmp_path
+):
+    """``nvalchemi-training export`` of a committee: the calculator on the file gives the
+    spread of the calculator on the checkpoint (float64, 1e-10)."""
+    from ase.io import read
+
+    from nvalchemi.models import CommitteeCalculator
+    from nvalchemi.models.committee import SPREAD_NAMES
+    from nvalchemi.models.export import read_export_metadata
+
+    out = tmp_path / "committee.pt"
+    result = invoke("export", committee_run / "checkpoints", out, "--dtype", "float64")
+    assert result.exit_code == 0, result.output
+    assert "committee:  2 members" in result.stderr
+    info = read_export_metadata(out)
+    final = json.loads((committee_run / "final_evaluation.json").read_text())
+    assert info["committee"]["calibration_factors"] == pytest.approx(
+        final["uncertainty"]["calibration_factors"]
+    )
+    assert set(SPREAD_NAMES) <= set(info["self_check"]["max_relative_error"])
+    for atoms in read(TEST, index=":3"):
+        exported, eager = atoms.copy(), atoms.copy()
+        exported.calc = CommitteeCalculator.from_export(out)
+        eager.calc = CommitteeCalculator.from_checkpoint(
+            committee_run / "checkpoints", dtype=torch.float64
+        )
+        names = ["energy", "forces", "energy_std", "forces_std", "max_force_deviation"]
+        if atoms.pbc.all():
+            names += ["stress", "stress_std"]
+        for name in names:
+            np.testing.assert_allclose(
+                exported.calc.get_property(name, exported),
+                eager.calc.get_property(name, eager),
+                rtol=1e-10,
+                atol=1e-12,
+            )

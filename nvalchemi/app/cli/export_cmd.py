@@ -67,6 +67,8 @@ def export(
     The export checks itself against the model on a few structures (nothing is written
     if they disagree) and carries a metadata JSON: the model spec, units, dtype, training
     step, data files and their hashes, the run's final errors and the check's numbers.
+    A committee's export also returns its calibrated spread (energy_std, forces_std,
+    max_force_deviation, stress_std).
 
     \b
     Use the file (torch only; docs/deploy.md):
@@ -107,6 +109,15 @@ def _summary(out: str, info: dict[str, Any]) -> None:
         f"step {format_number(training.get('step'))}; cutoff {info['cutoff']:g} Å, "
         f"elements Z={info['atomic_numbers']}"
     )
+    committee = info.get("committee")
+    if committee:
+        factors = ", ".join(f"{k} {v:.3g}" for k, v in committee["calibration_factors"].items())
+        console.print(
+            f"committee:  {committee['size']} members; outputs their mean and calibrated "
+            f"spread (energy_std, forces_std, max_force_deviation, stress_std; factors "
+            f"{factors})",
+            soft_wrap=True,
+        )
     console.print(
         f"self-check: eager and exported agree on {len(check['structures'])} structures to "
         f"{worst:.2g} relative (tolerance {check['tolerance']:g}); "

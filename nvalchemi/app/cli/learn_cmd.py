@@ -21,6 +21,7 @@ _COLUMNS = [
     "added",
     "test F MAE",
     "test E MAE",
+    "MD stable",
     "s explore/label/train",
 ]
 
@@ -30,8 +31,13 @@ def _milli(block: dict[str, Any] | None, key: str) -> str:
     return "-" if value is None else f"{1000 * value:.1f}"
 
 
+def _md_stable(check: dict[str, Any] | None) -> str:
+    return "-" if not check else f"{check['stable']}/{check['runs']}"
+
+
 def print_learning(console: Any, reports: list[dict[str, Any]]) -> None:
-    """One row per iteration: labels, frames per deviation band, test errors, time."""
+    """One row per iteration: labels, frames per deviation band, test errors, the MD
+    check's stable runs, time."""
     rows = []
     for r in reports:
         bands, seconds = r["bands"], r["seconds"]
@@ -43,6 +49,7 @@ def print_learning(console: Any, reports: list[dict[str, Any]]) -> None:
                 f"{r['labelled']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
                 _milli(r.get("test"), "forces_mae"),
                 _milli(r.get("test"), "energy_per_atom_mae"),
+                _md_stable(r.get("md_check")),
                 " / ".join(f"{seconds.get(p, 0):.0f}" for p in ("explore", "label", "train")),
             )
         )
@@ -54,7 +61,8 @@ def print_learning(console: Any, reports: list[dict[str, Any]]) -> None:
     )
     console.print(
         "labels: labelled structures in training so far; frames: explored frames below, "
-        "between and above the trust levels; F: meV/Å, E: meV/atom"
+        "between and above the trust levels; F: meV/Å, E: meV/atom; MD stable: runs of "
+        "the MD check that stayed physical"
     )
 
 

@@ -3,16 +3,18 @@
 Iteration ``i`` runs five phases, each finished and recorded in the store
 (:class:`~nvalchemi.app.learn.store.LearnStore`) before the next starts:
 
-1. **explore**: MD with the committee of iteration ``i - 1`` (:mod:`.explore`);
+1. **explore**: MD with the committee of iteration ``i - 1`` (:mod:`.explore`; torch-sim,
+   every trajectory in one batch, when installed, else ASE);
 2. **select**: frames whose max force deviation lies between the trust levels, most
    uncertain first, no near-duplicates (:mod:`.select`);
 3. **label**: the reference calculator in worker processes, each label stored as it
    arrives (:mod:`.label`);
 4. **train**: fine-tune the committee on the new labels with replay of every earlier
    label, then calibrate its spread on the validation data (:mod:`.train`);
-5. **report**: test errors (overall, per ``config_type``), the spread's quality, labels
-   so far, frames per deviation band, time per phase (``iterations/<i>/report.json``,
-   ``report.json``) and ``learning_curve.png`` (test error against labels).
+5. **report**: test errors (overall, per ``config_type``), the spread's quality, a short
+   MD check of the committee (:mod:`nvalchemi.app.md_check`), labels so far, frames per
+   deviation band, time per phase (``iterations/<i>/report.json``, ``report.json``) and
+   ``learning_curve.png`` (test error against labels).
 
 Before iteration 0 the start job (a committee ``train`` job) is run, or resumed, when
 its checkpoint root holds no finished run. ``learn`` killed at any moment (SIGKILL
@@ -35,7 +37,14 @@ from typing import Any
 from nvalchemi.app.learn.spec import LearnJob, read_learn_job
 from nvalchemi.app.learn.store import PHASES, LearnStore
 
-__all__ = ["LearnResult", "Progress", "learning_curve", "run_learning", "test_errors"]
+__all__ = [
+    "LearnResult",
+    "Progress",
+    "learning_curve",
+    "run_learning",
+    "start_structures",
+    "test_errors",
+]
 
 Progress = Callable[[int, str, int, int], None]
 """``progress(iteration, phase, done, total)``: called as a phase advances."""
@@ -148,13 +157,21 @@ def _committee(root: Path, device: str) -> Any:
     return model.eval()
 
 
-def _starts(job: LearnJob) -> list[Any]:
+def start_structures(job: LearnJob, iteration: int) -> list[Any]:
+    """The structures iteration ``iteration`` explores from: every structure of every
+    file of ``explore.structures``, or with ``explore.max_structures`` (n) that many
+    per file, in turn: iteration i takes structures ``i*n`` to ``i*n + n - 1`` of each
+    file, wrapping around, so the iterations cover every structure before any twice."""
     from ase.io import read
 
     starts = []
     for path in job.explore.structures:
         found = read(path, index=":")
-        starts += found[: job.explore.max_structures]
+        n = job.explore.max_structures
+        if n is None or n >= len(found):
+            starts += found
+        else:
+            starts += [found[(iteration * n + k) % len(found)] for k in range(n)]
     return starts
 
 
@@ -174,13 +191,13 @@ class _Loop:
         return report
 
     def explore(self, i: int) -> None:
-        from nvalchemi.app.learn.explore import explore
+        from nvalchemi.app.learn.explore import engine_of, explore
         from nvalchemi.app.learn.select import bands
 
         model = _committee(_model_root(self.store, self.data, i - 1), self.job.train.device)
         frames, runs = explore(
             model,
-            _starts(self.job),
+            start_structures(self.job, i),
             self.job.explore,
             self.job.select,
             seed=self.job.seed,
@@ -189,7 +206,11 @@ class _Loop:
         )
         folder = self.store.iteration(i)
         self.store.write_structures(folder / "candidates.extxyz", frames)
-        summary = {"trajectories": runs, "bands": bands(frames, self.job.select)}
+        summary = {
+            "engine": engine_of(self.job.explore),
+            "trajectories": runs,
+            "bands": bands(frames, self.job.select),
+        }
         self.store.write_json(folder / "explore.json", summary)
 
     def select(self, i: int) -> None:
@@ -272,7 +293,7 @@ class _Loop:
             "labelled": self.store.read_json(folder / "label.json")["labelled"],
             "failed": len(self.store.read_json(folder / "label.json")["failures"]),
             "model": str(_model_root(self.store, self.data, i)),
-            "md_check": None,  # the MD check joins here once it is available
+            "md_check": None,
             "seconds": {
                 phase: round(state.get("times", {}).get(f"{i}/{phase}", 0.0), 2)
                 for phase in PHASES
@@ -281,8 +302,20 @@ class _Loop:
         }
         if self.data.test:
             report.update(test_errors(_model_root(self.store, self.data, i), self.data.test))
+        if self.job.md_check is not None:
+            report["md_check"] = self._md_check(i)
+            report["seconds"]["md_check"] = report["md_check"].pop("seconds")
         self.store.write_json(folder / "report.json", report)
         return report
+
+    def _md_check(self, i: int) -> dict[str, Any]:
+        """The MD check of iteration ``i``'s committee on the held-out data (its report)."""
+        from nvalchemi.app.md_check import md_check
+
+        readers = self.data.test or self.data.validation or self.data.train
+        root = _model_root(self.store, self.data, i)
+        model = _committee(root, self.job.train.device)
+        return md_check(model, readers, self.job.md_check, device=self.job.train.device).report()
 
 
 def test_errors(root: Path, readers: list[Any]) -> dict[str, Any]:

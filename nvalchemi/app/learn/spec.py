@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from nvalchemi.app.md_check import MDCheckSettings
+
 __all__ = [
     "ExploreSpec",
     "LabelSpec",
@@ -92,7 +94,12 @@ class ExploreSpec(_Block):
     isotropic strain: Langevin NVT, a frame kept every ``every`` steps."""
 
     structures: list[str] = Field(description="files of start structures (extxyz, ASE db)")
-    max_structures: int | None = Field(default=None, ge=1, description="per file")
+    max_structures: int | None = Field(
+        default=None,
+        ge=1,
+        description="start structures per file and iteration, taken in turn (iteration i: "
+        "structures i*n to i*n+n-1, wrapping around); null: all of them every iteration",
+    )
     temperatures: list[float] = Field(default_factory=lambda: [300.0])
     strains: list[float] = Field(
         default_factory=lambda: [0.0], description="isotropic strains of the cell, e.g. 0.02"
@@ -107,7 +114,11 @@ class ExploreSpec(_Block):
         description="end a trajectory at a frame whose max force deviation exceeds this "
         "(eV/Å; default: twice select.trust_hi): it has left what the model knows",
     )
-    engine: Literal["ase"] = "ase"
+    engine: Literal["auto", "torch-sim", "ase"] = Field(
+        default="auto",
+        description="auto: torch-sim (every trajectory in one batch) when installed, else "
+        "ASE (one trajectory at a time)",
+    )
 
     @field_validator("structures", mode="before")
     @classmethod
@@ -138,10 +149,17 @@ class SelectSpec(_Block):
         description="relative fingerprint difference below which a frame is a near-duplicate "
         "of one already selected (frames of one equilibrated MD run differ by 0.02-0.07)",
     )
-    method: Literal["deviation", "random"] = Field(
-        default="deviation",
-        description="deviation: the most uncertain candidates first; random: a random "
-        "draw from every frame (the baseline of benchmarks/active_learning.py)",
+    method: Literal["diverse", "deviation", "random"] = Field(
+        default="diverse",
+        description="diverse: farthest-point sampling of the candidates in fingerprint "
+        "space, weighted by their uncertainty; deviation: the most uncertain candidates "
+        "first; random: a random draw from every frame (the baseline of "
+        "benchmarks/active_learning.py)",
+    )
+    score: Literal["forces", "forces+energy"] = Field(
+        default="forces",
+        description="a candidate's uncertainty: its max force deviation, or that plus its "
+        "energy spread per atom (each over its median among the candidates)",
     )
 
     @model_validator(mode="after")
@@ -168,6 +186,13 @@ class LearnTrainSpec(_Block):
 
     steps: int = Field(default=200, ge=1)
     lr: float = Field(default=1e-3, gt=0)
+    warmup: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="share of the steps over which the learning rate rises to lr (then a "
+        "cosine decay): a fresh optimizer's first steps are its largest",
+    )
     batch_size: int = Field(default=8, ge=2)
     replay_ratio: float | None = Field(
         default=0.5,
@@ -197,6 +222,12 @@ class LearnJob(_Block):
     select: SelectSpec
     label: LabelSpec
     train: LearnTrainSpec = Field(default_factory=LearnTrainSpec)
+    md_check: MDCheckSettings | None = Field(
+        default_factory=lambda: MDCheckSettings().short(),
+        description="a short MD check of every iteration's committee (nvalchemi.app.md_check) "
+        "on the test data (else the validation, else the training data), in the report; "
+        "default: 0.2 ps NVT at 900 K then 0.1 ps NVE, one structure per group; null: none",
+    )
 
     def resolve_paths(self, base: str | Path) -> LearnJob:
         """A copy whose relative paths are relative to ``base`` (the job file's folder)."""

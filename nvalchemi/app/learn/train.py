@@ -2,7 +2,8 @@
 
 Each iteration starts a :class:`~nvalchemi.training.FineTuningStrategy` from the last
 committee's checkpoint (its EMA weights when it has them) with the committee's own loss,
-AdamW at ``train.lr`` decaying over ``train.steps`` steps (the budget), and batches that
+AdamW at ``train.lr`` decaying over ``train.steps`` steps (the budget; after a warm-up
+over ``train.warmup`` of them when set), and batches that
 mix the new labels with earlier ones (:func:`~nvalchemi.training.replay.mix_replay`,
 ``train.replay_ratio`` of every batch). Checkpoints go to the iteration's folder every
 ``train.checkpoint_every`` steps; a killed run resumes from the last one exactly (the
@@ -46,6 +47,26 @@ def _dataset(readers: Sequence[Any], neighbors: Any) -> Any:
     return make_dataset(list(readers), neighbor_config=neighbors, in_memory=True)
 
 
+def _optimizer(settings: Any) -> Any:
+    """AdamW at ``settings.lr``, cosine decay to 5 % of it over ``settings.steps``; with
+    ``settings.warmup``, a rise from 5 % over that share of the steps first."""
+    import torch
+
+    from nvalchemi.training.optimizers import OptimizerConfig
+    from nvalchemi.training.time_budget import WarmupCosineLR
+
+    adamw = (torch.optim.AdamW, {"lr": settings.lr, "weight_decay": 0.0})
+    if not settings.warmup:
+        return OptimizerConfig(
+            *adamw,
+            torch.optim.lr_scheduler.CosineAnnealingLR,
+            {"T_max": settings.steps, "eta_min": settings.lr * 0.05},
+        )
+    schedule = {"total_steps": settings.steps, "warmup_fraction": settings.warmup}
+    schedule.update(initial_fraction=0.05, final_fraction=0.05)
+    return OptimizerConfig(*adamw, WarmupCosineLR, schedule)
+
+
 def finetune_committee(
     previous: Path,
     root: Path,
@@ -70,7 +91,6 @@ def finetune_committee(
     from nvalchemi.data.sources import neighbor_config_of
     from nvalchemi.training.finetune import FineTuningStrategy
     from nvalchemi.training.hooks import CheckpointHook
-    from nvalchemi.training.optimizers import OptimizerConfig
     from nvalchemi.training.replay import mix_replay
 
     hooks: list[Any] = [CheckpointHook(root, step_interval=settings.checkpoint_every)]
@@ -81,12 +101,7 @@ def finetune_committee(
         strategy = FineTuningStrategy.load_checkpoint(root, hooks=hooks, map_location=device)
     else:
         seed_everything(seed)
-        optimizer = OptimizerConfig(
-            torch.optim.AdamW,
-            {"lr": settings.lr, "weight_decay": 0.0},
-            torch.optim.lr_scheduler.CosineAnnealingLR,
-            {"T_max": settings.steps, "eta_min": settings.lr * 0.05},
-        )
+        optimizer = _optimizer(settings)
         strategy = FineTuningStrategy.from_pretrained_checkpoint(
             previous,
             use_original_loss=True,
