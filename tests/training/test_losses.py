@@ -187,7 +187,7 @@ def test_per_atom_energy_requires_counts_of_matching_shape():
         ValueError, match=r"EnergyMAELoss requires num_nodes_per_graph=\.\.\. metadata"
     ):
         EnergyMAELoss()(E_PRED, E_TARGET)
-    with pytest.raises(ValueError, match=r"num_nodes_per_graph must have shape \(B,\)"):
+    with pytest.raises(ValueError, match=r"leading dimension \(2\) must match energy batch size"):
         EnergyMAELoss()(E_PRED, E_TARGET, num_nodes_per_graph=torch.tensor([1, 2]))
     batch = SimpleNamespace(num_nodes_per_graph=COUNTS)
     assert EnergyMAELoss()(E_PRED, E_TARGET, batch=batch).item() == pytest.approx(1.2)
@@ -266,10 +266,9 @@ def test_force_metadata_errors_and_batch_fallback():
     assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch=wrong, **F_META).item() == pytest.approx(
         49 / 36
     )
-    # num_graphs may be omitted (inferred from batch_idx)
-    assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX).item() == pytest.approx(
-        49 / 36
-    )
+    # num_graphs may not be omitted (the reference's rule: it is never guessed from batch_idx)
+    with pytest.raises(ValueError, match=r"ForceMSELoss requires num_graphs=\.\.\. metadata"):
+        ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX)
 
 
 # ------------------------------------------------------------------------------- stress
@@ -601,9 +600,9 @@ def test_padded_forces_need_node_counts_of_the_right_shape():
         ForceMSELoss()(zeros(F_PADDED), F_PADDED)
     with pytest.raises(
         ValueError,
-        match=r"ForceL2NormLoss: padded target_key='forces' of shape \(2, 4, 3\) needs "
-        r"num_nodes_per_graph as atom counts of shape \(2,\) or a node mask of shape \(2, 4\); "
-        r"got shape \(2, 3\)",
+        match=r"ForceL2NormLoss: padded node mask width \(3\) must match force max nodes \(4\) "
+        r"for padded force tensors; padded target_key='forces' of shape \(2, 4, 3\) needs "
+        r"num_nodes_per_graph as atom counts of shape \(2,\) or a node mask of shape \(2, 4\)",
     ):
         ForceL2NormLoss()(zeros(F_PADDED), F_PADDED, num_nodes_per_graph=torch.ones(2, 3) > 0)
 

@@ -59,6 +59,7 @@ from torch import nn
 
 from nvalchemi._serialization import init_kwargs_from_attrs
 from nvalchemi.training.losses.schedules import (
+    LossWeightSchedule,
     Weight,
     check_weight,
     is_weight,
@@ -807,6 +808,12 @@ class ComposedLossFunction(nn.Module):
     # -- algebra -------------------------------------------------------------------------
 
     def __mul__(self, other: Any) -> ComposedLossFunction:
+        if isinstance(other, LossWeightSchedule):
+            raise TypeError(
+                "Multiplying a ComposedLossFunction by a LossWeightSchedule is not supported. "
+                "Scale each component individually (e.g. schedule * EnergyMSELoss()) and "
+                f"compose the results, or multiply by a float; got {type(other).__name__}."
+            )
         if not is_weight(other):
             return NotImplemented
         return ComposedLossFunction(
@@ -826,8 +833,9 @@ class ComposedLossFunction(nn.Module):
             if other.normalize_weights != self.normalize_weights:
                 raise ValueError(
                     "Cannot add ComposedLossFunctions with mismatched normalize_weights "
-                    f"({self.normalize_weights} and {other.normalize_weights}); set the same "
-                    "value on both first."
+                    f"(self={self.normalize_weights}, other={other.normalize_weights}). Set the "
+                    "same value on both first, or build the combination explicitly with "
+                    "ComposedLossFunction(..., normalize_weights=...)."
                 )
             policy = policy if policy is not None else other._dtype_policy
         return ComposedLossFunction(

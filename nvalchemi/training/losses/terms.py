@@ -99,14 +99,20 @@ class _EnergyLoss(BaseLossFunction):
         if not self.per_atom:
             return pred, target, ctx
         counts = torch.as_tensor(metadata(self, kwargs, "num_nodes_per_graph"), device=pred.device)
+        if counts.ndim not in (1, 2):
+            raise ValueError(
+                f"{type(self).__name__}: num_nodes_per_graph must be a 1-D count tensor or a 2-D "
+                f"padded node mask; got shape {tuple(counts.shape)}."
+            )
+        if counts.shape[0] != pred.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}: num_nodes_per_graph leading dimension "
+                f"({counts.shape[0]}) must match energy batch size ({pred.shape[0]}); "
+                f"target_key={self.target_key!r} has shape {tuple(target.shape)}, one energy "
+                "per structure, and num_nodes_per_graph holds one atom count per structure."
+            )
         if counts.ndim == 2:  # (B, V_max) padded node mask
             counts = counts.sum(-1)
-        if counts.ndim != 1 or counts.shape[0] != pred.shape[0]:
-            raise ValueError(
-                f"{type(self).__name__}: num_nodes_per_graph must have shape (B,) with "
-                f"B={pred.shape[0]} energies (target_key={self.target_key!r} has shape "
-                f"{tuple(target.shape)}), got {tuple(counts.shape)}"
-            )
         counts = counts.to(pred.dtype).clamp_min(1).reshape(-1, *([1] * (pred.ndim - 1)))
         if self._atom_weighted:
             ctx["weights"] = counts
@@ -233,17 +239,35 @@ class _ForceLoss(BaseLossFunction):
         b, width = target.shape[0], target.shape[1]
         nodes = metadata(self, kwargs, "num_nodes_per_graph")
         nodes = torch.as_tensor(nodes, device=target.device)
-        if nodes.ndim == 1 and nodes.shape[0] == b and not nodes.is_floating_point():
-            mask = torch.arange(width, device=target.device) < nodes[:, None]
-        elif nodes.ndim == 2 and tuple(nodes.shape) == (b, width):
-            mask = nodes.to(torch.bool)
-        else:
+        name = type(self).__name__
+        expected = (
+            f"padded target_key={self.target_key!r} of shape {tuple(target.shape)} needs "
+            f"num_nodes_per_graph as atom counts of shape ({b},) or a node mask of shape "
+            f"({b}, {width})"
+        )
+        if nodes.ndim == 2:
+            if nodes.shape[0] != b:
+                raise ValueError(
+                    f"{name}: padded node mask batch dimension ({nodes.shape[0]}) must match "
+                    f"force batch size ({b}); {expected}."
+                )
+            if nodes.shape[1] != width:
+                raise ValueError(
+                    f"{name}: padded node mask width ({nodes.shape[1]}) must match force max "
+                    f"nodes ({width}) for padded force tensors; {expected}."
+                )
+            return nodes.to(torch.bool)[..., None]
+        if nodes.ndim != 1 or nodes.is_floating_point():
             raise ValueError(
-                f"{type(self).__name__}: padded target_key={self.target_key!r} of shape "
-                f"{tuple(target.shape)} needs num_nodes_per_graph as atom counts of shape "
-                f"({b},) or a node mask of shape ({b}, {width}); got shape {tuple(nodes.shape)}."
+                f"{name}: num_nodes_per_graph must be a 1-D count tensor or a 2-D padded node "
+                f"mask; {expected}, got shape {tuple(nodes.shape)} ({nodes.dtype})."
             )
-        return mask[..., None]
+        if nodes.shape[0] != b:
+            raise ValueError(
+                f"{name}: num_nodes_per_graph length ({nodes.shape[0]}) must match force batch "
+                f"size ({b}); {expected}."
+            )
+        return (torch.arange(width, device=target.device) < nodes[:, None])[..., None]
 
     def mask(self, pred, target, ctx, **kwargs):
         valid = super().mask(pred, target, ctx, **kwargs)
@@ -263,8 +287,7 @@ class _ForceLoss(BaseLossFunction):
             return None  # the padded layout always masks its padding
         if self.normalize_by_atom_count:
             residual = self.compute_residual(pred, target, None)
-            batch_idx = metadata(self, kwargs, "batch_idx")
-            num_graphs = metadata(self, kwargs, "num_graphs", required=False)
+            batch_idx, num_graphs = self._graph_metadata(kwargs)
             return self._balanced_mean(residual, batch_idx, num_graphs, ctx, kwargs)
         if "loss_weight" in ctx:
             return None
@@ -283,13 +306,16 @@ class _ForceLoss(BaseLossFunction):
             return super().reduce(residual, valid, ctx, **kwargs)
         if not self.normalize_by_atom_count:
             return super().reduce(residual, valid, ctx, **kwargs)
-        batch_idx = metadata(self, kwargs, "batch_idx")
-        num_graphs = metadata(self, kwargs, "num_graphs", required=False)
+        batch_idx, num_graphs = self._graph_metadata(kwargs)
         if valid is not None:
             sums = per_graph_sum(residual.sum(-1), batch_idx, num_graphs)
             counts = per_graph_sum(valid.sum(-1).to(residual.dtype), batch_idx, num_graphs)
             return _mean_over_structures(self, sums, counts, ctx)
         return self._balanced_mean(residual, batch_idx, num_graphs, ctx, kwargs)
+
+    def _graph_metadata(self, kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """``batch_idx`` and ``num_graphs`` of flat forces: keywords first, then ``batch=``."""
+        return metadata(self, kwargs, "batch_idx"), int(metadata(self, kwargs, "num_graphs"))
 
     def _balanced_mean(self, residual, batch_idx, num_graphs, ctx, kwargs) -> torch.Tensor:
         """Mean over structures of each one's mean over its components, nothing masked.
@@ -305,14 +331,17 @@ class _ForceLoss(BaseLossFunction):
                 f"{tuple(batch_idx.shape)}."
             )
         batch_idx = batch_idx.to(residual.device)
-        atoms = metadata(self, kwargs, "num_nodes_per_graph", required=False)
+        # Only an explicit keyword (the batch's own counts, passed by compute_supervised_loss):
+        # flat forces never read batch.num_nodes_per_graph, so explicit batch_idx/num_graphs
+        # always win over a batch= keyword.
+        atoms = kwargs.get("num_nodes_per_graph")
         if atoms is None:
-            atoms = torch.bincount(batch_idx, minlength=num_graphs or 0)
-        elif atoms.ndim != 1 or (num_graphs is not None and atoms.shape[0] != num_graphs):
+            atoms = torch.bincount(batch_idx, minlength=num_graphs)
+        elif atoms.ndim != 1 or atoms.shape[0] != num_graphs:
             raise ValueError(
-                f"{type(self).__name__}: num_nodes_per_graph must hold one atom count per "
-                f"structure, shape ({num_graphs if num_graphs is not None else 'B'},); got "
-                f"shape {tuple(atoms.shape)}."
+                f"{type(self).__name__}: num_nodes_per_graph length ({atoms.shape[0]}) must "
+                f"match force batch size ({num_graphs}); it holds one atom count per structure, "
+                f"shape ({num_graphs},), got shape {tuple(atoms.shape)}."
             )
         num_graphs, components = atoms.shape[0], residual.shape[-1]
         self.record_per_sample(
