@@ -173,3 +173,20 @@ def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
         by_head[head] = json.loads(result.stdout)["metrics"]["energy_per_atom_mae"]
     assert by_head["default"] != by_head["ft"]  # the heads hold different E0
     assert_user_error(invoke(*common, "--head", "nope"), "not a head", fix="--head")
+
+
+def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
+    """Without --replay-ratio the replay joins the new data by size: an epoch holds both."""
+    path, job = _job(tmp_path, trained_run, "--replay", TRAIN)
+    assert "ratio" not in job["finetune"]["replay"]
+    job["strategy"]["num_steps"] = 4
+    write_job(path, job)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = invoke("spec", "run", path, "--no-report")
+    assert result.exit_code == 0, result.output
+    assert "replay: 9 structures (mixed by size" in result.stderr
+    # 9 new + 9 replay structures in batches of 4: 5 batches an epoch (the new data
+    # alone would fill 3), so the 4th step is still in the first epoch
+    rows = [r for r in read_metrics(tmp_path / "ft") if r["kind"] == "validation"]
+    assert [r["epoch"] for r in rows if r["step"] == 4] == [0]

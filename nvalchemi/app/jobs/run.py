@@ -454,6 +454,8 @@ def _loaders(
     workers = data.num_workers if options.num_workers is None else options.num_workers
     batch_size, max_atoms, max_edges = _batch_options(job, options)
     probed = None
+    if finetune is not None:
+        train = finetune.train  # with replay: the new data and the replay, one dataset
     if finetune is not None and finetune.batch_sampler is not None:
         loader = DataLoader(
             finetune.train, batch_sampler=finetune.batch_sampler, num_workers=workers
@@ -665,7 +667,7 @@ def _run(
             shuffle=data.shuffle if options.shuffle is None else options.shuffle,
             seed=data.seed,
             whole_epoch=True,
-            replay=finetune is not None and finetune.batch_sampler is not None,
+            replay=job.finetune is not None and job.finetune.replay is not None,
         )
         if balance is not None and console is not None:
             console.print(balance_line(balance, data.balance.group_by))

@@ -33,8 +33,8 @@ def balanced_sampler(
         return None
     if replay:
         raise FieldError(
-            "does not combine with finetune.replay, whose sampler sets every batch's share "
-            "of replay structures",
+            "does not combine with finetune.replay, which mixes the replay structures into "
+            "the batches itself",
             field="dataset.balance",
             fix="remove dataset.balance, or weight the rare groups with "
             "dataset.config_type_weights instead",
