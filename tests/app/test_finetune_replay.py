@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
+
+from nvalchemi.app.jobs.finetune import read_source_recipe
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
 
@@ -190,3 +193,19 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     # alone would fill 3), so the 4th step is still in the first epoch
     rows = [r for r in read_metrics(tmp_path / "ft") if r["kind"] == "validation"]
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
+
+
+def test_replay_without_lr_trains_at_a_tenth_of_the_source_lr(tmp_path, trained_run):
+    """The measured default (docs/finetuning.md): with --replay and no --lr, a checkpoint
+    fine-tune starts at a tenth of the source's peak lr (1e-5 learnt nothing)."""
+    source_lr = read_source_recipe(trained_run["checkpoints"]).lr
+    assert source_lr is not None and source_lr != 1e-4
+    for args, lr in (
+        (("--replay", TRAIN), source_lr / 10),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5),
+        ((), 1e-5),
+    ):
+        _, job = _job(tmp_path, trained_run, *args)
+        optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
+        assert optimizer["lr"] == pytest.approx(lr)
+        assert job["source"]["optimizer_lr"] == pytest.approx(lr)
