@@ -323,8 +323,14 @@ def _located(where: str, key: str) -> str:
     return where or (f"key {key!r}" if key else "")
 
 
-def _refuse(exc: UnsafeImportError, where: str) -> UnsafeImportError:
+def _refuse_at(exc: UnsafeImportError, where: str) -> UnsafeImportError:
     return UnsafeImportError(f"{where}: {exc}") if where else exc
+
+
+def _refuse(exc: UnsafeImportError, path: Any, where: str) -> UnsafeImportError:
+    """A refused ``cls_path``: the reference's words first, then where and why."""
+    at = f" ({where})" if where else ""
+    return UnsafeImportError(f"Could not resolve cls_path={path!r}{at}: {exc}")
 
 
 def _rehydrate(spec_dict: Any, trust: bool, expect: Any, where: str, key: str) -> BaseSpec:
@@ -345,6 +351,7 @@ def _rehydrate(spec_dict: Any, trust: bool, expect: Any, where: str, key: str) -
                 f"Spec for {path!r} asks for trust=True; an untrusted spec may not grant trust. "
                 "Pass trust=True to create_model_spec_from_json yourself if you trust its source."
             ),
+            path,
             _located(where, key),
         )
     if not isinstance(path, str):
@@ -352,13 +359,18 @@ def _rehydrate(spec_dict: Any, trust: bool, expect: Any, where: str, key: str) -
     try:
         target = _resolve_callable(path, trust=trust)
     except UnsafeImportError as exc:
-        raise _refuse(exc, at) from None
+        raise _refuse(exc, path, at) from None
     except (ValueError, ImportError, TypeError) as exc:
         raise ValueError(
-            f"{at + ': ' if at else ''}Could not resolve cls_path={path!r} while rehydrating "
-            f"spec JSON: {exc}"
+            f"Could not resolve cls_path={path!r} while rehydrating spec JSON"
+            f"{' (' + at + ')' if at else ''}: {exc}"
         ) from exc
-    check_spec_target(target, path=path, trust=trust, expect=expect, where=at)
+    try:
+        check_spec_target(target, path=path, trust=trust, expect=expect)
+    except UnsafeImportError as exc:
+        raise _refuse(exc, path, at) from None
+    except RuntimeError as exc:  # not the expected kind: say where, as the refusals do
+        raise RuntimeError(f"{at}: {exc}" if at else str(exc)) from None
     params = _parameters(target)
     kwargs = {
         k: _decode(
@@ -468,7 +480,7 @@ def _decode(value: Any, annotation: Any, name: str, trust: bool, where: str, key
         try:
             decoded = decode_tagged(value, trust=trust)
         except UnsafeImportError as exc:
-            raise _refuse(exc, _located(where, f"{key}.__type__")) from None
+            raise _refuse_at(exc, _located(where, f"{key}.__type__")) from None
         if decoded is not _NOT_TAGGED:
             return decoded
         item = _value_annotation(annotation)
@@ -484,7 +496,7 @@ def _decode(value: Any, annotation: Any, name: str, trust: bool, where: str, key
                 # it is called later: it must be a class of the kind the parameter names
                 check_spec_target(cls, path=value, trust=trust, expect=_class_argument(annotation))
             except UnsafeImportError as exc:
-                raise _refuse(exc, _located(where, key)) from None
+                raise _refuse_at(exc, _located(where, key)) from None
             return cls
         unannotated = not _union_members(annotation)
         if _wants(annotation, torch.dtype) or (

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nvalchemi.data.weights import INFO_KEYS, info_weight_keys, weights_from_info
+
 if TYPE_CHECKING:
     from nvalchemi.data.atomic_data import AtomicData
 
@@ -60,7 +62,9 @@ def fields_from_atoms(
     """``(fields, info)`` of ``atoms`` for ``AtomicData(**fields, info=info)``.
 
     ``keys`` maps each label field (``energy``, ``forces``, ``stress``, ``virial``,
-    ``dipole``, ``charges``) to its key in ``atoms.info``/``atoms.arrays``.
+    ``dipole``, ``charges``) to its key in ``atoms.info``/``atoms.arrays``. Weights in
+    ``atoms.info`` (``config_weight``, ... see :mod:`nvalchemi.data.weights`) become weight
+    fields and leave ``info``.
     """
     results = valid_calculator_results(atoms) if use_calculator else {}
 
@@ -95,7 +99,11 @@ def fields_from_atoms(
         if not float(charge).is_integer():
             raise ValueError(f"from_atoms: atoms.info['charge']={charge!r} is not an integer.")
         fields["charge"] = torch.tensor([[float(charge)]], dtype=label_dtype)
+    # Weights (MACE's config_weight, config_forces_weight, ...), stored when not 1.
+    for name, value in weights_from_info(atoms.info).items():
+        fields[name] = torch.tensor([[value]], dtype=label_dtype)
     consumed = {keys["energy"], keys["stress"], keys["virial"], keys["dipole"], "charge"}
+    consumed |= info_weight_keys()
     info = {
         key: value
         for key, value in atoms.info.items()
@@ -134,4 +142,8 @@ def atoms_from_data(data: AtomicData) -> Any:
         atoms.calc = SinglePointCalculator(atoms, **results)
     for key, value in data.info.items():
         atoms.info[key] = value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+    for name, keys in INFO_KEYS.items():  # MACE's keys, so the file trains the same anywhere
+        value = getattr(data, name) if name in data else None
+        if value is not None:
+            atoms.info[keys[0]] = float(value.reshape(-1)[0])
     return atoms

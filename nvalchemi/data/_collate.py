@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from nvalchemi.data.fields import FIELDS, Level, is_label
+from nvalchemi.data.weights import WEIGHT_FIELDS
 
 _LEVEL_ALIASES: dict[str, Level] = {
     "atom": "atom",
@@ -109,7 +110,7 @@ def missing_fill(name: str, like: torch.Tensor, rows: int) -> torch.Tensor | Non
         return torch.zeros(shape, dtype=like.dtype)
     if name == "pbc":
         return torch.zeros(shape, dtype=torch.bool)
-    if name == "loss_weight":  # a structure without a weight counts once
+    if name in WEIGHT_FIELDS:  # a structure without a weight counts once
         return torch.ones(shape, dtype=like.dtype)
     spec = FIELDS.get(name)
     if spec is not None and spec.label:
@@ -166,7 +167,7 @@ def collate(
                 raise ValueError(
                     f"Field {key!r} is present in some structures but missing in structures "
                     f"{missing[:10]}{'...' if len(missing) > 10 else ''}; every structure in a "
-                    f"batch needs it (only labels, cell, pbc and loss_weight may be missing).{hint}"
+                    f"batch needs it (only labels, cell, pbc and weights may be missing).{hint}"
                 )
             for i in missing:
                 tensors[i] = missing_fill(key, present, fill_rows[i])

@@ -142,6 +142,10 @@ FIELDS: dict[str, FieldSpec] = {
             "float",
             description="per-structure weight of its loss terms (1 when absent)",
         ),
+        _f("energy_weight", "system", (1,), "float", description="weight of its energy term"),
+        _f("forces_weight", "system", (1,), "float", description="weight of its force term"),
+        _f("stress_weight", "system", (1,), "float", description="weight of its stress term"),
+        _f("virial_weight", "system", (1,), "float", description="weight of its virial term"),
     )
 }
 

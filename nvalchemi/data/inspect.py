@@ -186,18 +186,27 @@ def _reference_energies(counts: np.ndarray, energies: np.ndarray, zs: list[int])
 
 
 def data_statistics(
-    readers: Sequence[Any], *, batch_size: int = 256, progress: ProgressFn | None = None
+    readers: Sequence[Any],
+    *,
+    batch_size: int = 256,
+    progress: ProgressFn | None = None,
+    group_by: str = "config_type",
 ) -> dict[str, Any]:
     """Counts, elements, label statistics and suggested reference energies of ``readers``.
 
     ``close_pairs`` lists the structures with two atoms closer than
     :data:`~nvalchemi.data.close_pairs.IMPLAUSIBLE_DISTANCE` (``source``, ``structure``,
     ``atoms``, ``distance`` and a sentence, ``text``): duplicate atoms, or positions in
-    the wrong units.
+    the wrong units. ``groups`` counts the structures of every ``group_by`` value of their
+    ``atoms.info`` (``{}`` when no structure has one); ``weights`` summarises the weight
+    fields (``config_weight`` and the others, :mod:`nvalchemi.data.weights`): for each, the
+    structures whose weight is not 1, and the smallest and largest weight.
     """
     from ase.data import chemical_symbols
 
+    from nvalchemi.data.groups import group_counts, info_labels
     from nvalchemi.data.sources import ChainedBatches
+    from nvalchemi.data.weights import WEIGHT_FIELDS
 
     total = sum(len(r) for r in readers)
     starts = np.cumsum([0, *(len(r) for r in readers)])
@@ -207,8 +216,12 @@ def data_statistics(
     composition: list[np.ndarray] = []
     force_parts, stress_parts = [], []
     labels = {"energy": 0, "forces": 0, "stress": 0}
+    weights: dict[str, list[np.ndarray]] = {}
     done = 0
     for batch in loader:
+        for name in WEIGHT_FIELDS:
+            if name in batch:
+                weights.setdefault(name, []).append(batch[name].double().reshape(-1).numpy())
         n = batch.num_nodes_per_graph.cpu().numpy()
         z = batch.atomic_numbers.cpu().numpy()
         graph = batch.batch_idx.cpu().numpy()
@@ -278,7 +291,20 @@ def data_statistics(
         },
         "labels": labels,
         "close_pairs": close_pairs,
+        "group_by": group_by,
+        "groups": {},
+        "weights": {},
     }
+    group_labels = info_labels(readers, group_by)
+    if any(label is not None for label in group_labels):
+        stats["groups"] = group_counts(group_labels)
+    for name, parts in weights.items():
+        values = np.concatenate(parts)
+        stats["weights"][name] = {
+            "structures": int((values != 1.0).sum()),
+            "min": float(values.min()),
+            "max": float(values.max()),
+        }
     if labels["energy"]:
         has_atoms = sizes_arr > 0  # a structure without atoms has no energy per atom
         per_atom = _describe(energy[has_atoms] / sizes_arr[has_atoms])

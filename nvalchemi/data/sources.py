@@ -121,8 +121,12 @@ def open_reader(
     label_keys: dict[str, str] | None = None,
     max_structures: int | None = None,
     field: str = "dataset.path",
+    config_type_weights: dict[str, float] | None = None,
 ) -> Any:
     """A lazy reader of one file or store (:class:`FieldError` naming ``field`` when it fails).
+
+    ``config_type_weights`` weight the structures of extxyz / ASE db files by their
+    ``config_type`` (zarr stores keep no ``config_type``: a :class:`FieldError`).
 
     ``max_structures`` keeps the first N structures; ``label_keys`` says where labels
     live in extxyz / ASE db files (``{"energy": "REF_energy"}``). ``dtype`` is the dtype
@@ -143,6 +147,15 @@ def open_reader(
         if kind == "alchemi-zarr":
             from nvalchemi.data.io.zarr import AtomicDataZarrReader
 
+            if config_type_weights:
+                raise FieldError(
+                    f"{path} is a zarr store, which keeps no config_type, so "
+                    "config_type_weights cannot weight it",
+                    field="dataset.config_type_weights",
+                    fix="train from the extxyz/db files, or convert them with the weights "
+                    "in the files (config_weight, which data convert keeps)",
+                )
+
             labels = "positions" if label_dtype is None else getattr(torch, label_dtype)
             reader = AtomicDataZarrReader(str(path), label_dtype=labels)
             if max_structures is not None and max_structures < len(reader):
@@ -158,6 +171,7 @@ def open_reader(
             format="db" if kind == "ase-db" else "extxyz",
             dtype=getattr(torch, dtype),
             label_dtype=None if label_dtype is None else getattr(torch, label_dtype),
+            config_type_weights=config_type_weights,
             **keys,
         )
     except FieldError:
@@ -219,12 +233,14 @@ def open_sources(
     dtype: str = "float32",
     label_keys: dict[str, str] | None = None,
     max_structures: int | None = None,
+    config_type_weights: dict[str, float] | None = None,
 ) -> DataSources:
     """Readers of training data ``paths`` and of validation data (files or a split).
 
     Validation data comes from ``validation_paths`` or, with ``val_fraction``, a seeded
     random split of every training file (seed ``seed + i`` for file ``i``); give at
-    most one of them. Errors name the job fields ``dataset.path`` /
+    most one of them. ``config_type_weights`` apply to both (the validation loss is
+    weighted like the training loss; the error tables never are). Errors name the job fields ``dataset.path`` /
     ``dataset.validation_path``.
 
     Example:
@@ -245,6 +261,7 @@ def open_sources(
         "dtype": dtype,
         "label_keys": label_keys,
         "max_structures": max_structures,
+        "config_type_weights": config_type_weights,
     }
     sources = DataSources()
     train = [open_reader(p, field="dataset.path", **options) for p in paths]

@@ -32,8 +32,9 @@ another order). The shares of the built-in leaf losses:
 These are exact when the targets are batch fields (the default target assembler) and
 the model treats structures independently (no batch normalisation across structures).
 A loss of another class (a user's leaf) is weighted by its share of the structures,
-which is exact for a mean over structures; a warning names it once. Per-structure
-``loss_weight`` fields are numerators only and split exactly.
+which is exact for a mean over structures; a warning names it once. Weights (a
+structure's ``loss_weight`` and ``<label>_weight``, force ``element_weights``) weight the
+shares as they weight the means, so weighted losses split exactly too.
 
 Under DDP every rank takes the same decision (see :class:`DistributedVote`): one
 all-reduce per step, on the CPU, says whether some rank ran out (or must cut its
@@ -66,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from nvalchemi.training.losses import terms
+from nvalchemi.training.losses.base import graph_loss_weight
 
 __all__ = [
     "DistributedVote",
@@ -182,6 +184,9 @@ def _denominators(leaf: Any, batch: Any) -> torch.Tensor | None:
         if missing is None
         else (~missing).to(device="cpu", dtype=torch.float64)
     )
+    weight = graph_loss_weight(leaf, {"batch": batch})  # weighted means divide by weights
+    if weight is not None:
+        labelled = labelled * weight.detach().to(device="cpu", dtype=torch.float64)
     target = batch.get(key) if key is not None else None
     screen = bool(getattr(leaf, "ignore_nonfinite", False)) and isinstance(target, torch.Tensor)
     if kind in (terms.EnergyMSELoss, terms.EnergyMAELoss, terms.EnergyHuberLoss):
@@ -202,6 +207,8 @@ def _denominators(leaf: Any, batch: Any) -> torch.Tensor | None:
             per_atom = per_atom.to(torch.float64)
         else:
             per_atom = torch.full((int(atoms.sum()),), float(components), dtype=torch.float64)
+        if leaf.element_weights is not None:
+            per_atom = per_atom * leaf.element_weight_of(batch.atomic_numbers, per_atom)
         owner = torch.repeat_interleave(torch.arange(structures), atoms.to(torch.long))
         per_structure = torch.zeros(structures, dtype=torch.float64).index_add_(0, owner, per_atom)
         return per_structure * labelled

@@ -6,6 +6,9 @@ import json
 import shutil
 import warnings
 
+import pytest
+
+from nvalchemi.app.jobs.finetune import read_source_recipe
 from nvalchemi.data.io.zarr import AtomicDataZarrReader
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
@@ -188,3 +191,36 @@ def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
         by_head[head] = json.loads(result.stdout)["metrics"]["energy_per_atom_mae"]
     assert by_head["default"] != by_head["ft"]  # the heads hold different E0
     assert_user_error(invoke(*common, "--head", "nope"), "not a head", fix="--head")
+
+
+def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
+    """Without --replay-ratio the replay joins the new data by size: an epoch holds both."""
+    path, job = _job(tmp_path, trained_run, "--replay", TRAIN)
+    assert "ratio" not in job["finetune"]["replay"]
+    job["strategy"]["num_steps"] = 4
+    write_job(path, job)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = invoke("spec", "run", path, "--no-report")
+    assert result.exit_code == 0, result.output
+    assert "replay: 9 structures (mixed by size" in result.stderr
+    # 9 new + 9 replay structures in batches of 4: 5 batches an epoch (the new data
+    # alone would fill 3), so the 4th step is still in the first epoch
+    rows = [r for r in read_metrics(tmp_path / "ft") if r["kind"] == "validation"]
+    assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
+
+
+def test_replay_without_lr_trains_at_a_tenth_of_the_source_lr(tmp_path, trained_run):
+    """The measured default (docs/finetuning.md): with --replay and no --lr, a checkpoint
+    fine-tune starts at a tenth of the source's peak lr (1e-5 learnt nothing)."""
+    source_lr = read_source_recipe(trained_run["checkpoints"]).lr
+    assert source_lr is not None and source_lr != 1e-4
+    for args, lr in (
+        (("--replay", TRAIN), source_lr / 10),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5),
+        ((), 1e-5),
+    ):
+        _, job = _job(tmp_path, trained_run, *args)
+        optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
+        assert optimizer["lr"] == pytest.approx(lr)
+        assert job["source"]["optimizer_lr"] == pytest.approx(lr)

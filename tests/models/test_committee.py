@@ -276,8 +276,12 @@ def test_bootstrap_scales_each_members_gradient_by_its_counts(helpers):
     for index, member in enumerate(committee.members):
         weight = counts[index].to(torch.float64)
         alone = _member_grads(copy.deepcopy(member), _loss(), batch, loss_weight=weight)
+        # loss_weight gives a weighted mean (divided by the sum of the weights); the bootstrap
+        # scales each structure's gradient by its count alone: on cells of one size the two
+        # differ by sum(counts) / structures
+        scale = float(weight.sum()) / len(weight)
         for got, expected in zip(ours[offset : offset + len(alone)], alone):
-            assert torch.allclose(got, expected / 2, atol=1e-12)
+            assert torch.allclose(got, expected * scale / 2, atol=1e-12)
         offset += len(alone)
 
 

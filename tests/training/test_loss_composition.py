@@ -167,7 +167,7 @@ def test_schedule_contract_violations_are_reported():
         TypeError, match=r"returned Tensor; LossWeightSchedule.__call__ must return float"
     ):
         weight_of(_Returns(torch.tensor(1.0)))
-    with pytest.raises(ValueError, match=r"not finite"):
+    with pytest.raises(ValueError, match=r"returned non-finite weight inf; schedules must"):
         weight_of(_Returns(float("inf")))
     assert weight_of(_Returns(3)) == [1.0]
 
@@ -190,8 +190,10 @@ def test_operator_rules():
     joined = StressMSELoss() + flagged
     assert not joined.normalize_weights and joined.dtype_policy == "target_to_prediction"
     assert (flagged + StressMSELoss()).weights == [1.0, 1.0, 1.0]
-    scaled = LinearWeight(start=0.0, end=2.0, num_steps=2) * (a + 3.0 * b)
-    scaled.normalize_weights = False
+    ramp = LinearWeight(start=0.0, end=2.0, num_steps=2)
+    with pytest.raises(TypeError, match="Multiplying a ComposedLossFunction by a LossWe"):
+        ramp * (a + 3.0 * b)  # the reference's rule; a schedule weights a nested composition:
+    scaled = ComposedLossFunction([a + 3.0 * b], weights=[ramp], normalize_weights=False)
     assert scaled.current_weight(step=1) == [1.0, 3.0]
 
 
@@ -495,7 +497,7 @@ def test_spec_round_trip_preserves_weights(terms, kinds, step):
         "cosine": CosineWeight(start=0.5, end=0.25, num_steps=30),
     }
     loss_fn = sum(
-        (schedules[kind] * (w * leaf) if kind else w * leaf)
+        (ComposedLossFunction([w * leaf], weights=[schedules[kind]]) if kind else w * leaf)
         for (w, leaf), kind in zip(terms, kinds)
     )
     rebuilt = create_model_spec_from_json(

@@ -187,7 +187,7 @@ def test_per_atom_energy_requires_counts_of_matching_shape():
         ValueError, match=r"EnergyMAELoss requires num_nodes_per_graph=\.\.\. metadata"
     ):
         EnergyMAELoss()(E_PRED, E_TARGET)
-    with pytest.raises(ValueError, match=r"num_nodes_per_graph must have shape \(B,\)"):
+    with pytest.raises(ValueError, match=r"leading dimension \(2\) must match energy batch size"):
         EnergyMAELoss()(E_PRED, E_TARGET, num_nodes_per_graph=torch.tensor([1, 2]))
     batch = SimpleNamespace(num_nodes_per_graph=COUNTS)
     assert EnergyMAELoss()(E_PRED, E_TARGET, batch=batch).item() == pytest.approx(1.2)
@@ -266,10 +266,9 @@ def test_force_metadata_errors_and_batch_fallback():
     assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch=wrong, **F_META).item() == pytest.approx(
         49 / 36
     )
-    # num_graphs may be omitted (inferred from batch_idx)
-    assert ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX).item() == pytest.approx(
-        49 / 36
-    )
+    # num_graphs may not be omitted (the reference's rule: it is never guessed from batch_idx)
+    with pytest.raises(ValueError, match=r"ForceMSELoss requires num_graphs=\.\.\. metadata"):
+        ForceMSELoss()(zeros(F_TARGET), F_TARGET, batch_idx=BATCH_IDX)
 
 
 # ------------------------------------------------------------------------------- stress
@@ -448,12 +447,14 @@ LOSS_WEIGHT = torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64)
     ("loss", "expected"),
     [
         (EnergyMSELoss(), (2 * 9 + 0 * 25 + 16) / 3),
-        (EnergyMSELoss(per_atom=True), (2 * 3 * 1 + 0 + 2 * 4) / 10),
-        (EnergyMAELoss(), (2 * 3 * 1 + 0 + 2 * 2) / 10),
+        (EnergyMSELoss(per_atom=True), (2 * 3 * 1 + 0 + 2 * 4) / (2 * 3 + 0 + 2)),
+        (EnergyMAELoss(), (2 * 3 * 1 + 0 + 2 * 2) / (2 * 3 + 0 + 2)),
         (EnergyHuberLoss(delta=1.5), (2 * huber(1, 1.5) + 0 + huber(2, 1.5)) / 3),
     ],
 )
-def test_energy_loss_weight_scales_each_structure_inside_the_mean(loss, expected):
+def test_energy_loss_weight_is_a_weighted_mean_over_structures(loss, expected):
+    # weights 2, 0, 1: divided by their sum (3 here, so a mean over structures is unchanged;
+    # a mean weighted by atom counts divides by sum(w * N) = 8)
     value = loss(E_PRED, E_TARGET, num_nodes_per_graph=COUNTS, loss_weight=LOSS_WEIGHT[:, None])
     assert value.item() == pytest.approx(expected)
     weighted_samples = loss.per_sample_loss.clone()
@@ -477,17 +478,20 @@ F_WEIGHT = torch.tensor([3.0, 0.5], dtype=torch.float64)
 @pytest.mark.parametrize(
     ("loss", "expected"),
     [
-        (ForceMSELoss(), (3 * 14 / 9 + 0.5 * 7 / 6) / 2),
-        (ForceMSELoss(normalize_by_atom_count=False), (3 * 14 + 0.5 * 7) / 15),
-        (ForceL2NormLoss(), (3 * 6 / 3 + 0.5 * (math.sqrt(3) + 2) / 2) / 2),
-        (ForceL2NormLoss(normalize_by_atom_count=False), (3 * 6 + 0.5 * (math.sqrt(3) + 2)) / 5),
+        (ForceMSELoss(), (3 * 14 / 9 + 0.5 * 7 / 6) / 3.5),
+        (ForceMSELoss(normalize_by_atom_count=False), (3 * 14 + 0.5 * 7) / (3 * 9 + 0.5 * 6)),
+        (ForceL2NormLoss(), (3 * 6 / 3 + 0.5 * (math.sqrt(3) + 2) / 2) / 3.5),
+        (
+            ForceL2NormLoss(normalize_by_atom_count=False),
+            (3 * 6 + 0.5 * (math.sqrt(3) + 2)) / (3 * 3 + 0.5 * 2),
+        ),
         (
             ForceHuberLoss(delta=1.5),
             (
                 3 * (huber(1, 1.5) + huber(2, 1.5) + huber(3, 1.5))
                 + 0.5 * (3 * huber(1, 1.5) + huber(2, 1.5))
             )
-            / 15,
+            / (3 * 9 + 0.5 * 6),
         ),
     ],
 )
@@ -545,8 +549,8 @@ def test_batch_loss_weight_collates_and_reaches_every_leaf():
     loss_fn = EnergyMSELoss() + ForceMSELoss()
     out = compute_supervised_loss(loss_fn, preds, batch)
     parts = out["per_component_unweighted"]
-    assert parts["EnergyMSELoss"].item() == pytest.approx((4 * 1 + 1 * 4 + 0 * 9) / 3)
-    assert parts["ForceMSELoss"].item() == pytest.approx((4 + 1 + 0) / 3)
+    assert parts["EnergyMSELoss"].item() == pytest.approx((4 * 1 + 1 * 4 + 0 * 9) / 5)
+    assert parts["ForceMSELoss"].item() == pytest.approx((4 + 1 + 0) / 5)
     unweighted = data.Batch.from_data_list([structure(1, 1.0), structure(2, 2.0)])
     assert "loss_weight" not in unweighted
 
@@ -601,9 +605,9 @@ def test_padded_forces_need_node_counts_of_the_right_shape():
         ForceMSELoss()(zeros(F_PADDED), F_PADDED)
     with pytest.raises(
         ValueError,
-        match=r"ForceL2NormLoss: padded target_key='forces' of shape \(2, 4, 3\) needs "
-        r"num_nodes_per_graph as atom counts of shape \(2,\) or a node mask of shape \(2, 4\); "
-        r"got shape \(2, 3\)",
+        match=r"ForceL2NormLoss: padded node mask width \(3\) must match force max nodes \(4\) "
+        r"for padded force tensors; padded target_key='forces' of shape \(2, 4, 3\) needs "
+        r"num_nodes_per_graph as atom counts of shape \(2,\) or a node mask of shape \(2, 4\)",
     ):
         ForceL2NormLoss()(zeros(F_PADDED), F_PADDED, num_nodes_per_graph=torch.ones(2, 3) > 0)
 

@@ -289,14 +289,26 @@ Examples:
 @click.argument("paths", nargs=-1, required=True)
 @max_structures_option()
 @_label_key_option("Where a label lives in an extxyz/db input, e.g. energy=REF_energy.")
+@click.option(
+    "--group-by",
+    default="config_type",
+    show_default=True,
+    help="extxyz/db info key whose values group the structures (the groups table).",
+)
 @json_option("the statistics")
 @debug_option
 def stats(
-    paths: tuple[str, ...], max_structures: int | None, label_keys: dict[str, str], as_json: bool
+    paths: tuple[str, ...],
+    max_structures: int | None,
+    label_keys: dict[str, str],
+    group_by: str,
+    as_json: bool,
 ) -> None:
     """Counts, elements, label statistics and suggested per-element reference energies.
 
-    Says when the data has stress labels (``train init`` then adds the stress loss)."""
+    Also the structure groups (config_type) with their counts and the weights read from the
+    data (config_weight, ...). Says when the data has stress labels (``train init`` then adds
+    the stress loss)."""
     from nvalchemi.data.inspect import absent_chunk_warning, data_statistics
     from nvalchemi.data.sources import open_reader
 
@@ -316,7 +328,7 @@ def stats(
             if warning:
                 err_console().print(f"warning: {warning}", markup=False, soft_wrap=True)
         with _progress("reading") as update:
-            result = data_statistics(readers, progress=update)
+            result = data_statistics(readers, progress=update, group_by=group_by)
     finally:
         for reader in readers:
             reader.close()
@@ -370,6 +382,19 @@ def _print_stats(result: dict[str, Any]) -> None:
     )
     if energies:
         console.print("E0: suggested per-element reference energies (least squares on the totals)")
+    if result.get("groups"):
+        total = result["structures"]
+        print_table(
+            console,
+            f"Groups ({result['group_by']})",
+            ["group", "structures", "share"],
+            [(g, n, f"{100 * n / total:.1f} %") for g, n in result["groups"].items()],
+        )
+    for name, w in result.get("weights", {}).items():
+        console.print(
+            f"{name}: {w['structures']:,} structures weighted other than 1 "
+            f"(from {w['min']:g} to {w['max']:g}); the losses divide by the sum of the weights"
+        )
     if result["labels"]["stress"]:
         console.print(
             f"stress labels: {result['labels']['stress']:,} of {result['structures']:,} "

@@ -391,7 +391,8 @@ _finetune_options = option_group(
         "--replay",
         "replay",
         multiple=True,
-        help="Replay structures mixed in against forgetting (repeatable).",
+        help="Replay structures mixed in against forgetting (repeatable); a checkpoint "
+        "fine-tune then defaults to a tenth of the source's peak lr.",
     ),
     click.option(
         "--replay-ratio",
@@ -549,12 +550,44 @@ def _finetune_loss(
     return plan
 
 
+REPLAY_LR_FRACTION = 0.1
+"""``finetune init CHECKPOINT --replay`` without ``--lr``: this fraction of the source's peak
+lr (docs/finetuning.md: a tenth learnt a new structure type; 1e-5 learnt nothing)."""
+
+
+def _default(name: str) -> bool:
+    """Whether option ``name`` of the current command was left at its default."""
+    given = click.get_current_context().get_parameter_source(name)
+    return given in (None, ParameterSource.DEFAULT)
+
+
+def _replay_lr(source: dict[str, Any], lr: float) -> float:
+    """A tenth of the source checkpoint's peak lr (printed), else ``lr``."""
+    from nvalchemi.app.jobs.finetune import read_source_recipe
+
+    try:
+        recipe = read_source_recipe(source["checkpoint_path"], source.get("checkpoint_index", -1))
+    except (OSError, ValueError):
+        return lr  # spec report names an unreadable checkpoint
+    if recipe.lr is None:
+        return lr
+    chosen = float(f"{REPLAY_LR_FRACTION * recipe.lr:.6g}")
+    click.echo(
+        f"--replay: lr {chosen:.3g}, a tenth of the source's peak lr {recipe.lr:.3g} (measured "
+        "in docs/finetuning.md; --lr to choose)",
+        err=True,
+    )
+    return chosen
+
+
 def _finetune_job(model: str, options: dict[str, Any], source: dict[str, Any]) -> TrainingJobSpec:
     """A fine-tuning job: the common scaffold plus the ``finetune`` block, head lr and loss."""
     stress = options.pop("stress")
     if model == "mace" and not options["trainable_patterns"]:
         options["trainable_patterns"] = ("main.model.readouts.*",)  # the readouts train
     if model == "native-checkpoint":
+        if options["replay"] and _default("lr"):
+            options["lr"] = _replay_lr(source, options["lr"])
         source["optimizer_lr"] = options["lr"]
     block = _finetune_block(options)
     loss = _finetune_loss(model, source, stress, options)

@@ -398,6 +398,8 @@ class SourceRecipe:
     """The run's loss (spec JSON), ``None`` when the checkpoint has no strategy metadata."""
     active_outputs: list[str] | None
     """The model's saved ``active_outputs``, ``None`` when its spec has none."""
+    lr: float | None = None
+    """The peak learning rate of the source's (first) optimizer, ``None`` when unknown."""
 
 
 def read_source_recipe(checkpoint_dir: str | Path, checkpoint_index: Any = -1) -> SourceRecipe:
@@ -419,7 +421,19 @@ def read_source_recipe(checkpoint_dir: str | Path, checkpoint_index: Any = -1) -
         saved = spec.get("active_outputs") if isinstance(spec, dict) else None
         if isinstance(saved, list):
             outputs = [str(o) for o in saved]
-    return SourceRecipe(loss if isinstance(loss, dict) else None, outputs)
+    return SourceRecipe(loss if isinstance(loss, dict) else None, outputs, _source_lr(meta))
+
+
+def _source_lr(meta: Any) -> float | None:
+    """The lr of the first optimizer config in strategy metadata (``None`` when absent)."""
+    configs = meta.get("optimizer_configs") if isinstance(meta, dict) else None
+    first = next(iter(configs.values()), None) if isinstance(configs, dict) and configs else None
+    config = first[0] if isinstance(first, list) and first else first
+    kwargs = config.get("optimizer_kwargs") if isinstance(config, dict) else None
+    lr = kwargs.get("lr") if isinstance(kwargs, dict) else None
+    return (
+        float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0 else None
+    )
 
 
 def loss_terms(spec: Any) -> dict[str, tuple[str, Any]]:

@@ -440,8 +440,12 @@ def _loaders(
     run_dir: Path,
     is_main: bool,
     console: Any,
+    balance: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """``(train loader, validation loader, batch budget of 'auto' or None)``."""
+    """``(train loader, validation loader, batch budget of 'auto' or None)``.
+
+    ``balance``: the group-balanced sampler of ``dataset.balance`` (an order of one
+    replica), or ``None``."""
     from nvalchemi.data.datapipes.dataloader import DataLoader
     from nvalchemi.data.sources import make_loader
 
@@ -450,6 +454,8 @@ def _loaders(
     workers = data.num_workers if options.num_workers is None else options.num_workers
     batch_size, max_atoms, max_edges = _batch_options(job, options)
     probed = None
+    if finetune is not None:
+        train = finetune.train  # with replay: the new data and the replay, one dataset
     if finetune is not None and finetune.batch_sampler is not None:
         loader = DataLoader(
             finetune.train, batch_sampler=finetune.batch_sampler, num_workers=workers
@@ -465,8 +471,26 @@ def _loaders(
             shuffle=shuffle,
             seed=data.seed,
             drop_last=options.drop_last,
+            sampler=balance,
         )
         loader = DataLoader(train, batch_sampler=sampler, num_workers=workers)
+    elif balance is not None:  # sharded over the ranks like DistributedSampler
+        from nvalchemi.data.datapipes import GroupBalancedSampler
+
+        sampler = GroupBalancedSampler(
+            balance.groups,
+            alpha=balance.alpha,
+            shuffle=shuffle,
+            seed=data.seed,
+            drop_last=options.drop_last,
+        )
+        loader = DataLoader(
+            train,
+            sampler=sampler,
+            batch_size=batch_size,
+            drop_last=options.drop_last,
+            num_workers=workers,
+        )
     else:
         loader = make_loader(
             train,
@@ -519,6 +543,7 @@ def _run(
 ) -> RunResult:
     from nvalchemi.app.jobs.build import build_strategy
     from nvalchemi.app.jobs.finetune import forgetting_hook, prepare_finetune_run
+    from nvalchemi.app.jobs.sampling import balance_line, balanced_sampler
     from nvalchemi.app.jobs.trackers import (
         chosen_loggers,
         log_evaluation,
@@ -636,8 +661,18 @@ def _run(
             validation = make_dataset(
                 sources.validation, neighbor_config=neighbors, in_memory=data.in_memory, **threads
             )
+        balance = balanced_sampler(
+            job,
+            sources.train,
+            shuffle=data.shuffle if options.shuffle is None else options.shuffle,
+            seed=data.seed,
+            whole_epoch=True,
+            replay=job.finetune is not None and job.finetune.replay is not None,
+        )
+        if balance is not None and console is not None:
+            console.print(balance_line(balance, data.balance.group_by))
         loader, val_loader, probed = _loaders(
-            job, options, strategy, train, validation, finetune, run_dir, is_main, console
+            job, options, strategy, train, validation, finetune, run_dir, is_main, console, balance
         )
         if val_loader is not None:
             strategy.validation_config = _validation_config(job, options, val_loader)

@@ -34,6 +34,7 @@ from nvalchemi.app.md_check import MDCheckSettings
 from nvalchemi.training.strategy_payload import FINETUNE_KEYS, StrategyPayload, with_timestamps
 
 __all__ = [
+    "BalanceSpec",
     "DatasetSpec",
     "DistributedSpec",
     "EvaluationSpec",
@@ -194,6 +195,22 @@ class _Files(_Block):
         return list(self.paths) if self.paths else [str(self.path)]
 
 
+class BalanceSpec(_Block):
+    """``dataset.balance``: draw the groups of the training data (``group_by``, an extxyz/db
+    info key) in proportion to ``count ** alpha`` (:class:`GroupBalancedSampler`): rare groups
+    are seen more often, epochs keep their length."""
+
+    group_by: str = Field(
+        default="config_type", min_length=1, description="info key whose values are the groups"
+    )
+    alpha: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="1: in proportion to size (as without balancing); 0: every group equally often",
+    )
+
+
 class DatasetSpec(_Files):
     """Training data (several paths: one ``MultiDataset``), and validation data from
     ``validation_path`` (files of their own) or ``val_fraction`` (a seeded split), not both."""
@@ -233,6 +250,32 @@ class DatasetSpec(_Files):
         default_factory=dict,
         description="ASE formats: where labels live, e.g. {'energy': 'REF_energy'}",
     )
+    config_type_weights: dict[str, float] | None = Field(
+        default=None,
+        description="loss weight of the structures of each config_type (extxyz/db info), "
+        "e.g. {'slab111': 3.0}; multiplies their config_weight; unlisted types: 1",
+    )
+    balance: BalanceSpec | None = Field(
+        default=None,
+        description="draw rare structure groups more often (see docs/weights.md); "
+        "true for the defaults",
+    )
+
+    @field_validator("config_type_weights")
+    @classmethod
+    def _weights(cls, value: Any) -> Any:
+        from nvalchemi.data.weights import check_config_type_weights
+
+        return check_config_type_weights(value)
+
+    @field_validator("balance", mode="before")
+    @classmethod
+    def _balance_flag(cls, value: Any) -> Any:
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
     @field_validator("batch_size")
     @classmethod
@@ -291,6 +334,7 @@ class DatasetSpec(_Files):
             dtype=self.dtype,
             label_keys=self.label_keys,
             max_structures=self.max_structures,
+            config_type_weights=self.config_type_weights,
         )
 
 

@@ -19,6 +19,7 @@ _EXPORTS = {
     "MultiDatasetBatchSampler": ".samplers",
     "DataLoader": ".dataloader",
     "ShuffleSampler": ".samplers",
+    "GroupBalancedSampler": ".samplers",
     "SizeBalancedBatchSampler": ".balanced",
     "BudgetBatchSampler": ".budget",
     "count_atoms": ".budget",

@@ -279,6 +279,9 @@ class BudgetBatchSampler(Sampler[list[int]]):
             few structures are skipped per epoch, different ones each epoch.
         num_replicas, rank: data-parallel ranks (``DDPHook`` injects them, see
             :meth:`shard`).
+        sampler: an index sampler of one replica whose epoch order is packed instead of
+            a shuffle (e.g. a :class:`~nvalchemi.data.datapipes.GroupBalancedSampler`,
+            which may repeat structures); it must be a pure function of its epoch.
 
     A structure larger than a budget on its own forms a batch by itself (with a
     warning at construction). Iterating yields lists of indices; usable as the
@@ -301,7 +304,14 @@ class BudgetBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        sampler: Any = None,
     ) -> None:
+        if sampler is not None and getattr(sampler, "num_replicas", 1) != 1:
+            raise ValueError(
+                "BudgetBatchSampler: sampler= must give the whole epoch (num_replicas=1); the "
+                "budget sampler shards the batches it packs."
+            )
+        self.sampler = sampler
         if max_atoms is None and max_edges is None:
             raise ValueError(
                 "BudgetBatchSampler needs a budget: max_atoms=..., max_edges=... or both "
@@ -400,6 +410,9 @@ class BudgetBatchSampler(Sampler[list[int]]):
     def _order_of(self, epoch: int) -> tuple[list[int], torch.Generator]:
         """This epoch's structure order, and the generator that then orders its steps."""
         generator = epoch_generator(self.seed, epoch)
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+            return [int(i) for i in self.sampler], generator
         n = len(self.atoms)
         order = torch.randperm(n, generator=generator).tolist() if self.shuffle else list(range(n))
         return order, generator
@@ -569,6 +582,7 @@ class BudgetBatchSampler(Sampler[list[int]]):
             drop_last=self.drop_last,
             num_replicas=num_replicas,
             rank=rank,
+            sampler=self.sampler,
         )
         out.epoch = self.epoch
         return out
@@ -590,6 +604,8 @@ class BudgetBatchSampler(Sampler[list[int]]):
                 )
             ).encode()
         )
+        if self.sampler is not None:  # its settings decide the order
+            digest.update(repr(self.sampler).encode())
         return digest.hexdigest()[:16]
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,8 @@ reshuffle; iterating twice in the same epoch gives the same order.
   per-dataset rates, sharded like ``torch.utils.data.DistributedSampler``.
 * :class:`MultiDatasetBatchSampler` - whole batches with a fixed number of
   structures from each child dataset, whole batches sharded across ranks.
+* :class:`GroupBalancedSampler` - structures of groups (``config_type``, any label)
+  drawn with probability proportional to ``count ** alpha``: rare groups more often.
 
 Example:
     >>> from nvalchemi.data.datapipes.samplers import ShuffleSampler
@@ -37,6 +39,7 @@ from torch.utils.data import Sampler
 __all__ = [
     "DistributedSamplerProtocol",
     "EpochPolicy",
+    "GroupBalancedSampler",
     "MultiDatasetBatchSampler",
     "MultiDatasetSampler",
     "ShuffleSampler",
@@ -523,3 +526,188 @@ class MultiDatasetBatchSampler(_DistributedBase, Sampler[list[int]]):
 
     def __len__(self) -> int:
         return shard_count(self.num_batches, self.num_replicas, self.drop_last)
+
+
+# --------------------------------------------------------------------- balanced groups
+def group_shares(counts: Sequence[int], alpha: float) -> list[float]:
+    """Each group's share of the draws: ``count ** alpha``, normalised.
+
+    ``alpha=1``: in proportion to size (every structure equally often, as without
+    groups); ``alpha=0``: every group equally often; in between, rare groups more
+    often than their size says, but less than an equal share.
+
+    >>> [round(p, 3) for p in group_shares([900, 100], 0.5)]
+    [0.75, 0.25]
+    """
+    weights = [float(n) ** alpha if n > 0 else 0.0 for n in counts]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _stream_generator(seed: int, group: int, cycle: int) -> torch.Generator:
+    """The generator of the ``cycle``-th pass over group ``group`` (a pure function)."""
+    words = np.random.SeedSequence(
+        [int(seed) & (2**63 - 1), int(group), int(cycle), 0x6B41]
+    ).generate_state(2)
+    return torch.Generator().manual_seed((int(words[0]) << 32 | int(words[1])) & (2**63 - 1))
+
+
+class GroupBalancedSampler(Sampler[int]):
+    """Structure indices with each group drawn in proportion to ``(its size) ** alpha``.
+
+    Each epoch holds ``num_samples`` draws (default: the number of structures, so an
+    epoch is as long as without balancing). Group ``g`` gets
+    ``num_samples * n_g**alpha / sum_h n_h**alpha`` of them (largest remainder), taken in
+    order from an endless stream of the group's structures: one seeded permutation per
+    pass over the group, epoch after epoch. So a rare group's structures repeat within
+    an epoch, a large group's are split over epochs, and over time every structure of a
+    group is seen equally often. ``alpha=1`` is exactly the plain shuffle of
+    :class:`ShuffleSampler` (same seed, same order); ``alpha=0`` draws every group
+    equally often.
+
+    The order is a pure function of ``(seed, epoch)``: a resumed run and every rank see
+    the same epoch; with ``num_replicas > 1`` the epoch is padded (or truncated with
+    ``drop_last``) and rank ``r`` takes items ``r, r + R, ...`` like
+    ``DistributedSampler``, so ``DDPHook`` keeps it. As the ``sampler=`` of a
+    :class:`~nvalchemi.data.datapipes.BudgetBatchSampler` (one replica) it gives the
+    order that is packed into batches by atom budget.
+
+    Args:
+        groups: one label per structure (any hashable; ``None`` is a group of its own);
+            kept as ``self.groups``.
+        alpha: the exponent, 0 <= alpha <= 1 (values above 1 favour large groups).
+        num_samples: draws per epoch over all ranks (default ``len(groups)``).
+        shuffle: shuffle the epoch's draws (``False``: group by group, each in stream
+            order).
+        seed: base seed, identical on every rank.
+        num_replicas, rank: data-parallel sharding (default: read from ``torch.distributed``
+            when the sampler is iterated, so a loader built before DDP starts shards
+            correctly; 1 and 0 without a process group).
+        drop_last: truncate instead of padding when the epoch does not divide by the ranks.
+
+    Example:
+        >>> groups = ["bulk"] * 8 + ["slab"] * 2
+        >>> sampler = GroupBalancedSampler(groups, alpha=0.0, seed=0)
+        >>> sampler.counts  # draws per epoch: equal for both groups
+        {'bulk': 5, 'slab': 5}
+        >>> sorted(groups[i] for i in sampler).count("slab")
+        5
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[Any],
+        *,
+        alpha: float = 0.5,
+        num_samples: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, numbers.Real)
+            or not (math.isfinite(alpha) and alpha >= 0)
+        ):
+            raise ValueError(f"GroupBalancedSampler: alpha must be a number >= 0; got {alpha!r}.")
+        labels = list(groups)
+        if not labels:
+            raise ValueError("GroupBalancedSampler needs at least one structure.")
+        self.alpha = float(alpha)
+        self.groups = labels
+        self.names = sorted(set(labels), key=lambda g: (g is None, str(g)))
+        ordinal = {name: k for k, name in enumerate(self.names)}
+        codes = torch.tensor([ordinal[g] for g in labels], dtype=torch.int64)
+        self.members = [torch.nonzero(codes == k).flatten() for k in range(len(self.names))]
+        self.num_samples = len(labels) if num_samples is None else int(num_samples)
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1; got {self.num_samples}.")
+        sizes = [int(m.numel()) for m in self.members]
+        self.shares = group_shares(sizes, self.alpha)
+        self._counts = allocate(self.num_samples, self.shares)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        if num_replicas is not None or rank is not None:
+            resolve_replicas(num_replicas, rank)  # checked now
+        self._replicas = (num_replicas, rank)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+
+    @property
+    def num_replicas(self) -> int:
+        """Ranks sharing each epoch: as given, else the process group's size when iterated."""
+        return self._world()[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's share: as given, else its rank in the process group."""
+        return self._world()[1]
+
+    def _world(self) -> tuple[int, int]:
+        # Read when used, not when built: a loader is often made before DDP starts.
+        num_replicas, rank = self._replicas
+        dist = torch.distributed
+        if (num_replicas is None or rank is None) and dist.is_available() and dist.is_initialized():
+            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+            rank = dist.get_rank() if rank is None else rank
+        return resolve_replicas(num_replicas, rank)
+
+    @property
+    def counts(self) -> dict[Any, int]:
+        """Draws per epoch of every group (all ranks)."""
+        return dict(zip(self.names, self._counts))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch; the order is a pure function of (seed, epoch)."""
+        self.epoch = _check_epoch(epoch)
+
+    def _plain(self) -> bool:
+        """``alpha == 1`` over one epoch of every structure: the plain shuffle."""
+        return self.alpha == 1.0 and self.num_samples == sum(m.numel() for m in self.members)
+
+    def _stream(self, k: int, start: int, count: int) -> torch.Tensor:
+        """Items ``start .. start + count - 1`` of group ``k``'s endless stream."""
+        members = self.members[k]
+        n = members.numel()
+        parts = []
+        cycle, offset = divmod(start, n)
+        while count > 0:
+            if self.shuffle:
+                order = torch.randperm(n, generator=_stream_generator(self.seed, k, cycle))
+            else:
+                order = torch.arange(n)
+            take = min(count, n - offset)
+            parts.append(members[order[offset : offset + take]])
+            count -= take
+            cycle, offset = cycle + 1, 0
+        return torch.cat(parts) if parts else members[:0]
+
+    def epoch_indices(self) -> torch.Tensor:
+        """The whole epoch (all ranks) as indices."""
+        if self._plain():
+            n = self.num_samples
+            if not self.shuffle:
+                return torch.arange(n)
+            return torch.randperm(n, generator=epoch_generator(self.seed, self.epoch))
+        draws = torch.cat(
+            [self._stream(k, self.epoch * c, c) for k, c in enumerate(self._counts) if c]
+        )
+        if self.shuffle:
+            draws = draws[
+                torch.randperm(draws.numel(), generator=epoch_generator(self.seed, self.epoch))
+            ]
+        return draws
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(
+            shard(self.epoch_indices(), self.num_replicas, self.rank, self.drop_last).tolist()
+        )
+
+    def __len__(self) -> int:
+        return shard_count(self.num_samples, self.num_replicas, self.drop_last)
+
+    def __repr__(self) -> str:
+        shares = ", ".join(f"{n}: {c}" for n, c in self.counts.items())
+        return f"GroupBalancedSampler(alpha={self.alpha}, draws per epoch {{{shares}}})"

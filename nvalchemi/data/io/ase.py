@@ -46,6 +46,7 @@ from nvalchemi.data.atomic_data import AtomicData
 from nvalchemi.data.datapipes.reader import Reader
 from nvalchemi.data.label_precision import EXTENSIVE_LABELS, rounding_warning, worst_rounding
 from nvalchemi.data.neighbors import check_neighbor_explosion
+from nvalchemi.data.weights import CONFIG_TYPE_KEY, WEIGHT_FIELDS, check_config_type_weights
 
 __all__ = ["ASEReader", "default_cache_dir", "write_extxyz"]
 
@@ -216,14 +217,38 @@ class _ExtxyzSource:
             self._handle.close()
             self._handle = None
 
-    def atoms(self, frame: int) -> Any:
-        from ase.io import read
-
+    def _fd(self) -> int:
         if self._pid != os.getpid() or self._handle is None:
             self._handle = open(self.data_path, "rb")  # noqa: SIM115 (kept open for reuse)
             self._pid = os.getpid()
+        return self._handle.fileno()
+
+    def info(self, frame: int) -> dict[str, Any]:
+        """The ``atoms.info`` entries of a frame's comment line, without parsing its atoms."""
+        from ase.io.extxyz import key_val_str_to_dict
+
         start, stop = int(self.offsets[frame]), int(self.offsets[frame + 1])
-        raw = os.pread(self._handle.fileno(), stop - start, start)
+        size, raw = 4096, b""
+        while True:  # the count line and the comment line, whatever their length
+            raw = os.pread(self._fd(), min(size, stop - start), start)
+            if raw.count(b"\n") >= 2 or len(raw) >= stop - start:
+                break
+            size *= 4
+        lines = raw.split(b"\n")
+        comment = lines[1].decode("utf-8", errors="replace") if len(lines) > 1 else ""
+        try:
+            return key_val_str_to_dict(comment)
+        except Exception as exc:
+            raise ValueError(
+                f"{self.path}: frame {frame} (line {int(self.lines[frame]) + 1}): the comment line "
+                f"cannot be parsed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def atoms(self, frame: int) -> Any:
+        from ase.io import read
+
+        start, stop = int(self.offsets[frame]), int(self.offsets[frame + 1])
+        raw = os.pread(self._fd(), stop - start, start)
         try:
             return read(io.StringIO(raw.decode("utf-8")), index=0, format="extxyz")
         except Exception as exc:
@@ -261,6 +286,12 @@ class _DbSource:
 
     def close(self) -> None:
         self._db = None
+
+    def info(self, frame: int) -> dict[str, Any]:
+        """The key-value pairs of a row (its ``atoms.info`` but arrays kept as data)."""
+        if self._db is None:
+            self._db = self._connect()
+        return dict(self._db.get(id=int(self.ids[frame])).key_value_pairs)
 
     def atoms(self, frame: int) -> Any:
         if self._db is None:
@@ -302,6 +333,9 @@ class _EagerSource:
 
     def close(self) -> None:
         pass
+
+    def info(self, frame: int) -> dict[str, Any]:
+        return dict(self.frames[frame].info)
 
     def atoms(self, frame: int) -> Any:
         # Atoms.copy() leaves the calculator behind, and with it the labels of
@@ -355,6 +389,12 @@ class ASEReader(Reader):
         as_atomic_data: ``read``/``read_many`` return the validated ``AtomicData``
             (with ``info``) instead of a dict of its tensors; ``Dataset`` accepts
             either, and this skips a second validation.
+        config_type_weights: ``{config_type: weight}``: multiplies the ``loss_weight`` of
+            every structure whose ``atoms.info["config_type"]`` is listed (MACE's
+            ``--config_type_weights``). Weights in ``atoms.info`` (``config_weight``,
+            ``config_energy_weight``, ``config_forces_weight``, ``config_stress_weight``,
+            ``config_virials_weight`` and the aliases of :mod:`nvalchemi.data.weights`)
+            are always read.
 
     ``validates = True``: the fields come from a validated ``AtomicData``, so
     ``Dataset`` need not check them again.
@@ -383,11 +423,13 @@ class ASEReader(Reader):
         required_labels: Iterable[str] = (),
         cache_dir: str | os.PathLike | None = None,
         as_atomic_data: bool = False,
+        config_type_weights: dict[str, float] | None = None,
         pin_memory: bool = False,
         include_index_in_metadata: bool = True,
     ) -> None:
         super().__init__(pin_memory=pin_memory, include_index_in_metadata=include_index_in_metadata)
         self.as_atomic_data = bool(as_atomic_data)
+        self.config_type_weights = check_config_type_weights(config_type_weights)
         if isinstance(path_or_paths, (str, os.PathLike)):
             path_or_paths = [path_or_paths]
         self.paths = [Path(p) for p in path_or_paths]
@@ -471,6 +513,17 @@ class ASEReader(Reader):
         source, frame = self._locate(index)
         return source.atoms(frame)
 
+    def info_values(self, key: str) -> list[Any]:
+        """``atoms.info[key]`` of every structure (``None`` where absent), in order.
+
+        Reads only what holds ``info`` (an extxyz frame's comment line, an ASE db row's
+        key-value pairs), not the atoms: cheap enough to group a large file by
+        ``config_type``.
+        """
+        return [
+            source.info(frame).get(key) for source, frame in map(self._locate, range(len(self)))
+        ]
+
     def read_data(self, index: int) -> AtomicData:
         """Structure ``index`` as a validated ``AtomicData`` (``info`` kept)."""
         source, frame = self._locate(index)
@@ -484,6 +537,8 @@ class ASEReader(Reader):
             raise ValueError(f"{where}: {exc}") from exc
         if self._exact_kwargs is not self.atoms_kwargs:
             self._narrow_labels(data, where)
+        if self.config_type_weights:
+            self._weigh_config_type(data)
         check_neighbor_explosion(data, where=where)  # a cell in the wrong units, named here
         for label in self.required_labels:
             if label not in data:
@@ -497,9 +552,18 @@ class ASEReader(Reader):
         data.info["frame"] = frame
         return data
 
+    def _weigh_config_type(self, data: AtomicData) -> None:
+        factor = self.config_type_weights.get(str(data.info.get(CONFIG_TYPE_KEY)))
+        if factor is None or factor == 1.0:
+            return
+        if "loss_weight" in data:
+            data["loss_weight"] = data.loss_weight * factor
+        else:
+            data["loss_weight"] = torch.tensor([[factor]], dtype=self._label_dtype)
+
     def _narrow_labels(self, data: AtomicData, where: str) -> None:
         """Labels read in float64 to ``label_dtype``, warning once of costly rounding."""
-        for key in (*_LABELS, "charge"):
+        for key in (*_LABELS, "charge", *WEIGHT_FIELDS):
             value = getattr(data, key, None)
             if value is None or value.dtype == self._label_dtype:
                 continue

@@ -9,8 +9,9 @@ Two kinds of replay data:
 
 :func:`mix_replay` puts the fine-tuning data and the replay data behind one
 :class:`~nvalchemi.data.datapipes.MultiDataset`: every structure carries the
-``loss_weight`` of its dataset (the losses multiply it into that structure's share, so
-``weight`` scales replay's share of the gradient) and, for multi-head models, the
+``loss_weight`` of its dataset (the losses' weighted means divide by the sum of the
+weights, so ``weight`` sets a replay structure's share against a fine-tuning one's, whose
+weight is 1) and, for multi-head models, the
 ``head`` that predicts it. ``ratio`` fixes the replay share of every batch (a
 :class:`~nvalchemi.data.datapipes.MultiDatasetBatchSampler`); without it batches mix
 the two in proportion to their sizes.

@@ -294,8 +294,7 @@ class EMAHook(BaseModel, TrainingUpdateHook):
             self,
             state,
             _CONFIG_FIELDS,
-            "Construct the hook with matching config (the checkpoint's settings) to resume, "
-            "or start a fresh average",
+            "to resume, use the checkpoint's settings; or start a fresh average",
         )
         if "num_updates" in state:
             value = state["num_updates"]

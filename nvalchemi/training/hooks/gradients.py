@@ -52,10 +52,11 @@ def _check_config(
     ]
     if conflicts:
         name = type(hook).__name__
-        fix = fix or (
-            f"Construct the {name} with matching config (the checkpoint's settings) to resume"
+        fix = fix or "to resume, use the checkpoint's settings"
+        raise ValueError(
+            f"{name} checkpoint conflict: " + "; ".join(conflicts) + "; construct the hook with "
+            f"matching config or load into a fresh instance ({fix})."
         )
-        raise ValueError(f"{name} checkpoint conflict: " + "; ".join(conflicts) + f". {fix}.")
 
 
 def _grad_params(optimizers: list[Any]) -> list[torch.Tensor]:

@@ -35,13 +35,21 @@ all: ``forward`` goes straight to :meth:`BaseLossFunction.unmasked_loss` (for th
 leaves one fused ``F.mse_loss``-style call where the loss is a plain mean, the autograd
 graph of a hand-written loss), and per-sample values are computed only when read.
 
-Per-structure loss weights: when the batch carries a ``loss_weight`` field (one float per
-structure, shape ``(B,)`` or ``(B, 1)``; ``compute_supervised_loss`` passes it as the
-``loss_weight=`` keyword), every leaf multiplies each structure's contribution by its
-weight, and per-atom terms (forces) by the weight of their structure. The normalisation is
-unchanged (a mean over structures, atoms or components of ``w * l``, not divided by the
-sum of the weights), so a weight of 2 doubles that structure's share of the loss and of
-the gradient, and 0 removes it. ``per_sample_loss`` stays unweighted. Without the field
+Weights (see ``docs/weights.md``). A structure's weight in a leaf is the product of
+
+* its ``loss_weight`` (one float per structure, shape ``(B,)`` or ``(B, 1)``; all terms),
+* the weight of the leaf's label, the batch field ``<target_key>_weight`` (``energy_weight``,
+  ``forces_weight``, ``stress_weight``; ``compute_supervised_loss`` passes them as the
+  ``label_weights=`` mapping),
+
+and force leaves weight each atom by its element (``element_weights``). Every mean is a
+weighted mean that divides by the sum of the weights of what it counts: a mean over
+structures is ``sum_i w_i l_i / sum_i w_i``, a mean over atoms or components weights each
+entry by its structure's (and its element's) weight in the numerator and the denominator.
+So only ratios matter: a weight of 2 on every structure changes nothing, a weight of 2 on
+one structure doubles its share against the others, and 0 removes it (a batch whose
+weights are all 0 has loss 0). Structures without the label and masked entries stay out
+as before. ``per_sample_loss`` stays unweighted by structure weights. Without weights
 nothing extra is computed.
 """
 
@@ -59,6 +67,7 @@ from torch import nn
 
 from nvalchemi._serialization import init_kwargs_from_attrs
 from nvalchemi.training.losses.schedules import (
+    LossWeightSchedule,
     Weight,
     check_weight,
     is_weight,
@@ -119,30 +128,58 @@ def metadata(loss: Any, kwargs: Mapping[str, Any], name: str, required: bool = T
     return value
 
 
-def graph_loss_weight(loss: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
-    """The per-structure ``loss_weight`` of the call as a flat ``(B,)`` tensor, or ``None``.
+def weight_field(label: str) -> str:
+    """The batch field holding the per-structure weight of ``label``: ``"<label>_weight"``.
 
-    Read from the ``loss_weight=`` keyword, else from a ``batch=`` keyword's field.
+    >>> weight_field("forces"), weight_field("energy")
+    ('forces_weight', 'energy_weight')
     """
-    weight = kwargs.get("loss_weight")
-    if weight is None and kwargs.get("batch") is not None:
-        batch = kwargs["batch"]
-        weight = batch.get("loss_weight") if hasattr(batch, "get") else None
-    if weight is None:
-        return None
+    return _WEIGHT_FIELDS.get(label) or _WEIGHT_FIELDS.setdefault(label, f"{label}_weight")
+
+
+_WEIGHT_FIELDS: dict[str, str] = {}
+
+
+def _structure_weights(loss: Any, name: str, weight: Any) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(
-            f"{type(loss).__name__}: loss_weight must be a floating tensor of shape "
+            f"{type(loss).__name__}: {name} must be a floating tensor of shape "
             f"(num_graphs,) or (num_graphs, 1); got {got}. Store one float per structure."
         )
     if weight.ndim == 2 and weight.shape[1] == 1:
         weight = weight.reshape(-1)
     if weight.ndim != 1:
         raise ValueError(
-            f"{type(loss).__name__}: loss_weight must have shape (num_graphs,) or "
+            f"{type(loss).__name__}: {name} must have shape (num_graphs,) or "
             f"(num_graphs, 1); got shape {tuple(weight.shape)}."
         )
+    return weight
+
+
+def graph_loss_weight(loss: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The weight of every structure in this loss, a flat ``(B,)`` tensor, or ``None``.
+
+    The product of the structure's ``loss_weight`` (all its terms) and the weight of this
+    loss's label (``label_weights[target_key]``, the batch field ``<target_key>_weight``,
+    e.g. ``forces_weight``); ``None`` when neither is given. Read from the ``loss_weight=``
+    and ``label_weights=`` keywords, else from a ``batch=`` keyword's fields.
+    """
+    weight = kwargs.get("loss_weight")
+    label = getattr(loss, "target_key", None)
+    labels = kwargs.get("label_weights")
+    own = labels.get(label) if isinstance(labels, Mapping) and label is not None else None
+    batch = kwargs.get("batch")
+    if batch is not None and hasattr(batch, "get"):
+        if weight is None:
+            weight = batch.get("loss_weight")
+        if own is None and labels is None and label is not None:
+            own = batch.get(weight_field(label))
+    if weight is not None:
+        weight = _structure_weights(loss, "loss_weight", weight)
+    if own is not None:
+        own = _structure_weights(loss, weight_field(str(label)), own)
+        weight = own if weight is None else weight * own.to(weight.dtype)
     return weight
 
 
@@ -175,9 +212,12 @@ def missing_structures(loss: Any, kwargs: Mapping[str, Any]) -> torch.Tensor | N
 
 
 def masked_or_weighted(loss: Any, kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call may mask or weight entries: a missing-label mask for this loss's target,
-    a ``loss_weight``, or a ``batch=`` keyword that could carry either."""
+    """Whether a call may mask or weight entries: a missing-label mask or a label weight for
+    this loss's target, a ``loss_weight``, or a ``batch=`` keyword that could carry them."""
     if kwargs.get("loss_weight") is not None or kwargs.get("batch") is not None:
+        return True
+    labels = kwargs.get("label_weights")
+    if labels and getattr(loss, "target_key", None) in labels:
         return True
     missing = kwargs.get("missing_labels")
     if isinstance(missing, Mapping):
@@ -197,7 +237,8 @@ class ReductionContext(dict):
 
     Conventional keys: ``"weights"``, per-sample weights (e.g. ``(B, 1)`` atom counts) that
     weight both the numerator and the denominator of the default mean; ``"loss_weight"``,
-    the batch's per-structure loss weights ``(B,)`` (numerator only); ``"missing"``, the
+    the weight of every structure in this loss ``(B,)`` (numerator and denominator, like
+    ``"weights"``); ``"missing"``, the
     ``(B,)`` mask of structures without the target; ``"padded"``, whether atom-level
     values come in the padded ``(B, N_max, ...)`` layout.
     """
@@ -267,8 +308,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
 
     Keyword metadata (passed by ``compute_supervised_loss`` from the batch): ``batch_idx``,
     ``num_graphs``, ``num_nodes_per_graph``, and when the batch has them ``missing_labels``
-    (the structures without each label) and ``loss_weight`` (one float per structure); see
-    the module docstring. A ``batch=`` keyword is a fallback source for all of them.
+    (the structures without each label), ``loss_weight`` (one float per structure) and
+    ``label_weights`` (``{label: (B,) weights}``); see the module docstring. A ``batch=`` keyword is a fallback source for all of them.
 
     The ``valid`` mask handed to :meth:`compute_residual` and :meth:`reduce` is ``None`` when
     every entry counts. A subclass that overrides ``mask``, ``compute_residual`` or ``reduce``
@@ -406,7 +447,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, ReductionContext]:
         """Rescale inputs before the residual (e.g. per-atom energies); identity by default.
 
-        Also records the batch's ``loss_weight`` (``ctx["loss_weight"]``).
+        Also records the weight of every structure in this loss (``ctx["loss_weight"]``,
+        see :func:`graph_loss_weight`).
         """
         ctx = ReductionContext()
         weight = graph_loss_weight(self, kwargs)
@@ -463,7 +505,8 @@ class BaseLossFunction(nn.Module, abc.ABC):
     ) -> torch.Tensor:
         """Mean of ``residual`` over valid entries, weighted by ``ctx["weights"]`` if present.
 
-        ``ctx["loss_weight"]`` (per-structure loss weights) scales the numerator only.
+        ``ctx["loss_weight"]`` (per-structure weights) weights each structure's entries in
+        the numerator and the denominator alike: ``sum(w * r) / sum(w)``.
         """
         counts = ctx.get("weights")
         loss_weight = ctx.get("loss_weight")
@@ -473,15 +516,14 @@ class BaseLossFunction(nn.Module, abc.ABC):
         if counts is not None:
             counts = counts.expand_as(residual)
             weight = counts if weight is None else weight * counts
-        if weight is None:
-            total = max(residual.numel(), 1)
-        else:
-            total = weight.sum()
-            total = torch.where(total > 0, total, 1.0)
         if loss_weight is not None:
             rows = self.graph_rows(loss_weight.to(residual.dtype), residual, ctx, kwargs)
             weight = rows if weight is None else weight * rows
-        return (residual * weight).sum() / total
+        if weight is None:
+            return residual.sum() / max(residual.numel(), 1)
+        weight = weight.expand_as(residual)
+        total = weight.sum()
+        return (residual * weight).sum() / torch.where(total > 0, total, 1.0)
 
     # -- helpers for subclasses ----------------------------------------------------------
 
@@ -807,6 +849,12 @@ class ComposedLossFunction(nn.Module):
     # -- algebra -------------------------------------------------------------------------
 
     def __mul__(self, other: Any) -> ComposedLossFunction:
+        if isinstance(other, LossWeightSchedule):
+            raise TypeError(
+                "Multiplying a ComposedLossFunction by a LossWeightSchedule is not supported. "
+                "Scale each component individually (e.g. schedule * EnergyMSELoss()) and "
+                f"compose the results, or multiply by a float; got {type(other).__name__}."
+            )
         if not is_weight(other):
             return NotImplemented
         return ComposedLossFunction(
@@ -826,8 +874,9 @@ class ComposedLossFunction(nn.Module):
             if other.normalize_weights != self.normalize_weights:
                 raise ValueError(
                     "Cannot add ComposedLossFunctions with mismatched normalize_weights "
-                    f"({self.normalize_weights} and {other.normalize_weights}); set the same "
-                    "value on both first."
+                    f"(self={self.normalize_weights}, other={other.normalize_weights}). Set the "
+                    "same value on both first, or build the combination explicitly with "
+                    "ComposedLossFunction(..., normalize_weights=...)."
                 )
             policy = policy if policy is not None else other._dtype_policy
         return ComposedLossFunction(

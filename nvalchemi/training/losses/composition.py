@@ -22,6 +22,7 @@ from nvalchemi.training.losses.base import (
     ComposedLossFunction,
     ComposedLossOutput,
     loss_component_to_spec,
+    weight_field,
 )
 
 # Specs written before the weight product moved to the weights module name it here.
@@ -136,8 +137,10 @@ def compute_supervised_loss(
     """Assemble targets and evaluate ``loss_fn`` with the batch's graph metadata.
 
     Passes ``batch_idx``, ``num_graphs`` and ``num_nodes_per_graph``; when the batch has
-    them, its per-structure ``loss_weight`` and its ``missing_labels`` (the structures
-    without each label, known at collation) to every leaf. ``batch`` is a ``Batch``, a
+    them, its per-structure ``loss_weight``, the weights of the loss's labels
+    (``label_weights={"forces": batch.forces_weight, ...}``), its ``missing_labels`` (the
+    structures without each label, known at collation), and ``atomic_numbers`` when a leaf
+    weights atoms by element, to every leaf. ``batch`` is a ``Batch``, a
     mapping, or any object with those names as attributes.
 
     >>> import torch
@@ -164,10 +167,15 @@ def compute_supervised_loss(
             "num_graphs": batch.num_graphs,
             "num_nodes_per_graph": batch.num_nodes_per_graph,
         }
-        weight, missing = batch.get("loss_weight"), batch.missing_labels
+        get = batch.get
+        weight, missing = get("loss_weight"), batch.missing_labels
     except AttributeError:  # a mapping, or another object carrying the same names
         meta = {k: v for k in _GRAPH_METADATA if (v := _batch_value(batch, k)) is not None}
         weight, missing = _batch_value(batch, "loss_weight"), _batch_value(batch, "missing_labels")
+
+        def get(key: str) -> Any:
+            return _batch_value(batch, key)
+
     else:
         if meta["batch_idx"] is None or meta["num_nodes_per_graph"] is None:
             meta = {k: v for k, v in meta.items() if v is not None}
@@ -175,4 +183,34 @@ def compute_supervised_loss(
         meta["loss_weight"] = weight
     if missing:
         meta["missing_labels"] = missing
+    fields, elements = _weight_needs(loss_fn)
+    labels = None
+    for label, field in fields:  # a few dict reads; nothing when the data has no weights
+        value = get(field)
+        if value is not None:
+            labels = {} if labels is None else labels
+            labels[label] = value
+    if labels is not None:
+        meta["label_weights"] = labels
+    if elements:
+        meta["atomic_numbers"] = get("atomic_numbers")
     return loss_fn(predictions, targets, step=step, epoch=epoch, **meta)
+
+
+def _weight_needs(loss_fn: ComposedLossFunction) -> tuple[tuple[tuple[str, str], ...], bool]:
+    """``((label, its weight field), ...)`` of ``loss_fn``'s targets, and whether a leaf weights
+    atoms by element (then it needs ``atomic_numbers``). Cached on the composition."""
+    key = tuple(
+        (getattr(c, "target_key", None), c.__dict__.get("_element_weights"))
+        for c in loss_fn.components
+    )
+    cached = loss_fn.__dict__.get("_weight_needs")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    labels = tuple(dict.fromkeys(label for label, _ in key if isinstance(label, str)))
+    needs = (
+        tuple((label, weight_field(label)) for label in labels),
+        any(elements is not None for _, elements in key),
+    )
+    loss_fn.__dict__["_weight_needs"] = (key, needs)
+    return needs

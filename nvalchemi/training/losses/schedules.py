@@ -219,5 +219,8 @@ def resolve_weight(name: str, weight: Any, step: int, epoch: int | None) -> floa
             f"{type(value).__name__}; LossWeightSchedule.__call__ must return float."
         )
     if not math.isfinite(value):
-        raise ValueError(f"{name}: weight schedule returned {value}, which is not finite.")
+        raise ValueError(
+            f"{type(weight).__name__} for {name} returned non-finite weight {float(value)!r}; "
+            f"schedules must return finite floats (at step={step}, epoch={epoch})."
+        )
     return float(value)
