@@ -87,3 +87,14 @@ def test_train_init_leaves_balanced_sampling_off(tmp_path):
     assert result.exit_code == 0, result.output
     dataset = json.loads(out.read_text())["dataset"]
     assert "balance" not in dataset and "config_type_weights" not in dataset
+
+
+def test_optional_blocks_written_as_flags():
+    from nvalchemi.app.jobs.spec import BalanceSpec, DatasetSpec, EvaluationSpec, MDCheckSpec
+
+    on = DatasetSpec(path=str(TRAIN), balance=True)
+    assert on.balance == BalanceSpec() and on.balance.alpha == 0.5
+    assert DatasetSpec(path=str(TRAIN), balance=False).balance is None
+    assert DatasetSpec(path=str(TRAIN), balance={"alpha": 0}).balance.alpha == 0
+    assert EvaluationSpec(md=True).md == MDCheckSpec()
+    assert EvaluationSpec(md=False).md is None

@@ -195,6 +195,15 @@ class _Files(_Block):
         return list(self.paths) if self.paths else [str(self.path)]
 
 
+def _block_or_flag(value: Any) -> Any:
+    """An optional block written as a flag: ``true`` is the block's defaults, ``false`` none."""
+    if value is True:
+        return {}
+    if value is False:
+        return None
+    return value
+
+
 class BalanceSpec(_Block):
     """``dataset.balance``: draw the groups of the training data (``group_by``, an extxyz/db
     info key) in proportion to ``count ** alpha`` (:class:`GroupBalancedSampler`): rare groups
@@ -271,11 +280,7 @@ class DatasetSpec(_Files):
     @field_validator("balance", mode="before")
     @classmethod
     def _balance_flag(cls, value: Any) -> Any:
-        if value is True:
-            return {}
-        if value is False:
-            return None
-        return value
+        return _block_or_flag(value)
 
     @field_validator("batch_size")
     @classmethod
@@ -511,11 +516,7 @@ class EvaluationSpec(_Block):
     @field_validator("md", mode="before")
     @classmethod
     def _flag(cls, value: Any) -> Any:
-        if value is True:
-            return {}
-        if value is False:
-            return None
-        return value
+        return _block_or_flag(value)
 
 
 class TrainingJobSpec(_Block):
