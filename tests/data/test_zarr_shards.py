@@ -85,6 +85,31 @@ def test_reads_across_many_shards_match_what_was_written(store):
     assert reader.verify()["problems"] == []
 
 
+def test_compressed_arrays_are_kept_whole_smallest_first_within_the_budget(store):
+    path, data = store
+    sizes = {
+        key: rows.decoded_bytes
+        for key, rows in AtomicDataZarrReader(str(path))._arrays.items()
+        if rows.mode == "decode"
+    }
+    assert len(sizes) >= 3, sizes
+    largest = max(sizes, key=sizes.get)
+    budget = sum(sizes.values()) - sizes[largest]  # everything but the largest fits
+    reader = AtomicDataZarrReader(str(path), cache_bytes=budget)
+    order = np.random.default_rng(2).permutation(len(data)).tolist()
+    for k in order[:100]:
+        _same(reader.read(k)[0], data[k])
+    chunked = [key for key in sizes if reader._arrays[key]._whole is None]
+    assert len(chunked) == 1 and sizes[chunked[0]] == sizes[largest], chunked  # one left out
+    assert reader._arrays[chunked[0]]._last is not None  # a chunk per read, the last kept
+    for key in set(sizes) - set(chunked):
+        assert reader._arrays[key]._whole.nbytes == sizes[key], key
+    nothing = AtomicDataZarrReader(str(path), cache_bytes=0)
+    for k in order[:20]:
+        _same(nothing.read(k)[0], data[k])
+    assert all(rows._whole is None for rows in nothing._arrays.values())
+
+
 def test_a_truncated_or_lost_shard_names_the_array_and_the_samples(store):
     path, data = store
     shard = path / "core" / "forces" / "c" / "3" / "0"  # rows 192-255

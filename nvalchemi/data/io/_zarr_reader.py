@@ -7,15 +7,19 @@ which avoids zarr's per-call overhead of a few hundred microseconds:
 
 * raw chunks (the ``bytes`` codec alone: C-order rows) with ``preadv`` of exactly
   the requested rows;
-* chunks compressed with Blosc or Zstd by decoding the whole chunk once (numcodecs)
-  into a small least-recently-used cache of decoded chunks shared by the reader's
-  arrays (``cache_bytes``), so neighbouring samples cost no second decode; an
-  encoded array of at most 4 MiB (species of a small store, cells, pbc flags) is
-  decoded once, at its first read, and kept whole;
+* chunks compressed with Blosc or Zstd by decoding the chunk (numcodecs);
 
-every other array (other codecs, other stores) goes through zarr with the same cache.
+every other array (other codecs, other stores) goes through zarr. The compressed arrays
+of a reader are kept decoded whole, smallest first, while they fit in its budget
+(``cache_bytes``, 64 MiB: the cells and flags of a million structures, the positions
+of a hundred thousand), each decoded at its first read; a larger array decodes the
+chunk a read needs and keeps the last one, so neighbouring samples cost one decode.
+(A cache of recently decoded chunks cost more in allocations and cold memory than its
+hits saved once a store outgrew it.)
+
 The reader keeps up to 1,024 chunk and shard files open (a quarter of the process's
-file limit at most), so random reads in a store of a million structures open no file. A chunk file that is absent, truncated or undecodable raises
+file limit at most), so random reads in a store of a million structures open no file.
+A chunk file that is absent, truncated or undecodable raises
 :class:`~nvalchemi.data.io.zarr.StoreDamagedError` naming the store, the array and
 the samples affected, for stores of the current format (which writes every chunk);
 older stores (format 1, the reference toolkit's) leave out chunks of zeros, so there
@@ -58,9 +62,8 @@ from nvalchemi.data.label_precision import EXTENSIVE_LABELS, rounding_warning, w
 
 __all__ = ["AtomicDataZarrReader"]
 
-CACHE_BYTES = 32 << 20
-"""Default budget of decoded chunks kept by one reader (per process)."""
-_WHOLE_ARRAY_BYTES = 4 << 20  # encoded arrays this small are decoded once and kept whole
+CACHE_BYTES = 64 << 20
+"""Default budget of compressed arrays one reader keeps decoded whole (per process)."""
 _MAX_OPEN_FILES = 1024  # chunk and shard files one reader keeps open (1/4 of the fd limit at most)
 
 
@@ -70,38 +73,6 @@ class _ChunkProblem(Exception):
     def __init__(self, chunk: int, rows: tuple[int, int], reason: str) -> None:
         super().__init__(reason)
         self.chunk, self.rows, self.reason = chunk, rows, reason
-
-
-class _DecodedChunks:
-    """Least-recently-used decoded chunks of all arrays of one reader, within a byte budget."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = int(max_bytes)
-        self.items: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self.bytes = 0
-
-    def get(self, key: tuple[int, int]) -> np.ndarray | None:
-        block = self.items.get(key)
-        if block is not None:
-            self.items.move_to_end(key)
-        return block
-
-    def put(self, key: tuple[int, int], block: np.ndarray) -> None:
-        if block.nbytes > self.max_bytes:
-            return
-        self.items[key] = block
-        self.bytes += block.nbytes
-        while self.bytes > self.max_bytes:
-            self.bytes -= self.items.popitem(last=False)[1].nbytes
-
-    def discard(self, key: tuple[int, int]) -> None:
-        block = self.items.pop(key, None)
-        if block is not None:
-            self.bytes -= block.nbytes
-
-    def clear(self) -> None:
-        self.items.clear()
-        self.bytes = 0
 
 
 class _OpenFiles:
@@ -152,13 +123,12 @@ class _Rows:
     A chunk is found by :meth:`_locate`: its own file (unsharded arrays) or a byte
     range of its shard file, from the shard's index (read once per shard and checked
     against its CRC32C); inside it, raw rows are read with ``preadv`` and encoded
-    ones decoded (numcodecs) into the reader's cache.
+    ones decoded (numcodecs), the last chunk kept.
     """
 
-    def __init__(self, array: Any, strict: bool, cache: _DecodedChunks, files: _OpenFiles):
+    def __init__(self, array: Any, strict: bool, files: _OpenFiles):
         self.array = array
         self.strict = strict
-        self.cache = cache
         self.files = files
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
@@ -175,9 +145,12 @@ class _Rows:
         self._indexes: dict[int, list[list[int]]] = {}
         self._present: set[int] = set()
         self._whole: np.ndarray | None = None
-        self._whole_worth = (
-            self.mode != "raw" and self.shape[0] * self.row_bytes <= _WHOLE_ARRAY_BYTES
-        )
+        self.keep_whole = False  # decode the whole array at its first read (reader's budget)
+        self._last: tuple[int, np.ndarray | None] | None = None  # the last chunk decoded
+
+    @property
+    def decoded_bytes(self) -> int:
+        return (self.shape[0] if self.shape else 1) * self.row_bytes
 
     def _layout(self, array: Any) -> str:
         """``"raw"``, ``"decode"`` (local chunk or shard files read here) or ``"zarr"``."""
@@ -260,6 +233,7 @@ class _Rows:
 
     def close(self) -> None:
         self._indexes.clear()
+        self._whole = self._last = None
 
     def _index(self, shard: int, fd: int) -> list[list[int]]:
         """``[offset, bytes]`` of each chunk of the shard (read once, then cached)."""
@@ -324,10 +298,9 @@ class _Rows:
 
     def _decoded(self, chunk: int) -> np.ndarray | None:
         """Chunk ``chunk`` decoded to ``[chunk_rows, *trailing]`` (``None``: absent, lenient)."""
-        key = (id(self), chunk)
-        block = self.cache.get(key)
-        if block is not None:
-            return block
+        last = self._last
+        if last is not None and last[0] == chunk:
+            return last[1]
         if self.mode == "zarr":
             if not self._exists(chunk):
                 self._missing(chunk)
@@ -360,7 +333,7 @@ class _Rows:
                     f"{expected:,}",
                 )
             block = np.frombuffer(raw, dtype=self.dtype).reshape(self.chunk_rows, *self.trailing)
-        self.cache.put(key, block)
+        self._last = (chunk, block)
         return block
 
     def _exists(self, chunk: int) -> bool:
@@ -384,7 +357,7 @@ class _Rows:
         out = np.empty((max(0, stop - start), *self.trailing), dtype=self.dtype)
         if stop <= start:
             return out
-        if self._whole_worth and self._keep_whole():
+        if self.keep_whole and self._keep_whole():
             return self._whole[start:stop].copy()
         rows = self.chunk_rows
         chunk = start // rows
@@ -402,12 +375,12 @@ class _Rows:
         return out
 
     def _keep_whole(self) -> bool:
-        """Decode a small encoded array once and keep it (not when a chunk is damaged).
+        """Decode the array once and keep it (not when a chunk is damaged).
 
         A damaged chunk leaves the array to chunked reads, which fail only for the
         samples in that chunk.
         """
-        self._whole_worth = False
+        self.keep_whole = False
         whole = np.empty(self.shape, dtype=self.dtype)
         try:
             for chunk in range(self.num_chunks()):
@@ -464,7 +437,7 @@ class _Rows:
                     if self.mode == "raw":
                         self._check_raw(chunk)
                     else:
-                        self.cache.discard((id(self), chunk))
+                        self._last = None
                         self._decoded(chunk)
                 except _ChunkProblem as problem:
                     found.append(problem)
@@ -512,7 +485,8 @@ class AtomicDataZarrReader(Reader):
 
     Args:
         store: a directory path, a ``dict`` (in-memory store) or any zarr store.
-        cache_bytes: budget of decoded chunks of compressed arrays kept for reuse.
+        cache_bytes: how many bytes of compressed arrays to keep decoded whole (the
+            smallest arrays first); the others decode a chunk per read.
         label_dtype: dtype the floating labels (energy, forces, stress, ...) are returned
             in: a torch dtype, ``"positions"`` (the stored positions' dtype, so that a
             sample has one floating dtype: what ``open_reader`` asks for) or ``None`` (as
@@ -550,7 +524,7 @@ class AtomicDataZarrReader(Reader):
         self.store = store
         self._root: Any = None
         self._closed = False
-        self._cache = _DecodedChunks(cache_bytes)
+        self.cache_bytes = int(cache_bytes)
         self._files = _OpenFiles()
         self._open()
 
@@ -579,7 +553,6 @@ class AtomicDataZarrReader(Reader):
                 )
         attrs = dict(root.attrs)
         self._strict = attrs.get("format") in EVERY_CHUNK_WRITTEN
-        self._cache.clear()
         n = attrs.get("num_samples", 0)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise self._damaged(f"its num_samples attribute (zarr.json) is {n!r}, not a count")
@@ -592,7 +565,7 @@ class AtomicDataZarrReader(Reader):
                 problems = attribute_problems("meta", name, level, meta[name], ours=self._ours)
                 if problems:
                     raise self._damaged("; ".join(problems))
-                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._cache, self._files)
+                arrays[f"meta/{name}"] = _Rows(meta[name], self._strict, self._files)
                 levels[f"meta/{name}"] = level
         for name, need in (("atoms_ptr", n + 1), ("edges_ptr", n + 1), ("samples_mask", n)):
             if f"meta/{name}" not in arrays:
@@ -619,6 +592,7 @@ class AtomicDataZarrReader(Reader):
         self._active = np.flatnonzero(mask).astype(np.int64)
         self._num_active = int(self._active.size)
         self._levels, self._arrays = self._data_arrays(root, attrs.get("fields", {}), n)
+        self._plan_whole_arrays()
         self._labels = frozenset(
             key
             for key, rows in self._arrays.items()
@@ -637,6 +611,15 @@ class AtomicDataZarrReader(Reader):
             else {}
         )
         self._root = root
+
+    def _plan_whole_arrays(self) -> None:
+        """Mark the compressed arrays to keep decoded whole: the smallest first, within
+        ``cache_bytes`` (decoded at their first read, so an unread field costs nothing)."""
+        left = self.cache_bytes
+        for rows in sorted(self._arrays.values(), key=lambda rows: rows.decoded_bytes):
+            if rows.mode != "raw" and rows.decoded_bytes <= left:
+                rows.keep_whole = True
+                left -= rows.decoded_bytes
 
     def _label_casts(self) -> dict[str, np.dtype]:
         """The labels to return in another dtype than stored (see ``label_dtype``)."""
@@ -716,7 +699,7 @@ class AtomicDataZarrReader(Reader):
                 problems = attribute_problems(group_name, key, level, group[key], ours=self._ours)
                 if problems:
                     raise self._damaged("; ".join(problems))
-                rows = _Rows(group[key], self._strict, self._cache, self._files)
+                rows = _Rows(group[key], self._strict, self._files)
                 need = totals.get(level, 0)
                 if not rows.shape or rows.shape[0] < need:
                     have = rows.shape[0] if rows.shape else 0
@@ -823,7 +806,6 @@ class AtomicDataZarrReader(Reader):
         self._close_arrays()
         self._arrays = {}
         self._meta_arrays = {}
-        self._cache.clear()
         self._root = None
         self._closed = True
 
@@ -831,7 +813,6 @@ class AtomicDataZarrReader(Reader):
         state = dict(self.__dict__)
         for key in ("_arrays", "_meta_arrays", "_root"):
             state.pop(key, None)
-        state["_cache"] = _DecodedChunks(self._cache.max_bytes)
         state.pop("_files", None)  # descriptors mean nothing in another process
         return state
 

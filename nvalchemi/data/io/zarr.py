@@ -47,7 +47,8 @@ interrupted append leaves the earlier samples readable.
 Reading is built for random access: pointer arrays are cached, requested samples
 are merged into contiguous runs (one read per field per run), and arrays in a local
 directory (the default) are read straight from the chunk and shard files: raw chunks
-with ``preadv`` of the requested rows, compressed ones decoded whole into a small cache.
+with ``preadv`` of the requested rows, compressed ones by decoding a chunk (arrays that
+fit in the reader's ``cache_bytes``, 64 MiB, are decoded once and kept whole).
 A chunk that is missing, truncated or undecodable raises
 :class:`StoreDamagedError` naming the store, the array and the samples.
 
