@@ -183,6 +183,35 @@ def test_workers_give_the_same_batches_as_in_process(prefetch_factor):
         assert torch.equal(a.batch_idx, b.batch_idx)
 
 
+class LoggingReader(ListReader):
+    """Appends the size of every read to a file (reads happen in worker processes)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = str(log)
+
+    def read_many(self, indices):
+        with open(self.log, "a") as handle:
+            handle.write(f"{len(indices)}\n")
+        return super().read_many(indices)
+
+
+def test_worker_tasks_hold_at_least_64_structures_of_small_batches(tmp_path):
+    log = tmp_path / "reads.txt"
+    loader = DataLoader(Dataset(LoggingReader(log)), batch_size=4, num_workers=1)
+    assert [b.num_graphs for b in loader] == [4, 4, 4, 4, 4, 3]  # batches as before
+    assert log.read_text().split() == ["23"]  # one task: all six batches, one reader call
+    log.unlink()
+    large = DataLoader(Dataset(LoggingReader(log)), batch_size=10, num_workers=1)
+    list(large)
+    assert log.read_text().split() == ["23"]  # ceil(64 / 10) = 7 batches per task
+    log.unlink()
+    own = DataLoader(Dataset(LoggingReader(log)), batch_sampler=[[0, 1], [2], [3, 4]],
+                     num_workers=1, prefetch_factor=2)  # fmt: skip
+    list(own)
+    assert log.read_text().split() == ["3", "2"]  # a batch sampler's windows: prefetch_factor
+
+
 def test_persistent_workers_follow_epochs_and_seeks():
     local = DataLoader(dataset(), batch_size=5, shuffle=True, seed=2)
     workers = DataLoader(
