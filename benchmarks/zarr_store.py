@@ -24,7 +24,9 @@ periodic 32-atom structures (energy, forces, stress, float32 positions) with
 process (so the memory is the reader's alone): the time and resident memory of opening
 it, random single-structure reads per second (``reader.read(i)``, random order), and
 structures per second through a shuffled ``DataLoader`` (batch 8) with 0 and 2 workers
-(``--workers``); on a shared machine, the rates per CPU second of the reading process
+(``--workers``, default 0 1 2), with the CPU microseconds per structure of the main
+process (``*_main_cpu_us``) and of the workers (``*_workers_cpu_us``, their start
+included); on a shared machine, the rates per CPU second of the reading process
 (``*_per_cpu_s``) say more than the wall-clock ones. Stores go to ``--workdir`` (default:
 a temporary folder, removed).
 
@@ -200,6 +202,14 @@ def _rss_mb() -> float:
     return float("nan")
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (loader workers)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def probe(path: str, reads: int, workers: list[int]) -> dict:
     """Open ``path`` in this (fresh) process; time reads; report rates and memory."""
     from nvalchemi.data.datapipes.dataloader import DataLoader
@@ -227,6 +237,7 @@ def probe(path: str, reads: int, workers: list[int]) -> dict:
     dataset = Dataset(reader, skip_validation=True)
     for num_workers in workers:
         loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=num_workers)
+        children = _children_cpu_s()
         seen, start, cpu = 0, None, 0.0
         for batch in loader:
             if start is None:  # after the first batch: workers started
@@ -235,9 +246,15 @@ def probe(path: str, reads: int, workers: list[int]) -> dict:
             seen += batch.num_graphs
             if seen >= count:
                 break
-        out[f"loader_{num_workers}_workers_per_s"] = round(seen / (time.perf_counter() - start))
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        del loader, batch  # its workers exit, so their CPU time is counted below
+        name = f"loader_{num_workers}_workers"
+        out[f"{name}_per_s"] = round(seen / wall)
         if num_workers == 0:
-            out["loader_0_workers_per_cpu_s"] = round(seen / (time.process_time() - cpu))
+            out[f"{name}_per_cpu_s"] = round(seen / cpu)
+        else:  # CPU microseconds per structure; the workers' start included
+            out[f"{name}_main_cpu_us"] = round(cpu / seen * 1e6, 1)
+            out[f"{name}_workers_cpu_us"] = round((_children_cpu_s() - children) / seen * 1e6, 1)
     reader.close()
     return out
 
@@ -284,7 +301,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     parser.add_argument("--scale", type=int, nargs="+", help="scale mode: store sizes")
     parser.add_argument("--reads", type=int, default=20000, help="scale mode: reads per case")
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--workdir", type=Path, help="scale mode: keep the stores here")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args()
