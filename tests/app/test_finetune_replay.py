@@ -194,8 +194,8 @@ def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
 
 
 def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
-    """Without --replay-ratio the replay joins the new data by size: an epoch holds both."""
-    path, job = _job(tmp_path, trained_run, "--replay", TRAIN)
+    """With --replay-ratio size the replay joins the new data by size: an epoch holds both."""
+    path, job = _job(tmp_path, trained_run, "--replay", TRAIN, "--replay-ratio", "size")
     assert "ratio" not in job["finetune"]["replay"]
     job["strategy"]["num_steps"] = 4
     write_job(path, job)
@@ -210,17 +210,41 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
 
 
-def test_replay_without_lr_trains_at_a_tenth_of_the_source_lr(tmp_path, trained_run):
-    """The measured default (docs/finetuning.md): with --replay and no --lr, a checkpoint
-    fine-tune starts at a tenth of the source's peak lr (1e-5 learnt nothing)."""
+def test_replay_defaults_are_the_source_lr_and_a_three_tenths_share(tmp_path, trained_run):
+    """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
+    and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
+    lr with 30 % of every batch from replay; given values win, 'size' mixes by size."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
-    assert source_lr is not None and source_lr != 1e-4
-    for args, lr in (
-        (("--replay", TRAIN), source_lr / 10),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5),
-        ((), 1e-5),
+    assert source_lr is not None and source_lr not in (1e-5, 2e-5)
+    for args, lr, ratio in (
+        (("--replay", TRAIN), source_lr, 0.3),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.3),
+        (("--replay", TRAIN, "--replay-ratio", 0.5), source_lr, 0.5),
+        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None),
+        ((), 1e-5, None),
     ):
         _, job = _job(tmp_path, trained_run, *args)
         optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
         assert optimizer["lr"] == pytest.approx(lr)
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
+        assert job.get("finetune", {}).get("replay", {}).get("ratio") == ratio
+
+
+def test_replay_ratio_that_is_no_share_is_refused(tmp_path, trained_run):
+    for bad in ("0", "1", "half"):
+        result = invoke(
+            "finetune",
+            "init",
+            "--from",
+            trained_run["checkpoints"],
+            "--dataset",
+            TRAIN,
+            "--output-dir",
+            tmp_path / "ft",
+            "--replay",
+            TRAIN,
+            "--replay-ratio",
+            bad,
+        )
+        assert result.exit_code != 0
+        assert "--replay-ratio" in result.output and "'size'" in result.output, result.output

@@ -349,6 +349,30 @@ def _data_labels(paths: tuple[str, ...]) -> dict[str, int] | None:
 # ---------------------------------------------------------------------------- finetune
 E0_MODES = ("keep", "refit", "estimated", "fixed")
 
+REPLAY_RATIO = 0.3
+"""``--replay`` without ``--replay-ratio``: this share of every batch is replay
+(docs/finetuning.md: it kept the old type within 10 % of the source and learnt the new
+one as well as no replay; mixing by size learnt the new type worst)."""
+
+BY_SIZE = "size"
+"""``--replay-ratio size``: no fixed share (the job's ``replay.ratio`` stays unset)."""
+
+
+def _replay_ratio(ctx: Any, param: Any, value: str | None) -> float | str | None:
+    """``--replay-ratio``: a share in (0, 1), or ``size``."""
+    if value is None or value == BY_SIZE:
+        return value
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = math.nan
+    if not 0 < ratio < 1:
+        raise click.BadParameter(
+            f"{value!r} is neither a share between 0 and 1 (exclusive) nor 'size'",
+            param_hint="--replay-ratio",
+        )
+    return ratio
+
 
 _finetune_options = option_group(
     click.option(
@@ -392,12 +416,14 @@ _finetune_options = option_group(
         "replay",
         multiple=True,
         help="Replay structures mixed in against forgetting (repeatable); a checkpoint "
-        "fine-tune then defaults to a tenth of the source's peak lr.",
+        "fine-tune then defaults to the source's peak lr.",
     ),
     click.option(
         "--replay-ratio",
-        type=click.FloatRange(0, 1, min_open=True, max_open=True),
-        help="Share of every batch drawn from replay (default: by size).",
+        metavar="RATIO|size",
+        callback=_replay_ratio,
+        help=f"Share of every batch drawn from replay (default {REPLAY_RATIO}), or 'size' "
+        "(batches of the shuffled new and replay data together).",
     ),
     click.option(
         "--replay-weight",
@@ -473,8 +499,15 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
         _check_replay_labels(values["replay"])
     if values["replay"]:
         replay: dict[str, Any] = {"paths": list(values["replay"])}
-        if values["replay_ratio"] is not None:
-            replay["ratio"] = values["replay_ratio"]
+        ratio = REPLAY_RATIO if values["replay_ratio"] is None else values["replay_ratio"]
+        if ratio != BY_SIZE:
+            replay["ratio"] = ratio
+        if values["replay_ratio"] is None:
+            click.echo(
+                f"--replay: {ratio:.0%} of every batch is replay (measured in "
+                "docs/finetuning.md; --replay-ratio to choose, 'size' to mix by size)",
+                err=True,
+            )
         if values["replay_weight"] != 1.0:
             replay["weight"] = values["replay_weight"]
         if not values["pseudo_label"]:
@@ -550,9 +583,10 @@ def _finetune_loss(
     return plan
 
 
-REPLAY_LR_FRACTION = 0.1
+REPLAY_LR_FRACTION = 1.0
 """``finetune init CHECKPOINT --replay`` without ``--lr``: this fraction of the source's peak
-lr (docs/finetuning.md: a tenth learnt a new structure type; 1e-5 learnt nothing)."""
+lr (docs/finetuning.md: the source's own peak lr kept the old type and learnt the new one;
+a tenth lost a third of the old type's force accuracy, 1e-5 learnt nothing)."""
 
 
 def _default(name: str) -> bool:
@@ -562,7 +596,8 @@ def _default(name: str) -> bool:
 
 
 def _replay_lr(source: dict[str, Any], lr: float) -> float:
-    """A tenth of the source checkpoint's peak lr (printed), else ``lr``."""
+    """The source checkpoint's peak lr (printed; times :data:`REPLAY_LR_FRACTION`), else
+    ``lr``."""
     from nvalchemi.app.jobs.finetune import read_source_recipe
 
     try:
@@ -573,8 +608,8 @@ def _replay_lr(source: dict[str, Any], lr: float) -> float:
         return lr
     chosen = float(f"{REPLAY_LR_FRACTION * recipe.lr:.6g}")
     click.echo(
-        f"--replay: lr {chosen:.3g}, a tenth of the source's peak lr {recipe.lr:.3g} (measured "
-        "in docs/finetuning.md; --lr to choose)",
+        f"--replay: lr {chosen:.3g}, the source's peak lr (measured in docs/finetuning.md; "
+        "--lr to choose)",
         err=True,
     )
     return chosen
