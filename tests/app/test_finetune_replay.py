@@ -210,15 +210,15 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
 
 
-def test_replay_defaults_are_the_source_lr_and_a_three_tenths_share(tmp_path, trained_run):
+def test_replay_defaults_are_the_source_lr_and_one_structure_in_eight(tmp_path, trained_run):
     """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
     and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
-    lr with 30 % of every batch from replay; given values win, 'size' mixes by size."""
+    lr with 1 of every 8 structures from replay; given values win, 'size' mixes by size."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
     assert source_lr is not None and source_lr not in (1e-5, 2e-5)
     for args, lr, ratio in (
-        (("--replay", TRAIN), source_lr, 0.3),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.3),
+        (("--replay", TRAIN), source_lr, 0.125),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.125),
         (("--replay", TRAIN, "--replay-ratio", 0.5), source_lr, 0.5),
         (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None),
         ((), 1e-5, None),
@@ -228,6 +228,23 @@ def test_replay_defaults_are_the_source_lr_and_a_three_tenths_share(tmp_path, tr
         assert optimizer["lr"] == pytest.approx(lr)
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
         assert job.get("finetune", {}).get("replay", {}).get("ratio") == ratio
+
+
+def test_replay_without_a_length_runs_2000_steps(tmp_path, trained_run):
+    """The measured default length with --replay (1,000 steps missed the target); a length
+    or a budget given wins, and a fine-tune without replay keeps 1,000 steps."""
+    base = ("finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN)
+    for args, steps in (
+        (("--replay", TRAIN), 2000),
+        (("--replay", TRAIN, "--num-steps", 7), 7),
+        (("--replay", TRAIN, "--num-epochs", 2), None),
+        (("--replay", TRAIN, "--minutes", 3), None),
+        ((), 1000),
+    ):
+        out = tmp_path / "ft.json"
+        result = invoke(*base, "--output-dir", tmp_path / "ft", "--out", out, *args)
+        assert result.exit_code == 0, result.output
+        assert json.loads(out.read_text())["strategy"].get("num_steps") == steps, args
 
 
 def test_replay_ratio_that_is_no_share_is_refused(tmp_path, trained_run):
