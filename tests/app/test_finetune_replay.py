@@ -210,24 +210,29 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
 
 
-def test_replay_defaults_are_the_source_lr_and_one_structure_in_eight(tmp_path, trained_run):
+def test_replay_defaults_are_the_source_lr_and_one_structure_in_eight_at_half_weight(
+    tmp_path, trained_run
+):
     """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
-    and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
-    lr with 1 of every 8 structures from replay; given values win, 'size' mixes by size."""
+    and none of --lr, --replay-ratio, --replay-weight, a checkpoint fine-tune trains at the
+    source's peak lr with 1 of every 8 structures from replay at loss weight 0.5; given
+    values win, 'size' mixes by size."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
     assert source_lr is not None and source_lr not in (1e-5, 2e-5)
-    for args, lr, ratio in (
-        (("--replay", TRAIN), source_lr, 0.125),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.125),
-        (("--replay", TRAIN, "--replay-ratio", 0.5), source_lr, 0.5),
-        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None),
-        ((), 1e-5, None),
+    for args, lr, ratio, weight in (
+        (("--replay", TRAIN), source_lr, 0.125, 0.5),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.125, 0.5),
+        (("--replay", TRAIN, "--replay-ratio", 0.5), source_lr, 0.5, 0.5),
+        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, 0.5),
+        (("--replay", TRAIN, "--replay-weight", 1), source_lr, 0.125, 1.0),
+        ((), 1e-5, None, None),
     ):
         _, job = _job(tmp_path, trained_run, *args)
         optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
         assert optimizer["lr"] == pytest.approx(lr)
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
-        assert job.get("finetune", {}).get("replay", {}).get("ratio") == ratio
+        replay = job.get("finetune", {}).get("replay", {})
+        assert (replay.get("ratio"), replay.get("weight")) == (ratio, weight), args
 
 
 def test_replay_without_a_length_runs_2000_steps(tmp_path, trained_run):
