@@ -353,7 +353,7 @@ E0_MODES = ("keep", "refit", "estimated", "fixed")
 REPLAY_RATIO = 0.125
 """``--replay`` without ``--replay-ratio``: this share of every batch is replay, 1 of 8
 (docs/finetuning.md: it kept the old type within 10 % of the source and learnt the new
-one as well as no replay; 0.3 cost the new type's energies 13 %, mixing by size more)."""
+one as well as no replay; 0.3 cost the new type's energies 13-34 %, by size more)."""
 
 REPLAY_WEIGHT = 0.5
 """``--replay`` without ``--replay-weight``: the loss weight of a replay structure (a new
@@ -362,8 +362,8 @@ energies 2-6 % better than 1 in each of four seeds and kept the old type in ever
 
 REPLAY_NUM_STEPS = 2000
 """``--replay`` without a length (``--num-steps``/``--num-epochs``/``--minutes``): this many
-steps (docs/finetuning.md: 1,000 left the old type's forces 5 % outside the target at any
-replay share; 1,800 and 2,000 met it)."""
+steps (docs/finetuning.md: at 1,000 no replay share met the target, the old type's forces
+or the new type's energies missed it; 2,000 met it)."""
 
 BY_SIZE = "size"
 """``--replay-ratio size``: no fixed share (the job's ``replay.ratio`` stays unset)."""
@@ -592,12 +592,6 @@ def _finetune_loss(
     return plan
 
 
-REPLAY_LR_FRACTION = 1.0
-"""``finetune init CHECKPOINT --replay`` without ``--lr``: this fraction of the source's peak
-lr (docs/finetuning.md: the source's own peak lr kept the old type and learnt the new one;
-a tenth lost a third of the old type's force accuracy, 1e-5 learnt nothing)."""
-
-
 def _default(name: str) -> bool:
     """Whether option ``name`` of the current command was left at its default."""
     given = click.get_current_context().get_parameter_source(name)
@@ -605,8 +599,12 @@ def _default(name: str) -> bool:
 
 
 def _replay_lr(source: dict[str, Any], lr: float) -> float:
-    """The source checkpoint's peak lr (printed; times :data:`REPLAY_LR_FRACTION`), else
-    ``lr``."""
+    """The source checkpoint's peak lr (printed), else ``lr``.
+
+    docs/finetuning.md: with replay the source's own peak lr kept the old type and learnt
+    the new one; a tenth of it lost a third of the old type's force accuracy, 1e-5 learnt
+    nothing.
+    """
     from nvalchemi.app.jobs.finetune import read_source_recipe
 
     try:
@@ -615,7 +613,7 @@ def _replay_lr(source: dict[str, Any], lr: float) -> float:
         return lr  # spec report names an unreadable checkpoint
     if recipe.lr is None:
         return lr
-    chosen = float(f"{REPLAY_LR_FRACTION * recipe.lr:.6g}")
+    chosen = float(f"{recipe.lr:.6g}")
     click.echo(
         f"--replay: lr {chosen:.3g}, the source's peak lr (measured in docs/finetuning.md; "
         "--lr to choose)",
