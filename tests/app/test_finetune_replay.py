@@ -210,21 +210,19 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
 
 
-def test_replay_defaults_are_the_source_lr_and_one_structure_in_eight_at_half_weight(
-    tmp_path, trained_run
-):
+def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, trained_run):
     """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
-    and none of --lr, --replay-ratio, --replay-weight, a checkpoint fine-tune trains at the
-    source's peak lr with 1 of every 8 structures from replay at loss weight 0.5; given
-    values win, 'size' mixes by size."""
+    and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
+    lr with half of every batch from replay (weight 1); given values win, 'size' mixes by
+    size."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
     assert source_lr is not None and source_lr not in (1e-5, 2e-5)
     for args, lr, ratio, weight in (
-        (("--replay", TRAIN), source_lr, 0.125, 0.5),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.125, 0.5),
-        (("--replay", TRAIN, "--replay-ratio", 0.5), source_lr, 0.5, 0.5),
-        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, 0.5),
-        (("--replay", TRAIN, "--replay-weight", 1), source_lr, 0.125, 1.0),
+        (("--replay", TRAIN), source_lr, 0.5, None),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.5, None),
+        (("--replay", TRAIN, "--replay-ratio", 0.125), source_lr, 0.125, None),
+        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, None),
+        (("--replay", TRAIN, "--replay-weight", 0.5), source_lr, 0.5, 0.5),
         ((), 1e-5, None, None),
     ):
         _, job = _job(tmp_path, trained_run, *args)
