@@ -15,7 +15,7 @@ Subcommands::
     python scripts/measure_weights.py train TRAIN VAL TEST RUN_DIR --steps 1200 [--alpha A]
     # fine-tune a checkpoint on new data, optionally with replay of old data
     python scripts/measure_weights.py finetune CKPT NEW NEW_TEST OLD_TEST RUN_DIR \
-        [--replay OLD] [--steps 600] [-- extra finetune init options]
+        [--replay OLD] [--steps 600] [--set PATH=JSON] [-- extra finetune init options]
 
 The numbers quoted in ``docs/weights.md`` come from these commands (see there).
 """
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 BULK_FAMILIES = ("bulk", "alloy", "rattle", "strain_iso")
 SLAB_FAMILIES = ("surface_111", "surface_100")
@@ -182,6 +183,24 @@ def train(args: argparse.Namespace) -> None:
     )
 
 
+def _set(data: dict, item: str) -> None:
+    """Edit the written job: ``a.b.0.c=JSON`` sets a field, ``a.b+=JSON`` appends to a list
+    (what no ``finetune init`` option writes, e.g. a warm-up scheduler or an EMA hook)."""
+    path, sep, value = item.partition("=")
+    append = path.endswith("+")
+    keys = path.rstrip("+").split(".")
+    if not sep:
+        raise SystemExit(f"--set {item!r}: write PATH=JSON or PATH+=JSON")
+    node: Any = data
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    last = int(keys[-1]) if isinstance(node, list) else keys[-1]
+    if append:
+        node.setdefault(last, []).append(json.loads(value))
+    else:
+        node[last] = json.loads(value)
+
+
 def finetune(args: argparse.Namespace, extra: list[str]) -> None:
     run = Path(args.run_dir)
     job = run.with_suffix(".json")
@@ -204,6 +223,8 @@ def finetune(args: argparse.Namespace, extra: list[str]) -> None:
         init += ["--replay", path]
     cli(*init, *extra)
     data = json.loads(job.read_text())
+    for item in args.set or ():
+        _set(data, item)
     data["output"]["tensorboard"] = False
     data["output"]["plots"] = False
     job.write_text(json.dumps(data, indent=2))
@@ -216,6 +237,7 @@ def finetune(args: argparse.Namespace, extra: list[str]) -> None:
                 "run": str(run),
                 "replay": args.replay,
                 "extra": extra,
+                "set": args.set,
                 "budget": _budget(args),
                 "wall_s": round(seconds),
                 "steps": _steps(run),
@@ -254,6 +276,9 @@ def main() -> None:
     for name in ("checkpoint", "new", "new_test", "old_test", "run_dir"):
         p.add_argument(name)
     p.add_argument("--replay", action="append")
+    p.add_argument(
+        "--set", action="append", help="edit the job: PATH=JSON or PATH+=JSON (repeatable)"
+    )
     p.add_argument("--minutes", type=float, default=2.0)
     p.add_argument("--steps", type=int, help="a fixed step budget instead of --minutes")
     args, extra = parser.parse_known_args()

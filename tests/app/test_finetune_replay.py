@@ -194,8 +194,8 @@ def test_evaluate_picks_a_head_of_the_fine_tuned_model(tmp_path, trained_run):
 
 
 def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
-    """Without --replay-ratio the replay joins the new data by size: an epoch holds both."""
-    path, job = _job(tmp_path, trained_run, "--replay", TRAIN)
+    """With --replay-ratio size the replay joins the new data by size: an epoch holds both."""
+    path, job = _job(tmp_path, trained_run, "--replay", TRAIN, "--replay-ratio", "size")
     assert "ratio" not in job["finetune"]["replay"]
     job["strategy"]["num_steps"] = 4
     write_job(path, job)
@@ -210,17 +210,61 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
     assert [r["epoch"] for r in rows if r["step"] == 4] == [0]
 
 
-def test_replay_without_lr_trains_at_a_tenth_of_the_source_lr(tmp_path, trained_run):
-    """The measured default (docs/finetuning.md): with --replay and no --lr, a checkpoint
-    fine-tune starts at a tenth of the source's peak lr (1e-5 learnt nothing)."""
+def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, trained_run):
+    """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
+    and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
+    lr with half of every batch from replay (weight 1); given values win, 'size' mixes by
+    size."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
-    assert source_lr is not None and source_lr != 1e-4
-    for args, lr in (
-        (("--replay", TRAIN), source_lr / 10),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5),
-        ((), 1e-5),
+    assert source_lr is not None and source_lr not in (1e-5, 2e-5)
+    for args, lr, ratio, weight in (
+        (("--replay", TRAIN), source_lr, 0.5, None),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.5, None),
+        (("--replay", TRAIN, "--replay-ratio", 0.125), source_lr, 0.125, None),
+        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, None),
+        (("--replay", TRAIN, "--replay-weight", 0.5), source_lr, 0.5, 0.5),
+        ((), 1e-5, None, None),
     ):
         _, job = _job(tmp_path, trained_run, *args)
         optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
         assert optimizer["lr"] == pytest.approx(lr)
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
+        replay = job.get("finetune", {}).get("replay", {})
+        assert (replay.get("ratio"), replay.get("weight")) == (ratio, weight), args
+
+
+def test_replay_without_a_length_runs_2000_steps(tmp_path, trained_run):
+    """The measured default length with --replay (1,000 steps missed the target); a length
+    or a budget given wins, and a fine-tune without replay keeps 1,000 steps."""
+    base = ("finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN)
+    for args, steps in (
+        (("--replay", TRAIN), 2000),
+        (("--replay", TRAIN, "--num-steps", 7), 7),
+        (("--replay", TRAIN, "--num-epochs", 2), None),
+        (("--replay", TRAIN, "--minutes", 3), None),
+        ((), 1000),
+    ):
+        out = tmp_path / "ft.json"
+        result = invoke(*base, "--output-dir", tmp_path / "ft", "--out", out, *args)
+        assert result.exit_code == 0, result.output
+        assert json.loads(out.read_text())["strategy"].get("num_steps") == steps, args
+
+
+def test_replay_ratio_that_is_no_share_is_refused(tmp_path, trained_run):
+    for bad in ("0", "1", "half"):
+        result = invoke(
+            "finetune",
+            "init",
+            "--from",
+            trained_run["checkpoints"],
+            "--dataset",
+            TRAIN,
+            "--output-dir",
+            tmp_path / "ft",
+            "--replay",
+            TRAIN,
+            "--replay-ratio",
+            bad,
+        )
+        assert result.exit_code != 0
+        assert "--replay-ratio" in result.output and "'size'" in result.output, result.output

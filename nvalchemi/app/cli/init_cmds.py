@@ -66,7 +66,8 @@ def _common_options(default_lr: float, *, required: bool = True):
         click.option(
             "--num-steps",
             type=click.IntRange(min=1),
-            help="A fixed length in optimizer steps (fine-tunes: default 1000).",
+            help="A fixed length in optimizer steps (fine-tunes: default 1000, 2000 with "
+            "--replay).",
         ),
         click.option("--num-epochs", type=click.IntRange(min=1), help="A fixed length in epochs."),
         click.option(
@@ -349,6 +350,35 @@ def _data_labels(paths: tuple[str, ...]) -> dict[str, int] | None:
 # ---------------------------------------------------------------------------- finetune
 E0_MODES = ("keep", "refit", "estimated", "fixed")
 
+REPLAY_RATIO = 0.5
+"""``--replay`` without ``--replay-ratio``: half of every batch is replay (docs/finetuning.md:
+of the shares measured it kept a converged source's old type best, at no cost to the new
+type; smaller shares lost a third to twice the old type's accuracy there)."""
+
+REPLAY_NUM_STEPS = 2000
+"""``--replay`` without a length (``--num-steps``/``--num-epochs``/``--minutes``): this many
+steps (docs/finetuning.md: at 1,000 every replay share lost more of the old type or of
+the new one than at 2,000)."""
+
+BY_SIZE = "size"
+"""``--replay-ratio size``: no fixed share (the job's ``replay.ratio`` stays unset)."""
+
+
+def _replay_ratio(ctx: Any, param: Any, value: str | None) -> float | str | None:
+    """``--replay-ratio``: a share in (0, 1), or ``size``."""
+    if value is None or value == BY_SIZE:
+        return value
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = math.nan
+    if not 0 < ratio < 1:
+        raise click.BadParameter(
+            f"{value!r} is neither a share between 0 and 1 (exclusive) nor 'size'",
+            param_hint="--replay-ratio",
+        )
+    return ratio
+
 
 _finetune_options = option_group(
     click.option(
@@ -392,12 +422,14 @@ _finetune_options = option_group(
         "replay",
         multiple=True,
         help="Replay structures mixed in against forgetting (repeatable); a checkpoint "
-        "fine-tune then defaults to a tenth of the source's peak lr.",
+        "fine-tune then defaults to the source's peak lr.",
     ),
     click.option(
         "--replay-ratio",
-        type=click.FloatRange(0, 1, min_open=True, max_open=True),
-        help="Share of every batch drawn from replay (default: by size).",
+        metavar="RATIO|size",
+        callback=_replay_ratio,
+        help=f"Share of every batch drawn from replay (default {REPLAY_RATIO}), or 'size' "
+        "(batches of the shuffled new and replay data together).",
     ),
     click.option(
         "--replay-weight",
@@ -473,8 +505,15 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
         _check_replay_labels(values["replay"])
     if values["replay"]:
         replay: dict[str, Any] = {"paths": list(values["replay"])}
-        if values["replay_ratio"] is not None:
-            replay["ratio"] = values["replay_ratio"]
+        ratio = REPLAY_RATIO if values["replay_ratio"] is None else values["replay_ratio"]
+        if ratio != BY_SIZE:
+            replay["ratio"] = ratio
+        if values["replay_ratio"] is None:
+            click.echo(
+                f"--replay: {ratio:.0%} of every batch is replay (measured in "
+                "docs/finetuning.md; --replay-ratio to choose, 'size' to mix by size)",
+                err=True,
+            )
         if values["replay_weight"] != 1.0:
             replay["weight"] = values["replay_weight"]
         if not values["pseudo_label"]:
@@ -550,11 +589,6 @@ def _finetune_loss(
     return plan
 
 
-REPLAY_LR_FRACTION = 0.1
-"""``finetune init CHECKPOINT --replay`` without ``--lr``: this fraction of the source's peak
-lr (docs/finetuning.md: a tenth learnt a new structure type; 1e-5 learnt nothing)."""
-
-
 def _default(name: str) -> bool:
     """Whether option ``name`` of the current command was left at its default."""
     given = click.get_current_context().get_parameter_source(name)
@@ -562,7 +596,12 @@ def _default(name: str) -> bool:
 
 
 def _replay_lr(source: dict[str, Any], lr: float) -> float:
-    """A tenth of the source checkpoint's peak lr (printed), else ``lr``."""
+    """The source checkpoint's peak lr (printed), else ``lr``.
+
+    docs/finetuning.md: with replay the source's own peak lr kept the old type and learnt
+    the new one; a tenth of it lost a third of the old type's force accuracy, 1e-5 learnt
+    nothing.
+    """
     from nvalchemi.app.jobs.finetune import read_source_recipe
 
     try:
@@ -571,10 +610,10 @@ def _replay_lr(source: dict[str, Any], lr: float) -> float:
         return lr  # spec report names an unreadable checkpoint
     if recipe.lr is None:
         return lr
-    chosen = float(f"{REPLAY_LR_FRACTION * recipe.lr:.6g}")
+    chosen = float(f"{recipe.lr:.6g}")
     click.echo(
-        f"--replay: lr {chosen:.3g}, a tenth of the source's peak lr {recipe.lr:.3g} (measured "
-        "in docs/finetuning.md; --lr to choose)",
+        f"--replay: lr {chosen:.3g}, the source's peak lr (measured in docs/finetuning.md; "
+        "--lr to choose)",
         err=True,
     )
     return chosen
@@ -585,6 +624,15 @@ def _finetune_job(model: str, options: dict[str, Any], source: dict[str, Any]) -
     stress = options.pop("stress")
     if model == "mace" and not options["trainable_patterns"]:
         options["trainable_patterns"] = ("main.model.readouts.*",)  # the readouts train
+    if options["replay"] and not any(
+        options[k] is not None for k in ("minutes", "num_steps", "num_epochs")
+    ):
+        options["num_steps"] = REPLAY_NUM_STEPS
+        click.echo(
+            f"--replay: {REPLAY_NUM_STEPS:,} steps (measured in docs/finetuning.md; "
+            "--num-steps to choose)",
+            err=True,
+        )
     if model == "native-checkpoint":
         if options["replay"] and _default("lr"):
             options["lr"] = _replay_lr(source, options["lr"])
