@@ -236,7 +236,9 @@ def run_case(engine: str, model_name: str, n_atoms: int, dtype: torch.dtype, arg
     if engine == "ase-calculator":
         n, seconds = ase_engine(NvalchemiCalculator(model), atoms, args, sync)
     elif engine == "ase-export":
-        calc = NvalchemiCalculator.from_export(export_path(model, dtype, folder), device=args.device)
+        calc = NvalchemiCalculator.from_export(
+            export_path(model, dtype, folder), device=args.device
+        )
         n, seconds = ase_engine(calc, atoms, args, sync)
     elif engine in ("lammps", "lammps-nl"):
         potential = torch.jit.load(str(export_path(model, dtype, folder)))
