@@ -233,10 +233,15 @@ def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, tra
         assert (replay.get("ratio"), replay.get("weight")) == (ratio, weight), args
 
 
+def _init(trained_run) -> tuple:
+    """``finetune init`` of the trained run on the bundled training file, nothing else set."""
+    return ("finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN)
+
+
 def test_replay_without_a_length_runs_2000_steps(tmp_path, trained_run):
     """The measured default length with --replay (1,000 steps missed the target); a length
     or a budget given wins, and a fine-tune without replay keeps 1,000 steps."""
-    base = ("finetune", "init", "--from", trained_run["checkpoints"], "--dataset", TRAIN)
+    base = _init(trained_run)
     for args, steps in (
         (("--replay", TRAIN), 2000),
         (("--replay", TRAIN, "--num-steps", 7), 7),
@@ -253,18 +258,8 @@ def test_replay_without_a_length_runs_2000_steps(tmp_path, trained_run):
 def test_replay_ratio_that_is_no_share_is_refused(tmp_path, trained_run):
     for bad in ("0", "1", "half"):
         result = invoke(
-            "finetune",
-            "init",
-            "--from",
-            trained_run["checkpoints"],
-            "--dataset",
-            TRAIN,
-            "--output-dir",
-            tmp_path / "ft",
-            "--replay",
-            TRAIN,
-            "--replay-ratio",
-            bad,
-        )
+            *_init(trained_run), "--output-dir", tmp_path / "ft", "--replay", TRAIN,
+            "--replay-ratio", bad,
+        )  # fmt: skip
         assert result.exit_code != 0
         assert "--replay-ratio" in result.output and "'size'" in result.output, result.output
