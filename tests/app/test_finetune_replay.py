@@ -13,6 +13,7 @@ from nvalchemi.data.io.zarr import AtomicDataZarrReader
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
 
+from ._finetune_sources import relabelled
 from ._support import TRAIN, assert_user_error, invoke, write_job
 
 
@@ -86,6 +87,7 @@ def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, tr
         "ft",
         "--trunk-lr-scale",
         0.5,
+        "--pseudo-label",
     )
     report = invoke("spec", "report", path)
     assert "Fine-tuning" in report.stderr and "estimated" in report.stderr
@@ -122,7 +124,7 @@ def test_replay_run_records_statistics_parity_labels_and_forgetting(tmp_path, tr
 
     # Another run in a folder holding labels of other replay structures labels them again.
     (tmp_path / "other").mkdir()
-    other_path, other = _job(tmp_path / "other", trained_run, "--replay", TRAIN)
+    other_path, other = _job(tmp_path / "other", trained_run, "--replay", TRAIN, "--pseudo-label")
     other["finetune"]["replay"]["max_structures"] = 6
     write_job(other_path, other)
     other_dir = tmp_path / "other" / "ft"
@@ -231,6 +233,33 @@ def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, tra
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
         replay = job.get("finetune", {}).get("replay", {})
         assert (replay.get("ratio"), replay.get("weight")) == (ratio, weight), args
+
+
+def test_replay_trains_on_the_files_labels_when_every_structure_has_them(tmp_path, trained_run):
+    """The measured default (docs/finetuning.md): labelled replay files keep their labels;
+    a file lacking energies or forces on a structure is labelled by the source; a choice
+    given wins."""
+    partly = tmp_path / "partly.extxyz"
+    labelled = relabelled(tmp_path / "labelled.extxyz", 3)
+    bare = relabelled(tmp_path / "bare.extxyz", 1, forces=False)
+    partly.write_text(labelled.read_text() + bare.read_text())
+    for args, pseudo_label, said in (
+        (("--replay", TRAIN), False, "trained on the files' own labels"),
+        (("--replay", partly), True, "labelled by the source model"),
+        (("--replay", TRAIN, "--pseudo-label"), True, None),
+        (("--replay", partly, "--pseudo-label"), True, None),
+        (("--replay", labelled, "--replay-labels"), False, None),
+    ):
+        out = ("--output-dir", tmp_path / "ft", "--out", tmp_path / "ft.json")
+        result = invoke(*_init(trained_run), *out, *args)
+        assert result.exit_code == 0, result.output
+        replay = json.loads((tmp_path / "ft.json").read_text())["finetune"]["replay"]
+        assert replay.get("pseudo_label", True) is pseudo_label, args
+        if said is None:
+            assert "--replay: trained on" not in result.stderr
+            assert "--replay: labelled by" not in result.stderr
+        else:
+            assert f"--replay: {said}" in result.stderr, result.stderr
 
 
 def _init(trained_run) -> tuple:

@@ -440,10 +440,10 @@ _finetune_options = option_group(
     ),
     click.option(
         "--pseudo-label/--replay-labels",
-        default=True,
-        show_default=True,
-        help="Label replay with the source model (cached once), or use the "
-        "labels in the replay files.",
+        default=None,
+        help="Label replay with the source model (cached once), or train on the labels "
+        "in the replay files. Default: the files' labels when every structure has "
+        "energy and forces, else the source's.",
     ),
     click.option(
         "--holdout-fraction",
@@ -501,7 +501,7 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
     for key in ("head", "source_head"):
         if values[key]:
             block[key] = values[key]
-    if values["replay"] and not values["pseudo_label"]:
+    if values["replay"] and values["pseudo_label"] is False:
         _check_replay_labels(values["replay"])
     if values["replay"]:
         replay: dict[str, Any] = {"paths": list(values["replay"])}
@@ -516,7 +516,7 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
             )
         if values["replay_weight"] != 1.0:
             replay["weight"] = values["replay_weight"]
-        if not values["pseudo_label"]:
+        if not _pseudo_label(values["replay"], values["pseudo_label"]):
             replay["pseudo_label"] = False
         if values["holdout_fraction"] != 0.1:
             replay["holdout_fraction"] = values["holdout_fraction"]
@@ -525,6 +525,31 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
         raise CLIError("--replay-ratio/--replay-weight need replay data", fix="add --replay PATH")
     options["_trunk_lr_scale"] = values["trunk_lr_scale"]
     return block or None
+
+
+def _pseudo_label(paths: tuple[str, ...], chosen: bool | None) -> bool:
+    """Whether the source labels the replay: as chosen, else unless the files are labelled.
+
+    The files' own labels kept the old type better than the source's predictions of them
+    on both sources measured (docs/finetuning.md). The files count as labelled when every
+    structure read (the first 500 of each) has energy and forces; unreadable files (checked
+    at run time) are labelled by the source.
+    """
+    if chosen is not None:
+        return chosen
+    counts = _data_labels(paths)
+    labelled = bool(
+        counts and counts["scanned"] and counts["energy"] == counts["forces"] == counts["scanned"]
+    )
+    click.echo(
+        "--replay: trained on the files' own labels (--pseudo-label to label it with the "
+        "source model instead)"
+        if labelled
+        else "--replay: labelled by the source model (the files lack energy or force "
+        "labels on some structures)",
+        err=True,
+    )
+    return not labelled
 
 
 def _check_replay_labels(paths: tuple[str, ...]) -> None:
