@@ -7,11 +7,15 @@ import shutil
 import warnings
 
 import pytest
+import torch
 
 from nvalchemi.app.jobs.finetune import read_source_recipe
+from nvalchemi.data import AtomicData
+from nvalchemi.data.datapipes import InMemoryDataset
 from nvalchemi.data.io.zarr import AtomicDataZarrReader
 from nvalchemi.hooks.reporting import read_metrics
 from nvalchemi.training.checkpoint import load_model_from_checkpoint, read_strategy_metadata
+from nvalchemi.training.replay import mix_replay
 
 from ._finetune_sources import relabelled
 from ._support import TRAIN, assert_user_error, invoke, write_job
@@ -69,7 +73,8 @@ def test_init_from_a_checkpoint_writes_the_finetune_block(tmp_path, trained_run)
     )
     assert job["source"]["model"] == "native-checkpoint"
     assert job["finetune"]["e0"] == "estimated" and job["finetune"]["head"] == "ft"
-    assert job["finetune"]["replay"]["ratio"] == 0.25
+    # one replay structure on top of the 4 new ones (a quarter of 4 + 1, rounded)
+    assert job["finetune"]["replay"]["ratio"] == 0.2 and job["dataset"]["batch_size"] == 5
     assert job["strategy"]["trainable_patterns"] == ["main.head_readouts.ft.*"]
 
 
@@ -215,17 +220,20 @@ def test_replay_mixed_by_size_is_trained_on(tmp_path, trained_run):
 def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, trained_run):
     """The measured default (docs/finetuning.md, "Adding a structure type"): with --replay
     and neither --lr nor --replay-ratio, a checkpoint fine-tune trains at the source's peak
-    lr with half of every batch from replay (weight 1); given values win, 'size' mixes by
-    size."""
+    lr with half of every batch from replay (weight 1), the replay on top of the
+    --batch-size new structures; given values win, 'size' mixes by size in the batch
+    given, as do atom budgets."""
     source_lr = read_source_recipe(trained_run["checkpoints"]).lr
     assert source_lr is not None and source_lr not in (1e-5, 2e-5)
-    for args, lr, ratio, weight in (
-        (("--replay", TRAIN), source_lr, 0.5, None),
-        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.5, None),
-        (("--replay", TRAIN, "--replay-ratio", 0.125), source_lr, 0.125, None),
-        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, None),
-        (("--replay", TRAIN, "--replay-weight", 0.5), source_lr, 0.5, 0.5),
-        ((), 1e-5, None, None),
+    for args, lr, ratio, weight, batch in (
+        (("--replay", TRAIN), source_lr, 0.5, None, 8),
+        (("--replay", TRAIN, "--lr", 2e-5), 2e-5, 0.5, None, 8),
+        (("--replay", TRAIN, "--replay-ratio", 0.125), source_lr, 0.2, None, 5),
+        (("--replay", TRAIN, "--replay-ratio", 0.6), source_lr, 6 / 10, None, 10),
+        (("--replay", TRAIN, "--replay-ratio", "size"), source_lr, None, None, 4),
+        (("--replay", TRAIN, "--replay-weight", 0.5), source_lr, 0.5, 0.5, 8),
+        (("--replay", TRAIN, "--max-atoms", 200), source_lr, 0.5, None, 4),
+        ((), 1e-5, None, None, 4),
     ):
         _, job = _job(tmp_path, trained_run, *args)
         optimizer = job["strategy"]["optimizer_configs"]["main"][0]["optimizer_kwargs"]
@@ -233,6 +241,15 @@ def test_replay_defaults_are_the_source_lr_and_half_of_every_batch(tmp_path, tra
         assert job["source"]["optimizer_lr"] == pytest.approx(lr)
         replay = job.get("finetune", {}).get("replay", {})
         assert (replay.get("ratio"), replay.get("weight")) == (ratio, weight), args
+        assert job["dataset"]["batch_size"] == batch, args
+        if ratio is not None and "--max-atoms" not in args:  # the run draws 4 new ones
+            mix = mix_replay(_tiny(8), _tiny(8), batch_size=batch, ratio=ratio)
+            assert mix.batch_sampler.samples_per_dataset[0] == 4, args
+
+
+def _tiny(count: int) -> InMemoryDataset:
+    atom = AtomicData(atomic_numbers=torch.tensor([29]), positions=torch.zeros(1, 3))
+    return InMemoryDataset(data_list=[atom] * count)
 
 
 def test_replay_trains_on_the_files_labels_when_every_structure_has_them(tmp_path, trained_run):

@@ -351,9 +351,11 @@ def _data_labels(paths: tuple[str, ...]) -> dict[str, int] | None:
 E0_MODES = ("keep", "refit", "estimated", "fixed")
 
 REPLAY_RATIO = 0.5
-"""``--replay`` without ``--replay-ratio``: half of every batch is replay (docs/finetuning.md:
-of the shares measured it kept a converged source's old type best, at no cost to the new
-type; smaller shares lost a third to twice the old type's accuracy there)."""
+"""``--replay`` without ``--replay-ratio``: half of every batch is replay, as many replay
+structures as the ``--batch-size`` new ones (docs/finetuning.md: of the shares measured it
+kept a converged source's old type best; smaller shares lost a third to twice the old
+type's accuracy there, and taking the replay out of the new data's batch cost the new
+type)."""
 
 REPLAY_NUM_STEPS = 2000
 """``--replay`` without a length (``--num-steps``/``--num-epochs``/``--minutes``): this many
@@ -428,8 +430,9 @@ _finetune_options = option_group(
         "--replay-ratio",
         metavar="RATIO|size",
         callback=_replay_ratio,
-        help=f"Share of every batch drawn from replay (default {REPLAY_RATIO}), or 'size' "
-        "(batches of the shuffled new and replay data together).",
+        help=f"Share of every batch drawn from replay (default {REPLAY_RATIO}), on top of "
+        "the --batch-size new structures; or 'size' (batches of the shuffled new and replay "
+        "data together).",
     ),
     click.option(
         "--replay-weight",
@@ -501,30 +504,57 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
     for key in ("head", "source_head"):
         if values[key]:
             block[key] = values[key]
-    if values["replay"] and values["pseudo_label"] is False:
-        _check_replay_labels(values["replay"])
     if values["replay"]:
-        replay: dict[str, Any] = {"paths": list(values["replay"])}
-        ratio = REPLAY_RATIO if values["replay_ratio"] is None else values["replay_ratio"]
-        if ratio != BY_SIZE:
-            replay["ratio"] = ratio
-        if values["replay_ratio"] is None:
-            click.echo(
-                f"--replay: {ratio:.0%} of every batch is replay (measured in "
-                "docs/finetuning.md; --replay-ratio to choose, 'size' to mix by size)",
-                err=True,
-            )
-        if values["replay_weight"] != 1.0:
-            replay["weight"] = values["replay_weight"]
-        if not _pseudo_label(values["replay"], values["pseudo_label"]):
-            replay["pseudo_label"] = False
-        if values["holdout_fraction"] != 0.1:
-            replay["holdout_fraction"] = values["holdout_fraction"]
-        block["replay"] = replay
+        block["replay"] = _replay_block(values, options)
     elif values["replay_ratio"] is not None or values["replay_weight"] != 1.0:
         raise CLIError("--replay-ratio/--replay-weight need replay data", fix="add --replay PATH")
     options["_trunk_lr_scale"] = values["trunk_lr_scale"]
     return block or None
+
+
+def _replay_block(values: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The ``finetune.replay`` block; with a share and a fixed ``--batch-size``, the
+    replay comes on top of the new data's batch (``options["batch_size"]`` grows)."""
+    if values["pseudo_label"] is False:
+        _check_replay_labels(values["replay"])
+    replay: dict[str, Any] = {"paths": list(values["replay"])}
+    ratio = REPLAY_RATIO if values["replay_ratio"] is None else values["replay_ratio"]
+    if values["replay_ratio"] is None:
+        click.echo(
+            f"--replay: {ratio:.0%} of every batch is replay (measured in "
+            "docs/finetuning.md; --replay-ratio to choose, 'size' to mix by size)",
+            err=True,
+        )
+    if ratio != BY_SIZE:
+        replay["ratio"] = _replay_share(ratio, options)
+    if values["replay_weight"] != 1.0:
+        replay["weight"] = values["replay_weight"]
+    if not _pseudo_label(values["replay"], values["pseudo_label"]):
+        replay["pseudo_label"] = False
+    if values["holdout_fraction"] != 0.1:
+        replay["holdout_fraction"] = values["holdout_fraction"]
+    return replay
+
+
+def _replay_share(ratio: float, options: dict[str, Any]) -> float:
+    """The replay's share of a batch of ``--batch-size`` new structures plus the replay.
+
+    The new data keeps its batch, as without replay (docs/finetuning.md: replay taking
+    part of the batch instead cost the new type); the batch grows by the replay and the
+    share is written exactly, so the run draws the same counts. Atom or edge budgets and
+    ``auto`` keep their batches and take the share from them.
+    """
+    new = options["batch_size"]
+    if not isinstance(new, int) or options["max_atoms"] or options["max_edges"]:
+        return ratio
+    replayed = max(1, round(new * ratio / (1.0 - ratio)))
+    options["batch_size"] = new + replayed
+    click.echo(
+        f"--replay: batches of {new + replayed} structures, {new} new (--batch-size) and "
+        f"{replayed} replay",
+        err=True,
+    )
+    return replayed / (new + replayed)
 
 
 def _pseudo_label(paths: tuple[str, ...], chosen: bool | None) -> bool:
