@@ -571,14 +571,14 @@ def _pseudo_label(paths: tuple[str, ...], chosen: bool | None) -> bool:
     labelled = bool(
         counts and counts["scanned"] and counts["energy"] == counts["forces"] == counts["scanned"]
     )
-    click.echo(
-        "--replay: trained on the files' own labels (--pseudo-label to label it with the "
-        "source model instead)"
-        if labelled
-        else "--replay: labelled by the source model (the files lack energy or force "
-        "labels on some structures)",
-        err=True,
-    )
+    if labelled:
+        why = "--pseudo-label to label it with the source model instead"
+    elif counts is None:
+        why = "the files cannot be read now; --replay-labels to train on their labels"
+    else:
+        why = "the files lack energy or force labels on some structures"
+    what = "trained on the files' own labels" if labelled else "labelled by the source model"
+    click.echo(f"--replay: {what} ({why})", err=True)
     return not labelled
 
 
