@@ -514,7 +514,8 @@ def _finetune_block(options: dict[str, Any]) -> dict[str, Any] | None:
 
 def _replay_block(values: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """The ``finetune.replay`` block; with a share and a fixed ``--batch-size``, the
-    replay comes on top of the new data's batch (``options["batch_size"]`` grows)."""
+    replay comes on top of the new data's batch (``options["batch_size"]`` grows, see
+    :func:`_batch_with_replay`)."""
     if values["pseudo_label"] is False:
         _check_replay_labels(values["replay"])
     replay: dict[str, Any] = {"paths": list(values["replay"])}
@@ -526,7 +527,10 @@ def _replay_block(values: dict[str, Any], options: dict[str, Any]) -> dict[str, 
             err=True,
         )
     if ratio != BY_SIZE:
-        replay["ratio"] = _replay_share(ratio, options)
+        new = options["batch_size"]
+        if isinstance(new, int) and not (options["max_atoms"] or options["max_edges"]):
+            options["batch_size"], ratio = _batch_with_replay(new, ratio)
+        replay["ratio"] = ratio
     if values["replay_weight"] != 1.0:
         replay["weight"] = values["replay_weight"]
     if not _pseudo_label(values["replay"], values["pseudo_label"]):
@@ -536,25 +540,21 @@ def _replay_block(values: dict[str, Any], options: dict[str, Any]) -> dict[str, 
     return replay
 
 
-def _replay_share(ratio: float, options: dict[str, Any]) -> float:
-    """The replay's share of a batch of ``--batch-size`` new structures plus the replay.
+def _batch_with_replay(new: int, ratio: float) -> tuple[int, float]:
+    """``(batch size, exact replay share)`` of ``new`` structures plus the replay at ``ratio``.
 
     The new data keeps its batch, as without replay (docs/finetuning.md: replay taking
-    part of the batch instead cost the new type); the batch grows by the replay and the
-    share is written exactly, so the run draws the same counts. Atom or edge budgets and
-    ``auto`` keep their batches and take the share from them.
+    part of the batch instead cost the new type); the share is exact, so the run draws
+    the counts printed here. Atom or edge budgets and ``auto`` are not grown: their
+    batches give the replay its share.
     """
-    new = options["batch_size"]
-    if not isinstance(new, int) or options["max_atoms"] or options["max_edges"]:
-        return ratio
     replayed = max(1, round(new * ratio / (1.0 - ratio)))
-    options["batch_size"] = new + replayed
     click.echo(
         f"--replay: batches of {new + replayed} structures, {new} new (--batch-size) and "
         f"{replayed} replay",
         err=True,
     )
-    return replayed / (new + replayed)
+    return new + replayed, replayed / (new + replayed)
 
 
 def _pseudo_label(paths: tuple[str, ...], chosen: bool | None) -> bool:
